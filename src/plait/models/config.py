@@ -1,0 +1,83 @@
+"""The model's configuration: one decoder-only family covering GPT-2 and LLaMA."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from plait.errors import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    """Shape and variant of the decoder-only transformer.
+
+    GPT-2 is LayerNorm + GELU MLP + learned positions + tied embeddings + biases;
+    LLaMA is RMSNorm + SwiGLU + RoPE + grouped-query attention + untied head, no biases.
+    """
+
+    vocab_size: int = field(default=256, metadata={"help": "vocabulary size (byte tokenizer: 256)"})
+    n_layers: int = field(default=4, metadata={"help": "number of transformer blocks"})
+    d_model: int = field(default=128, metadata={"help": "hidden size h"})
+    n_heads: int = field(default=4, metadata={"help": "query heads a"})
+    n_kv_heads: int | None = field(
+        default=None, metadata={"help": "key/value heads (grouped-query attention); default n_heads"}
+    )
+    ffn_hidden: int | None = field(
+        default=None, metadata={"help": "MLP hidden size; default 4h (gelu) or 8h/3 rounded (swiglu)"}
+    )
+    max_seq_len: int = field(default=1024, metadata={"help": "longest sequence (learned positions)"})
+    norm: Literal["layernorm", "rmsnorm"] = field(default="layernorm", metadata={"help": "norm type"})
+    mlp: Literal["gelu", "swiglu"] = field(default="gelu", metadata={"help": "MLP type"})
+    pos: Literal["learned", "rope"] = field(default="learned", metadata={"help": "position encoding"})
+    tie_embeddings: bool = field(default=True, metadata={"help": "share input embedding and head"})
+    bias: bool = field(default=True, metadata={"help": "biases in linear layers and norms"})
+    dropout: float = field(default=0.0, metadata={"help": "dropout probability (GPT-2 sites)"})
+    norm_eps: float = field(default=1e-5, metadata={"help": "epsilon of the norms"})
+    rope_theta: float = field(default=10000.0, metadata={"help": "RoPE base"})
+    multiple_of: int = field(
+        default=256, metadata={"help": "SwiGLU hidden size rounding (LLaMA convention)"}
+    )
+    init_std: float = field(default=0.02, metadata={"help": "std of the normal weight init"})
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        """MLP hidden size; LLaMA's rule is int(2/3 * 4h) rounded up to `multiple_of`."""
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        if self.mlp == "gelu":
+            return 4 * self.d_model
+        hidden = int(2 * 4 * self.d_model / 3)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the values when the shape is impossible."""
+        for name in ("vocab_size", "n_layers", "d_model", "n_heads", "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"model.{name} must be >= 1, got {getattr(self, name)}")
+        if self.d_model % self.n_heads:
+            raise ConfigError(
+                f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}"
+            )
+        if self.n_heads % self.kv_heads:
+            raise ConfigError(
+                f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.kv_heads}"
+            )
+        if self.pos == "rope" and self.head_dim % 2:
+            raise ConfigError(f"RoPE needs an even head dimension, got {self.head_dim}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
+        if self.norm not in ("layernorm", "rmsnorm"):
+            raise ConfigError(f"model.norm must be 'layernorm' or 'rmsnorm', got {self.norm!r}")
+        if self.mlp not in ("gelu", "swiglu"):
+            raise ConfigError(f"model.mlp must be 'gelu' or 'swiglu', got {self.mlp!r}")
+        if self.pos not in ("learned", "rope"):
+            raise ConfigError(f"model.pos must be 'learned' or 'rope', got {self.pos!r}")
