@@ -1,6 +1,6 @@
 """plait: exact, observable data/tensor/pipeline parallel training of transformer LMs."""
 
-from plait.errors import CommTimeoutError, ConfigError
+from plait.errors import CommError, CommTimeoutError, ConfigError
 
 __version__ = "0.1.0"
-__all__ = ["CommTimeoutError", "ConfigError", "__version__"]
+__all__ = ["CommError", "CommTimeoutError", "ConfigError", "__version__"]

@@ -10,5 +10,9 @@ class ConfigError(ValueError):
     """
 
 
-class CommTimeoutError(RuntimeError):
+class CommError(RuntimeError):
+    """A collective or point-to-point call failed; the message names op, axis, ranks and step."""
+
+
+class CommTimeoutError(CommError):
     """A collective or point-to-point call did not complete in time (op, axis and step named)."""

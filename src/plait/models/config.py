@@ -21,15 +21,23 @@ class ModelConfig:
     d_model: int = field(default=128, metadata={"help": "hidden size h"})
     n_heads: int = field(default=4, metadata={"help": "query heads a"})
     n_kv_heads: int | None = field(
-        default=None, metadata={"help": "key/value heads (grouped-query attention); default n_heads"}
+        default=None,
+        metadata={"help": "key/value heads (grouped-query attention); default n_heads"},
     )
     ffn_hidden: int | None = field(
-        default=None, metadata={"help": "MLP hidden size; default 4h (gelu) or 8h/3 rounded (swiglu)"}
+        default=None,
+        metadata={"help": "MLP hidden size; default 4h (gelu) or 8h/3 rounded (swiglu)"},
     )
-    max_seq_len: int = field(default=1024, metadata={"help": "longest sequence (learned positions)"})
-    norm: Literal["layernorm", "rmsnorm"] = field(default="layernorm", metadata={"help": "norm type"})
+    max_seq_len: int = field(
+        default=1024, metadata={"help": "longest sequence (learned positions)"}
+    )
+    norm: Literal["layernorm", "rmsnorm"] = field(
+        default="layernorm", metadata={"help": "norm type"}
+    )
     mlp: Literal["gelu", "swiglu"] = field(default="gelu", metadata={"help": "MLP type"})
-    pos: Literal["learned", "rope"] = field(default="learned", metadata={"help": "position encoding"})
+    pos: Literal["learned", "rope"] = field(
+        default="learned", metadata={"help": "position encoding"}
+    )
     tie_embeddings: bool = field(default=True, metadata={"help": "share input embedding and head"})
     bias: bool = field(default=True, metadata={"help": "biases in linear layers and norms"})
     dropout: float = field(default=0.0, metadata={"help": "dropout probability (GPT-2 sites)"})

@@ -1,0 +1,123 @@
+"""`plait` command line: `plait train`, `plait presets`.
+
+Flags are generated from the config dataclasses, so a field's help string is its flag's help
+and a new field is a new flag. Everything is validated here, before any worker starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from plait.config import SECTIONS, Config, build_config, flag_name, load_toml
+from plait.errors import ConfigError
+
+
+def _value_type(f: dataclasses.Field) -> Any:
+    text = str(f.type)
+    if "bool" in text:
+        return bool
+    if "int" in text:
+        return int
+    if "float" in text:
+        return float
+    return str
+
+
+def _add_section(parser: argparse.ArgumentParser, section: str, cls: type) -> None:
+    group = parser.add_argument_group(section)
+    for f in dataclasses.fields(cls):
+        kind = _value_type(f)
+        kwargs: dict[str, Any] = {"dest": f"{section}.{f.name}", "default": argparse.SUPPRESS}
+        default = "the preset's" if section == "model" else f.default
+        kwargs["help"] = f.metadata.get("help", "") + f" (default: {default})"
+        if kind is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = kind
+            kwargs["metavar"] = kind.__name__.upper()
+        group.add_argument(flag_name(f), **kwargs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="plait", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train a model (spawns dp workers unless under torchrun)")
+    train.add_argument("--config", help="TOML file with [model] [parallel] [data] [train]")
+    train.add_argument("--model", dest="preset", help="model preset (see `plait presets`)")
+    for section, cls in SECTIONS.items():
+        _add_section(train, section, cls)
+    sub.add_parser("presets", help="list model presets with their parameter counts")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    """Preset <- TOML <- flags, then validate (raises ConfigError)."""
+    overrides: dict[str, dict[str, Any]] = load_toml(args.config) if args.config else {}
+    overrides = {k: dict(v) for k, v in overrides.items()}
+    preset = overrides.get("model", {}).pop("preset", "small-gpt")
+    if args.preset:
+        preset = args.preset
+    for dest, value in vars(args).items():
+        if "." in dest:
+            section, name = dest.split(".", 1)
+            overrides.setdefault(section, {})[name] = value
+    cfg = build_config(preset, overrides)
+    cfg.validate()
+    return cfg
+
+
+def _presets() -> int:
+    from plait.models.presets import get_preset, preset_names
+    from plait.models.transformer import count_parameters
+
+    table = Table(title="plait model presets")
+    for col in ("name", "parameters", "layers", "hidden", "heads", "kv heads", "vocab"):
+        table.add_column(col)
+    for name in preset_names():
+        m = get_preset(name)
+        table.add_row(
+            name,
+            f"{count_parameters(m):,}",
+            str(m.n_layers),
+            str(m.d_model),
+            str(m.n_heads),
+            str(m.kv_heads),
+            str(m.vocab_size),
+        )
+    Console().print(table)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "presets":
+        return _presets()
+    err = Console(stderr=True)
+    try:
+        cfg = config_from_args(args)
+    except ConfigError as e:
+        err.print(f"[bold red]plait: error:[/] {e}", highlight=False)
+        return 2
+    from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
+
+    from plait.launch import launch
+
+    try:
+        launch(cfg)
+    except ProcessRaisedException as e:
+        err.print(f"[bold red]plait: a worker failed; all ranks stopped.[/]\n{e}", highlight=False)
+        return 1
+    except ProcessExitedException as e:
+        err.print(f"[bold red]plait: a worker died; all ranks stopped:[/] {e}", highlight=False)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,204 @@
+"""The only module that calls torch.distributed's communication functions.
+
+Every collective goes through `Comm`, which (1) records op, axis, dtype, elements and bytes
+into `CommStats` so each step's traffic can be shown next to the theory, and (2) waits with a
+deadline, so a stalled collective raises an error naming op, axis and step instead of hanging.
+
+Bytes are *logical* bytes: the size of the full buffer the collective is about (all-reduce:
+the buffer; all-gather: the gathered output; reduce-scatter: the input before scattering).
+That is the convention of the ZeRO and Megatron papers' formulas; wire bytes of a ring
+algorithm are 2(n-1)/n of it for all-reduce and (n-1)/n for the others.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from plait.errors import CommError, CommTimeoutError
+from plait.mesh import Mesh
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+@dataclass
+class CommRecord:
+    """Totals of one kind of call within a step."""
+
+    op: str
+    axis: str
+    dtype: str
+    tag: str
+    calls: int = 0
+    elements: int = 0
+    bytes: int = 0
+
+
+@dataclass
+class CommStats:
+    """Per-step accounting of every call made through a Comm."""
+
+    step: int = 0
+    records: dict[tuple[str, str, str, str], CommRecord] = field(default_factory=dict)
+
+    def begin_step(self, step: int) -> None:
+        self.step = step
+        self.records = {}
+
+    def record(self, op: str, axis: str, tensor: torch.Tensor, tag: str) -> None:
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        key = (op, axis, dtype, tag)
+        rec = self.records.setdefault(key, CommRecord(op, axis, dtype, tag))
+        rec.calls += 1
+        rec.elements += tensor.numel()
+        rec.bytes += tensor.numel() * tensor.element_size()
+
+    def total(self, op: str | None = None, tag: str | None = None, axis: str | None = None):
+        """(calls, elements, bytes) summed over records matching the given fields."""
+        recs = [
+            r
+            for r in self.records.values()
+            if (op is None or r.op == op)
+            and (tag is None or r.tag == tag)
+            and (axis is None or r.axis == axis)
+        ]
+        return (
+            sum(r.calls for r in recs),
+            sum(r.elements for r in recs),
+            sum(r.bytes for r in recs),
+        )
+
+    def bytes_by_op(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for r in self.records.values():
+            out[r.op] = out.get(r.op, 0) + r.bytes
+        return out
+
+    def as_rows(self) -> list[dict]:
+        return [vars(r).copy() for r in self.records.values()]
+
+
+class Handle:
+    """An in-flight call; wait() enforces the deadline and runs the finishing step (e.g. /n)."""
+
+    def __init__(
+        self,
+        work: dist.Work | None,
+        describe: Callable[[], str],
+        timeout_s: float,
+        then: Callable[[], None] | None = None,
+        blocking_wait: bool = True,
+    ) -> None:
+        self._work = work
+        self._describe = describe
+        self._timeout_s = timeout_s
+        self._then = then
+        self._blocking = blocking_wait
+        self.done = work is None
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        try:
+            if self._blocking:
+                self._work.wait(timeout=datetime.timedelta(seconds=self._timeout_s))
+            else:  # NCCL: the stream waits; the watchdog enforces the process-group timeout
+                self._work.wait()
+        except RuntimeError as e:
+            text = str(e)
+            if "timed out" in text.lower() or "timeout" in text.lower():
+                raise CommTimeoutError(
+                    f"{self._describe()} did not complete within {self._timeout_s:g}s "
+                    f"(a rank may have failed or diverged): {text.splitlines()[0]}"
+                ) from e
+            raise CommError(f"{self._describe()} failed: {text.splitlines()[0]}") from e
+        self.done = True
+        if self._then is not None:
+            self._then()
+
+
+class Comm:
+    """Collectives over the axes of a Mesh, counted and deadline-checked."""
+
+    def __init__(self, mesh: Mesh, stats: CommStats | None = None) -> None:
+        self.mesh = mesh
+        self.stats = stats or CommStats()
+        self._blocking_wait = mesh.device.type != "cuda"
+
+    # -- collectives ---------------------------------------------------------------------
+    def all_reduce(
+        self, t: torch.Tensor, axis: str, op: str = "sum", tag: str = "", async_op: bool = False
+    ) -> Handle:
+        """In-place reduction over `axis`; 'avg' divides by the axis size after the sum."""
+        n = self.mesh.size(axis)
+        if n == 1:
+            return Handle(None, str, 0)
+        self.stats.record("all_reduce", axis, t, tag)
+        work = dist.all_reduce(t, op=_REDUCE_OPS[op], group=self.mesh.group(axis), async_op=True)
+        then = (lambda: t.div_(n)) if op == "avg" else None
+        return self._finish(work, "all_reduce", axis, t, then, async_op)
+
+    def all_gather(
+        self, out: torch.Tensor, inp: torch.Tensor, axis: str, tag: str = "", async_op: bool = False
+    ) -> Handle:
+        """Concatenate every rank's `inp` along dim 0 into `out` (n times larger)."""
+        if self.mesh.size(axis) == 1:
+            out.copy_(inp)
+            return Handle(None, str, 0)
+        self.stats.record("all_gather", axis, out, tag)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        work = gather(out, inp, group=self.mesh.group(axis), async_op=True)
+        return self._finish(work, "all_gather", axis, out, None, async_op)
+
+    def reduce_scatter(
+        self,
+        out: torch.Tensor,
+        inp: torch.Tensor,
+        axis: str,
+        op: str = "sum",
+        tag: str = "",
+        async_op: bool = False,
+    ) -> Handle:
+        """Reduce `inp` over `axis` and keep this rank's 1/n slice (dim 0) in `out`."""
+        n = self.mesh.size(axis)
+        if n == 1:
+            out.copy_(inp)
+            return Handle(None, str, 0)
+        self.stats.record("reduce_scatter", axis, inp, tag)
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        work = scatter(out, inp, op=_REDUCE_OPS[op], group=self.mesh.group(axis), async_op=True)
+        then = (lambda: out.div_(n)) if op == "avg" else None
+        return self._finish(work, "reduce_scatter", axis, inp, then, async_op)
+
+    def broadcast(self, t: torch.Tensor, axis: str, src: int = 0, tag: str = "") -> None:
+        """Copy axis-rank `src`'s tensor to every rank of `axis`."""
+        if self.mesh.size(axis) == 1:
+            return
+        self.stats.record("broadcast", axis, t, tag)
+        global_src = self.mesh.ranks(axis)[src]
+        work = dist.broadcast(t, src=global_src, group=self.mesh.group(axis), async_op=True)
+        self._finish(work, "broadcast", axis, t, None, False)
+
+    def barrier(self, axis: str = "world") -> None:
+        """A tiny all-reduce rather than dist.barrier, so it obeys the same deadline."""
+        self.all_reduce(torch.zeros(1, device=self.mesh.device), axis, tag="barrier")
+
+    # -- helpers -------------------------------------------------------------------------
+    def _finish(self, work, op: str, axis: str, t: torch.Tensor, then, async_op: bool) -> Handle:
+        step = self.stats.step
+        ranks = self.mesh.ranks(axis)
+
+        def describe() -> str:
+            return (
+                f"{op} on axis {axis} (ranks {ranks}, {t.numel()} x {t.dtype}) at step {step}"
+                f" on rank {self.mesh.rank}"
+            )
+
+        handle = Handle(work, describe, self.mesh.timeout_s, then, self._blocking_wait)
+        if not async_op:
+            handle.wait()
+        return handle

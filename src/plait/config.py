@@ -1,0 +1,214 @@
+"""Typed configuration: dataclasses whose field help strings are the CLI's help.
+
+A run's config comes from (lowest to highest precedence) the dataclass defaults, a model
+preset, a TOML file, and command-line flags. `Config.validate()` checks everything that can
+be checked without starting a process (batch arithmetic, divisibility, paths, corpus size)
+and raises ConfigError with the offending values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from plait.errors import ConfigError
+from plait.models.config import ModelConfig
+from plait.models.presets import get_preset
+from plait.parallel.recompute import RECOMPUTE_MODES
+from plait.topology import Layout
+
+try:  # Python 3.11+
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover - 3.10
+    import tomli as tomllib
+
+
+@dataclass
+class ParallelConfig:
+    """How the work is split across processes."""
+
+    dp: int = field(default=1, metadata={"help": "data-parallel replicas"})
+    bucket_mb: float = field(default=25.0, metadata={"help": "gradient bucket size in MiB"})
+    recompute: str = field(
+        default="none", metadata={"help": "activation recomputation: none, full or selective"}
+    )
+    comm_timeout: float = field(
+        default=300.0, metadata={"help": "seconds before a stalled collective raises"}
+    )
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(dp=self.dp)
+
+
+@dataclass
+class DataConfig:
+    """Where the text comes from."""
+
+    path: str | None = field(
+        default=None,
+        metadata={
+            "help": "text file or folder; default: this Python's standard library sources",
+            "flag": "--data",
+        },
+    )
+    max_bytes: int = field(default=8_000_000, metadata={"help": "read at most this many bytes"})
+    val_fraction: float = field(default=0.05, metadata={"help": "tail share held out"})
+
+
+@dataclass
+class TrainConfig:
+    """The optimization loop."""
+
+    steps: int = field(default=300, metadata={"help": "optimizer steps"})
+    micro_batch: int = field(default=8, metadata={"help": "sequences per micro-batch per rank"})
+    global_batch: int = field(
+        default=16, metadata={"help": "sequences per step = micro-batch x accumulation x dp"}
+    )
+    seq_len: int = field(default=128, metadata={"help": "tokens per sequence"})
+    lr: float = field(default=3e-3, metadata={"help": "peak learning rate"})
+    min_lr: float = field(default=3e-4, metadata={"help": "learning rate at the end of cosine"})
+    warmup_steps: int = field(default=30, metadata={"help": "linear warmup steps"})
+    weight_decay: float = field(default=0.1, metadata={"help": "AdamW decay (matrices only)"})
+    beta1: float = field(default=0.9, metadata={"help": "AdamW beta1"})
+    beta2: float = field(default=0.95, metadata={"help": "AdamW beta2"})
+    grad_clip: float = field(default=1.0, metadata={"help": "global gradient-norm clip; 0 = off"})
+    eval_every: int = field(default=50, metadata={"help": "validate every N steps; 0 = only last"})
+    eval_batches: int = field(default=4, metadata={"help": "global batches per validation"})
+    seed: int = field(default=0, metadata={"help": "seed for weights, data order and dropout"})
+    out: str = field(default="runs/default", metadata={"help": "output folder"})
+    tensorboard: bool = field(default=False, metadata={"help": "also log to TensorBoard"})
+    peak_flops: float = field(
+        default=0.0, metadata={"help": "peak FLOP/s per device for MFU; 0 = known GPUs only"}
+    )
+    device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
+    progress: bool = field(default=True, metadata={"help": "show a progress bar on rank 0"})
+
+
+@dataclass
+class Config:
+    """Everything a run needs; `model` is resolved from `preset` plus overrides."""
+
+    preset: str = "small-gpt"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    @property
+    def accumulation(self) -> int:
+        return self.train.global_batch // (self.train.micro_batch * self.parallel.dp)
+
+    def validate(self, check_data: bool = True) -> None:
+        validate_config(self, check_data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+}
+
+
+def flag_name(f: dataclasses.Field) -> str:
+    return f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+
+
+def build_config(preset: str, overrides: dict[str, dict[str, Any]]) -> Config:
+    """Preset model + per-section overrides -> Config; unknown keys are errors."""
+    cfg = Config(preset=preset, model=get_preset(preset))
+    for section, values in overrides.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"unknown config section [{section}]; known: {', '.join(SECTIONS)}")
+        target = getattr(cfg, section)
+        names = {f.name for f in dataclasses.fields(target)}
+        for key, value in values.items():
+            if key not in names:
+                raise ConfigError(
+                    f"unknown key {key!r} in [{section}]; known: {', '.join(sorted(names))}"
+                )
+            setattr(target, key, value)
+    return cfg
+
+
+def load_toml(path: str | Path) -> dict[str, dict[str, Any]]:
+    """Read a TOML config: sections [model] (with `preset`), [parallel], [data], [train]."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist")
+    try:
+        with p.open("rb") as fh:
+            raw = tomllib.load(fh)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from e
+    for key, value in raw.items():
+        if not isinstance(value, dict):
+            raise ConfigError(f"config file {str(p)!r}: top-level key {key!r} must be a [section]")
+    return raw
+
+
+def validate_config(cfg: Config, check_data: bool = True) -> None:
+    """Everything checkable before workers start; the first problem found is raised."""
+    cfg.model.validate()
+    t, par = cfg.train, cfg.parallel
+    layout = par.layout  # raises on dp < 1
+    for name in ("steps", "micro_batch", "global_batch", "seq_len", "eval_batches"):
+        if getattr(t, name) < 1:
+            raise ConfigError(f"train.{name} must be >= 1, got {getattr(t, name)}")
+    per_step = t.micro_batch * layout.dp
+    if t.global_batch % per_step:
+        raise ConfigError(
+            f"global batch {t.global_batch} is not a multiple of micro-batch {t.micro_batch} "
+            f"x dp {layout.dp} = {per_step} (global batch = micro-batch x accumulation x dp)"
+        )
+    if cfg.model.pos == "learned" and t.seq_len > cfg.model.max_seq_len:
+        raise ConfigError(
+            f"seq_len {t.seq_len} exceeds the model's max_seq_len {cfg.model.max_seq_len}"
+        )
+    if par.recompute not in RECOMPUTE_MODES:
+        raise ConfigError(
+            f"recompute must be one of {', '.join(RECOMPUTE_MODES)}; got {par.recompute!r}"
+        )
+    if t.lr <= 0 or t.min_lr < 0 or t.min_lr > t.lr:
+        raise ConfigError(f"need 0 <= min_lr <= lr and lr > 0; got lr={t.lr}, min_lr={t.min_lr}")
+    if t.warmup_steps < 0 or t.grad_clip < 0 or t.eval_every < 0:
+        raise ConfigError(
+            f"warmup_steps, grad_clip and eval_every must be >= 0; got {t.warmup_steps}, "
+            f"{t.grad_clip}, {t.eval_every}"
+        )
+    if par.bucket_mb <= 0 or par.comm_timeout <= 0:
+        raise ConfigError(
+            f"bucket_mb and comm_timeout must be > 0; got {par.bucket_mb}, {par.comm_timeout}"
+        )
+    if t.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"device must be auto, cpu or cuda; got {t.device!r}")
+    if cfg.model.vocab_size < 256:
+        raise ConfigError(
+            f"model.vocab_size {cfg.model.vocab_size} is smaller than the byte tokenizer's 256"
+        )
+    if not 0.0 < cfg.data.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction must be in (0, 1), got {cfg.data.val_fraction}")
+    if check_data:
+        _validate_corpus(cfg)
+
+
+def _validate_corpus(cfg: Config) -> None:
+    from plait.data import corpus_bytes_available  # local: keeps config import light
+
+    t = cfg.train
+    available = corpus_bytes_available(cfg.data.path, cfg.data.max_bytes)
+    train_windows = int(available * (1 - cfg.data.val_fraction) - 1) // t.seq_len
+    val_windows = int(available * cfg.data.val_fraction - 1) // t.seq_len
+    source = cfg.data.path or "the default corpus"
+    if train_windows < t.global_batch or val_windows < 1:
+        raise ConfigError(
+            f"corpus {source!r} has {available} bytes: {train_windows} training and "
+            f"{val_windows} validation sequences of seq_len {t.seq_len}, but one global batch "
+            f"needs {t.global_batch} training sequences and validation at least 1"
+        )

@@ -1,0 +1,379 @@
+"""Corpus, byte tokenizer and the resumable global-batch sampler.
+
+Nothing is downloaded: the default corpus is the Python standard library's own source,
+which every machine running plait already has. Tokens are raw UTF-8 bytes, so there is
+no vocabulary file to ship and the tokenizer cannot disagree between machines.
+
+Exactness across layouts rests on one idea: every rank derives the *global* batch of a
+step from the same seeded sampler, then takes its share of it. The single-process
+reference and any dp x pp x tp layout therefore train on exactly the same windows each
+step, and a window's position in the global batch (not the rank that holds it) keys
+anything random about it, such as dropout masks.
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from plait.errors import ConfigError
+
+# Directory names never descended into: bytecode caches and third-party packages are
+# not "the text this machine has", and site-packages differs between machines.
+_SKIP_DIRS = frozenset({"__pycache__", "site-packages", "dist-packages"})
+# A NUL byte in a file's head is the same heuristic git and grep use for "binary".
+_BINARY_PROBE_BYTES = 4096
+
+
+class ByteTokenizer:
+    """Token ids are the UTF-8 bytes of the text: a fixed 256-symbol vocabulary."""
+
+    vocab_size: int = 256
+
+    def encode(self, text: str) -> np.ndarray:
+        """Return the UTF-8 bytes of ``text`` as a uint8 array."""
+        return np.frombuffer(bytearray(text.encode("utf-8")), dtype=np.uint8)
+
+    def decode(self, ids: np.ndarray | torch.Tensor | Sequence[int]) -> str:
+        """Turn ids back into text; byte sequences that are not valid UTF-8 (a model's
+        samples, a window cut mid-character) become U+FFFD instead of raising."""
+        if isinstance(ids, torch.Tensor):
+            ids = ids.detach().cpu().numpy()
+        data = np.asarray(ids, dtype=np.int64)
+        if data.size and (data.min() < 0 or data.max() > 255):
+            raise ValueError(
+                f"byte ids must lie in 0..255, got min {data.min()} and max {data.max()}"
+            )
+        return data.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+
+def default_corpus_dir() -> Path:
+    """The standard library's source directory: text that exists wherever Python does."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def _is_default_corpus(path: Path) -> bool:
+    try:
+        return path.resolve() == default_corpus_dir().resolve()
+    except OSError:
+        return False
+
+
+def _walk(root: Path, py_only: bool) -> Iterator[tuple[Path, int]]:
+    """Yield (file, size) under ``root`` in sorted relative-path order, lazily.
+
+    A depth-first walk that sorts each directory's entries by name yields paths ordered
+    by their tuple of components, so the order is fixed without listing the whole tree
+    first and a reader that stops early (``load_tokens``) only pays for what it reads.
+    Empty files are skipped: they hold no text and would only add separators.
+    """
+    try:
+        with os.scandir(root) as it:
+            entries = sorted(it, key=lambda e: e.name)
+    except OSError:
+        return
+    for entry in entries:
+        if entry.name.startswith("."):
+            continue
+        try:
+            if entry.is_dir(follow_symlinks=False):  # not following: no symlink loops
+                if entry.name not in _SKIP_DIRS:
+                    yield from _walk(Path(entry.path), py_only)
+            elif entry.is_file():
+                if py_only and not entry.name.endswith(".py"):
+                    continue
+                size = entry.stat().st_size
+                if size > 0:
+                    yield Path(entry.path), size
+        except OSError:
+            continue  # vanished or unreadable while walking: not part of the corpus
+
+
+def _looks_binary(head: bytes) -> bool:
+    return b"\0" in head[:_BINARY_PROBE_BYTES]
+
+
+def _candidates(path: str | Path | None) -> tuple[Path, Iterator[tuple[Path, int]], bool]:
+    """The resolved corpus path (None: the stdlib), files that may belong to it, and
+    whether to probe them for binary. A single file is taken as given: the user named it.
+    """
+    path = default_corpus_dir() if path is None else Path(path)
+    if path.is_file():
+        return path, iter([(path, path.stat().st_size)]), False
+    if path.is_dir():
+        return path, _walk(path, py_only=_is_default_corpus(path)), True
+    if not path.exists():
+        raise ConfigError(f"corpus path {str(path)!r} does not exist")
+    raise ConfigError(f"corpus path {str(path)!r} is neither a regular file nor a directory")
+
+
+def corpus_files(path: Path) -> list[Path]:
+    """The corpus files at ``path`` in the order ``load_tokens`` concatenates them.
+
+    A file gives itself. A folder gives its non-empty regular files recursively, sorted
+    by relative path, skipping hidden entries, ``__pycache__`` and ``site-packages``;
+    the default (stdlib) folder keeps only ``*.py``, a user folder skips binary files.
+    """
+    _, files, probe = _candidates(path)
+    out = []
+    for file, _ in files:
+        if probe:
+            try:
+                with open(file, "rb") as f:
+                    if _looks_binary(f.read(_BINARY_PROBE_BYTES)):
+                        continue
+            except OSError:
+                continue
+        out.append(file)
+    return out
+
+
+def _check_max_bytes(max_bytes: int) -> None:
+    if max_bytes < 1:
+        raise ConfigError(f"max_bytes must be at least 1, got {max_bytes}")
+
+
+def load_tokens(path: str | Path | None, max_bytes: int) -> np.ndarray:
+    """Concatenate the corpus files' bytes, ``\\n`` between files, up to ``max_bytes``.
+
+    ``path=None`` means the standard library. Reading stops as soon as ``max_bytes``
+    are collected (the last file is cut), so a small budget reads a few files, not the
+    whole tree. Returns a writable uint8 array.
+    """
+    _check_max_bytes(max_bytes)
+    root, files, probe = _candidates(path)
+    buf = bytearray()
+    for file, _ in files:
+        if len(buf) >= max_bytes:
+            break
+        try:
+            with open(file, "rb") as f:
+                head = f.read(_BINARY_PROBE_BYTES)
+                if probe and _looks_binary(head):
+                    continue
+                sep = b"\n" if buf else b""
+                remaining = max_bytes - len(buf) - len(sep)
+                if remaining <= 0:  # only the separator would fit: end on a whole file
+                    break
+                data = head + f.read(max(remaining - len(head), 0))
+        except OSError:
+            continue
+        if not data:
+            continue
+        buf += sep
+        buf += data[:remaining]
+    if not buf:
+        raise ConfigError(f"corpus path {str(root)!r} holds no readable text files")
+    return np.frombuffer(buf, dtype=np.uint8)
+
+
+def corpus_bytes_available(path: str | Path | None, max_bytes: int) -> int:
+    """Estimate how many bytes ``load_tokens(path, max_bytes)`` returns, from sizes only.
+
+    Cheap enough to validate a config before workers start: it stats files and stops at
+    ``max_bytes``. It can overestimate (binary files in a user folder are counted), never
+    underestimate, so a check that fails here would fail for real too.
+    """
+    _check_max_bytes(max_bytes)
+    _, files, _ = _candidates(path)
+    total = 0
+    for _, size in files:
+        total += size + (1 if total else 0)
+        if total >= max_bytes:
+            return max_bytes
+    return total
+
+
+def split_tokens(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """Split the stream into (train, val): validation is the last ``val_fraction``.
+
+    A contiguous tail (not a random sample of windows) keeps validation text unseen in
+    training and the split independent of any seed.
+    """
+    if not 0.0 <= val_fraction < 1.0:
+        raise ConfigError(f"val_fraction must lie in [0, 1), got {val_fraction}")
+    n_val = int(len(tokens) * val_fraction)
+    cut = len(tokens) - n_val
+    return tokens[:cut], tokens[cut:]
+
+
+def unigram_entropy(tokens: np.ndarray | torch.Tensor) -> float:
+    """Entropy in nats of the byte frequencies in ``tokens``.
+
+    It is the cross-entropy of the best model that ignores context, so a training loss
+    that does not go below it has learned nothing but symbol counts.
+    """
+    if isinstance(tokens, torch.Tensor):
+        tokens = tokens.detach().cpu().numpy()
+    flat = np.asarray(tokens).reshape(-1)
+    if flat.size == 0:
+        raise ConfigError("unigram_entropy needs at least one token, got 0")
+    counts = np.bincount(flat.astype(np.int64))
+    p = counts[counts > 0] / flat.size
+    return float(-(p * np.log(p)).sum())
+
+
+def _as_index_tensor(indices: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    return torch.as_tensor(indices, dtype=torch.int64).reshape(-1)
+
+
+class TokenWindows:
+    """Non-overlapping next-token windows over a token stream.
+
+    Window ``i`` starts at ``i * seq_len``; its input is ``seq_len`` tokens and its
+    target the same span shifted by one, so a window needs ``seq_len + 1`` tokens and
+    there are ``(len(tokens) - 1) // seq_len`` of them.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int) -> None:
+        if seq_len < 1:
+            raise ConfigError(f"seq_len must be at least 1, got {seq_len}")
+        arr = np.asarray(tokens)
+        if arr.ndim != 1:
+            raise ConfigError(f"tokens must be 1-D, got shape {tuple(arr.shape)}")
+        if len(arr) < seq_len + 1:
+            raise ConfigError(
+                f"{len(arr)} tokens are too few for one window of seq_len {seq_len} "
+                f"(need at least {seq_len + 1})"
+            )
+        if not arr.flags.writeable:  # torch.from_numpy warns on read-only buffers
+            arr = arr.copy()
+        self.seq_len = seq_len
+        self._tokens = torch.from_numpy(np.ascontiguousarray(arr))
+        self._num = (len(arr) - 1) // seq_len
+        self._offsets = torch.arange(seq_len + 1, dtype=torch.int64)
+
+    def __len__(self) -> int:
+        return self._num
+
+    def batch(self, indices: Sequence[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets for the given windows, both int64 of shape (b, seq_len)."""
+        idx = _as_index_tensor(indices)
+        if idx.numel() and (idx.min() < 0 or idx.max() >= self._num):
+            raise IndexError(
+                f"window indices must lie in 0..{self._num - 1}, "
+                f"got min {int(idx.min())} and max {int(idx.max())}"
+            )
+        spans = self._tokens[idx[:, None] * self.seq_len + self._offsets].long()  # (b, s+1)
+        return spans[:, :-1].contiguous(), spans[:, 1:].contiguous()
+
+
+def _epoch_seed(seed: int, epoch: int) -> int:
+    # SeedSequence mixes (seed, epoch) into well-separated 64-bit seeds and gives the
+    # same value on every platform; seed and epoch must be non-negative for it.
+    state = np.random.SeedSequence([seed % 2**64, epoch]).generate_state(1, np.uint64)
+    return int(state[0])
+
+
+class GlobalBatchSampler:
+    """Yields the window indices of each step's global batch, identically on every rank.
+
+    An epoch is a permutation of all windows drawn from a generator seeded by
+    (seed, epoch); batches are consecutive slices of it, and a remainder too small for
+    a batch is dropped. The state is just (epoch, position), so resuming from a
+    checkpoint replays exactly the batches an uninterrupted run would have seen.
+    """
+
+    def __init__(self, num_windows: int, global_batch: int, seed: int) -> None:
+        if global_batch < 1:
+            raise ConfigError(f"global_batch must be at least 1, got {global_batch}")
+        if num_windows < global_batch:
+            raise ConfigError(
+                f"the corpus gives {num_windows} windows, fewer than one global batch of "
+                f"{global_batch}; use more data, a shorter seq_len or a smaller batch"
+            )
+        self.num_windows = num_windows
+        self.global_batch = global_batch
+        self.seed = seed
+        self._set_state(0, 0)
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Full global batches in one epoch (the remainder is dropped)."""
+        return self.num_windows // self.global_batch
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next batch is drawn from (rolls over lazily)."""
+        return self._epoch
+
+    def _set_state(self, epoch: int, position: int) -> None:
+        gen = torch.Generator().manual_seed(_epoch_seed(self.seed, epoch))
+        self._perm = torch.randperm(self.num_windows, generator=gen, dtype=torch.int64)
+        self._epoch = epoch
+        self._position = position
+
+    def next_batch(self) -> torch.Tensor:
+        """The next global batch of window indices, int64 of shape (global_batch,)."""
+        if self._position + self.global_batch > self.num_windows:
+            self._set_state(self._epoch + 1, 0)
+        start = self._position
+        self._position += self.global_batch
+        return self._perm[start : self._position].clone()
+
+    def state_dict(self) -> dict[str, int]:
+        """Where the sampler stands: enough to continue with exactly the same batches."""
+        return {"epoch": self._epoch, "position": self._position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a ``state_dict``; must come from a sampler with the same
+        num_windows, global_batch and seed for the batches to match."""
+        missing = {"epoch", "position"} - set(state)
+        if missing:
+            raise ConfigError(f"sampler state lacks {sorted(missing)}; got keys {sorted(state)}")
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if epoch < 0 or not 0 <= position <= self.num_windows:
+            raise ConfigError(
+                f"sampler state epoch {epoch}, position {position} is invalid for "
+                f"{self.num_windows} windows"
+            )
+        self._set_state(epoch, position)
+
+
+def replica_share(
+    indices: torch.Tensor, dp_rank: int, dp: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One data-parallel replica's contiguous share of a global batch.
+
+    Returns (window indices, their positions in the global batch). Every rank of a
+    replica (its tp and pp peers) passes the same dp_rank and gets the same data; the
+    positions let per-sample randomness depend on the sample, not on the layout.
+    """
+    global_batch = len(indices)
+    if dp < 1 or global_batch % dp:
+        raise ConfigError(
+            f"global batch {global_batch} is not divisible by data-parallel size {dp}"
+        )
+    if not 0 <= dp_rank < dp:
+        raise ConfigError(f"dp_rank {dp_rank} is outside 0..{dp - 1} for dp {dp}")
+    share = global_batch // dp
+    positions = torch.arange(dp_rank * share, (dp_rank + 1) * share, dtype=torch.int64)
+    return indices[positions], positions
+
+
+def split_micro(t: torch.Tensor, micro_batch: int) -> list[torch.Tensor]:
+    """Consecutive micro-batches of ``micro_batch`` rows each, in order."""
+    if micro_batch < 1 or len(t) % micro_batch:
+        raise ConfigError(f"batch of {len(t)} is not divisible by micro_batch {micro_batch}")
+    return list(t.split(micro_batch))
+
+
+def eval_indices(num_windows: int, count: int) -> torch.Tensor:
+    """``min(count, num_windows)`` evenly spaced validation windows, always the same ones.
+
+    A fixed set (not a fresh random sample) makes validation losses of different steps,
+    runs and layouts directly comparable.
+    """
+    if num_windows < 1 or count < 1:
+        raise ConfigError(
+            f"eval needs at least one window and count >= 1, got {num_windows} windows "
+            f"and count {count}"
+        )
+    n = min(count, num_windows)
+    return torch.arange(n, dtype=torch.int64) * num_windows // n

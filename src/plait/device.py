@@ -1,0 +1,62 @@
+"""Everything device-specific lives here, so the rest of plait runs unchanged on CPU and CUDA.
+
+Core code asks this module for the device, the backend and memory figures; it never calls
+torch.cuda itself (that breaks CPU runs and hides device assumptions).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def resolve_device(kind: str, local_rank: int) -> torch.device:
+    """'auto' picks CUDA when present (one GPU per local rank), else CPU."""
+    if kind == "auto":
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("device 'cuda' requested but torch.cuda.is_available() is False")
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        return device
+    return torch.device(kind)
+
+
+def backend_for(device: torch.device) -> str:
+    """NCCL for GPUs, gloo for CPU."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued kernels so wall-clock timings mean something."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_allocated_bytes(device: torch.device) -> int | None:
+    """The allocator's peak since the last reset, where the device has an allocator to ask."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return None
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """Dense bf16 peak of well-known GPUs, for MFU; None where unknown (give --peak-flops)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    table = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12}
+    return next((v for k, v in table.items() if k in name), None)
+
+
+def threads_per_worker(local_world: int) -> int:
+    """Split the host's cores between the local workers so they don't oversubscribe."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // max(1, local_world))

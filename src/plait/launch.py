@@ -1,0 +1,77 @@
+"""Start the workers of a run: adopt torchrun's environment, or spawn local processes.
+
+Local runs spawn dp*pp*tp processes with torch.multiprocessing (start method 'spawn'), each
+limited to its share of the CPU cores. If any worker raises, the others are terminated, the
+failing rank's traceback is shown, and the launcher exits non-zero: no orphan survives.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from plait.config import Config
+from plait.device import backend_for, resolve_device, threads_per_worker
+from plait.mesh import build_mesh
+from plait.run import run
+from plait.telemetry import RunSummary
+
+
+def under_torchrun() -> bool:
+    """torchrun (and Slurm wrappers around it) export RANK and WORLD_SIZE."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_worker(cfg: Config, rank: int, world: int, local_rank: int, local_world: int):
+    """Join the process group and build this rank's mesh."""
+    torch.set_num_threads(threads_per_worker(local_world))
+    device = resolve_device(cfg.train.device, local_rank)
+    if world > 1:
+        dist.init_process_group(
+            backend_for(device),
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=cfg.parallel.comm_timeout),
+        )
+    return build_mesh(cfg.parallel.layout, device, cfg.parallel.comm_timeout)
+
+
+def worker(rank: int, cfg: Config, world: int, local_world: int, port: int | None) -> RunSummary:
+    """Entry point of one spawned or torchrun-started worker."""
+    if port is not None:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    mesh = init_worker(cfg, rank, world, local_rank, local_world)
+    try:
+        return run(cfg, mesh)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launch(cfg: Config) -> None:
+    """Run `cfg` on every worker it needs; raises the first failing rank's error."""
+    world = cfg.parallel.layout.world_size
+    if under_torchrun():
+        env_world = int(os.environ["WORLD_SIZE"])
+        cfg.parallel.layout.check_world(env_world)
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", env_world))
+        worker(int(os.environ["RANK"]), cfg, env_world, local_world, None)
+        return
+    if world == 1:
+        worker(0, cfg, 1, 1, None)
+        return
+    mp.start_processes(
+        worker, args=(cfg, world, world, free_port()), nprocs=world, start_method="spawn"
+    )

@@ -1,0 +1,95 @@
+"""Process groups per parallel axis, built once and passed explicitly to whoever communicates.
+
+A Mesh is plain data: the layout, this rank's coordinates, its device, and one process group
+per axis of size > 1 (an axis of size 1 has no group: nothing to communicate). No module-level
+state: two meshes can coexist (tests build several in one world).
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from plait.topology import AXES, Coord, Layout
+
+
+@dataclass
+class Mesh:
+    """This rank's view of the parallel layout."""
+
+    layout: Layout
+    rank: int
+    device: torch.device
+    groups: dict[str, dist.ProcessGroup | None] = field(default_factory=dict)
+    group_ranks: dict[str, list[int]] = field(default_factory=dict)
+    timeout_s: float = 300.0
+
+    @property
+    def coord(self) -> Coord:
+        return self.layout.coord(self.rank)
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    def size(self, axis: str) -> int:
+        return self.layout.world_size if axis == "world" else self.layout.size(axis)
+
+    def axis_rank(self, axis: str) -> int:
+        return self.rank if axis == "world" else self.coord.get(axis)
+
+    def group(self, axis: str) -> dist.ProcessGroup | None:
+        """The process group of `axis` ('world' for all ranks); None when it has one rank."""
+        if axis == "world":
+            return dist.group.WORLD if self.world_size > 1 else None
+        return self.groups[axis]
+
+    def ranks(self, axis: str) -> list[int]:
+        if axis == "world":
+            return list(range(self.world_size))
+        return self.group_ranks[axis]
+
+    @property
+    def is_logging_rank(self) -> bool:
+        """Rank 0 prints progress and writes files."""
+        return self.rank == 0
+
+
+def single_process_mesh(device: torch.device | None = None) -> Mesh:
+    """A world of one: no process group needed (the single-process reference)."""
+    layout = Layout()
+    return Mesh(
+        layout=layout,
+        rank=0,
+        device=device or torch.device("cpu"),
+        groups={a: None for a in AXES},
+        group_ranks={a: [0] for a in AXES},
+    )
+
+
+def build_mesh(layout: Layout, device: torch.device, timeout_s: float = 300.0) -> Mesh:
+    """Create the groups of every axis; all ranks must call this together, in the same order."""
+    if layout.world_size == 1 and not dist.is_initialized():
+        mesh = single_process_mesh(device)
+        mesh.timeout_s = timeout_s
+        return mesh
+    layout.check_world(dist.get_world_size())
+    rank = dist.get_rank()
+    groups: dict[str, dist.ProcessGroup | None] = {}
+    group_ranks: dict[str, list[int]] = {}
+    timeout = datetime.timedelta(seconds=timeout_s)
+    for axis in AXES:
+        group_ranks[axis] = layout.axis_ranks(axis, rank)
+        if layout.size(axis) == 1:
+            groups[axis] = None
+            continue
+        mine = None
+        for ranks in layout.axis_groups(axis):
+            group = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                mine = group
+        groups[axis] = mine
+    return Mesh(layout, rank, device, groups, group_ranks, timeout_s)

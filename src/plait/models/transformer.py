@@ -1,0 +1,320 @@
+"""One decoder-only transformer that is GPT-2 or LLaMA depending on its ModelConfig.
+
+Read top to bottom: norms, rotary positions, attention, MLPs, the block, the model, then
+initialization and counting. The model never knows how it is parallelized: tensor
+parallelism swaps its Linear layers, the pipeline splits `blocks`, recomputation wraps
+`Block` or `CoreAttention`. So head counts are read from tensor shapes at run time (a
+tensor-parallel rank holds a subset of heads), and every dropout has a structural `site`
+id that survives pipeline splitting.
+
+Dropout keys: `keys` is an int64 tensor (b,) of per-sample keys (see dropout.py). It is
+threaded through every forward so that masks depend on the sample, never on the rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from plait.models.config import ModelConfig
+from plait.models.dropout import KeyedDropout
+
+# Dropout site ids: the embedding owns site 0, block i owns 4 * i + kind.
+SITE_EMBED, SITE_ATTN_PROBS, SITE_ATTN_OUT, SITE_MLP_OUT = 0, 1, 2, 3
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight (Zhang & Sennrich, 2019), as LLaMA; computed in fp32."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.type_as(x) * self.weight
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return RMSNorm(cfg.d_model, cfg.norm_eps)
+    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+
+
+def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple:
+    """cos and sin (s, hd) for positions 0..s-1, in fp32, rotate-half layout.
+
+    Computed on the fly rather than cached in buffers: it is cheap, works on the meta
+    device, and leaves nothing for `to_empty` to turn into garbage.
+    """
+    inv_freq = theta ** -(torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device).float(), inv_freq)  # (s, hd/2)
+    angles = torch.cat((angles, angles), dim=-1)  # (s, hd)
+    return angles.cos(), angles.sin()
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate (b, heads, s, hd) by position; pairs are (i, i + hd/2) as in HF LLaMA."""
+    xf = x.float()
+    return (xf * cos + rotate_half(xf) * sin).type_as(x)
+
+
+class CoreAttention(nn.Module):
+    """softmax(q k^T / sqrt(hd) + causal) v with dropout on the probabilities.
+
+    Parameter-free and separate so that selective recomputation can wrap exactly the
+    part whose activations (b, a, s, s) dominate memory (Korthikanti et al., 2022).
+    """
+
+    def __init__(self, p: float, site: int) -> None:
+        super().__init__()
+        self.drop = KeyedDropout(p, site)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, keys: Tensor | None) -> Tensor:
+        if not (self.training and self.drop.p > 0):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (b, a, s, hd)
+        # Explicit path: the fused kernel's dropout uses torch's RNG, which is not keyed.
+        s = q.shape[-2]
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # (b, a, s, s)
+        causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+        probs = scores.float().softmax(dim=-1).type_as(q)  # (b, a, s, s)
+        return self.drop(probs, keys) @ v  # (b, a, s, hd)
+
+
+class Attention(nn.Module):
+    """Multi-head / grouped-query self-attention with optional RoPE."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        hd = cfg.head_dim
+        self.head_dim = hd
+        self.rope_theta = cfg.rope_theta if cfg.pos == "rope" else None
+        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * hd, bias=cfg.bias)
+        self.wk = nn.Linear(cfg.d_model, cfg.kv_heads * hd, bias=cfg.bias)
+        self.wv = nn.Linear(cfg.d_model, cfg.kv_heads * hd, bias=cfg.bias)
+        self.wo = nn.Linear(cfg.n_heads * hd, cfg.d_model, bias=cfg.bias)
+        self.core = CoreAttention(cfg.dropout, 4 * layer + SITE_ATTN_PROBS)
+
+    def forward(self, x: Tensor, keys: Tensor | None) -> Tensor:
+        b, s, _ = x.shape  # (b, s, h)
+        hd = self.head_dim
+        # -1 heads: under tensor parallelism this rank's Linear yields only its heads.
+        q = self.wq(x).view(b, s, -1, hd).transpose(1, 2)  # (b, a, s, hd)
+        k = self.wk(x).view(b, s, -1, hd).transpose(1, 2)  # (b, kv, s, hd)
+        v = self.wv(x).view(b, s, -1, hd).transpose(1, 2)  # (b, kv, s, hd)
+        if self.rope_theta is not None:
+            cos, sin = rope_cos_sin(s, hd, self.rope_theta, x.device)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        rep = q.shape[1] // k.shape[1]
+        if rep > 1:  # kv head j serves query heads j*rep .. j*rep + rep-1 (LLaMA's repeat_kv)
+            k = k.repeat_interleave(rep, dim=1)  # (b, a, s, hd)
+            v = v.repeat_interleave(rep, dim=1)  # (b, a, s, hd)
+        y = self.core(q, k, v, keys)  # (b, a, s, hd)
+        y = y.transpose(1, 2).reshape(b, s, -1)  # (b, s, a*hd)
+        return self.wo(y)  # (b, s, h)
+
+
+class GeluMLP(nn.Module):
+    """GPT-2 MLP: fc2(gelu_tanh(fc1 x))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=cfg.bias)
+        self.fc2 = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=cfg.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))  # (b, s, h)
+
+
+class SwiGLU(nn.Module):
+    """LLaMA MLP: w_down(silu(w_gate x) * w_up x) (Shazeer, GLU variants, 2020)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.w_gate = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=cfg.bias)
+        self.w_up = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=cfg.bias)
+        self.w_down = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=cfg.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))  # (b, s, h)
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + drop(attn(norm x)), then x + drop(mlp(norm x))."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.attn_norm = make_norm(cfg)
+        self.attn = Attention(cfg, layer)
+        self.attn_drop = KeyedDropout(cfg.dropout, 4 * layer + SITE_ATTN_OUT)
+        self.mlp_norm = make_norm(cfg)
+        self.mlp = SwiGLU(cfg) if cfg.mlp == "swiglu" else GeluMLP(cfg)
+        self.mlp_drop = KeyedDropout(cfg.dropout, 4 * layer + SITE_MLP_OUT)
+
+    def forward(self, x: Tensor, keys: Tensor | None = None) -> Tensor:
+        x = x + self.attn_drop(self.attn(self.attn_norm(x), keys), keys)  # (b, s, h)
+        return x + self.mlp_drop(self.mlp(self.mlp_norm(x)), keys)  # (b, s, h)
+
+
+class Embedding(nn.Module):
+    """Token embedding, plus learned positions for GPT-2, then dropout."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        if cfg.pos == "learned":
+            self.pos = nn.Embedding(cfg.max_seq_len, cfg.d_model)
+        self.drop = KeyedDropout(cfg.dropout, SITE_EMBED)
+
+    def forward(self, tokens: Tensor, keys: Tensor | None = None) -> Tensor:
+        x = self.tok(tokens)  # (b, s, h)
+        if hasattr(self, "pos"):
+            s = tokens.shape[1]
+            if s > self.pos.num_embeddings:
+                raise ValueError(
+                    f"sequence length {s} exceeds max_seq_len {self.pos.num_embeddings}"
+                )
+            x = x + self.pos(torch.arange(s, device=tokens.device))  # (b, s, h)
+        return self.drop(x, keys)
+
+
+class Transformer(nn.Module):
+    """embed -> blocks -> norm -> head; returns logits, or the mean loss given targets."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.embed = Embedding(cfg)
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = make_norm(cfg)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Make head.weight the same Parameter as embed.tok.weight when the config ties them.
+
+        Called again by `init_parameters` because `Module.to_empty` unties shared weights.
+        """
+        if self.cfg.tie_embeddings:
+            self.head.weight = self.embed.tok.weight
+
+    def forward(
+        self, tokens: Tensor, targets: Tensor | None = None, keys: Tensor | None = None
+    ) -> Tensor:
+        x = self.embed(tokens, keys)  # (b, s, h)
+        for block in self.blocks:
+            x = block(x, keys)  # (b, s, h)
+        logits = self.head(self.norm(x))  # (b, s, V)
+        if targets is None:
+            return logits
+        # fp32 loss: a low-precision log-softmax over a large vocabulary loses digits.
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+# ---------------------------------------------------------------- initialization
+
+RESIDUAL_OUTPUTS = frozenset({"wo", "fc2", "w_down"})
+NORMAL_WEIGHTS = frozenset({"tok", "pos", "head", "wq", "wk", "wv", "fc1", "w_gate", "w_up"})
+# Name components that wrappers insert (DDP, torch.compile, checkpoint_wrapper, FSDP).
+WRAPPER_NAMES = frozenset(
+    {"module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
+)
+
+
+def canonical_name(cfg: ModelConfig, name: str) -> str:
+    """The single-process parameter name: wrapper components dropped, tied head -> tok."""
+    name = ".".join(part for part in name.split(".") if part not in WRAPPER_NAMES)
+    if cfg.tie_embeddings and name == "head.weight":
+        return "embed.tok.weight"
+    return name
+
+
+def _seed_for(seed: int, name: str) -> int:
+    """Stable 63-bit seed from (seed, name); Python's hash() is salted per process."""
+    digest = hashlib.sha256(f"plait-init:{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def init_value(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int) -> Tensor:
+    """Full fp32 initial value of parameter `name`, a pure function of (cfg, name, shape, seed).
+
+    Each parameter has its own generator, so the value does not depend on which other
+    parameters exist on a rank or in what order they are initialized: a tensor-parallel
+    shard or pipeline stage slices this and matches the single-process model exactly.
+    Weights ~ N(0, init_std), residual output projections scaled by 1/sqrt(2 n_layers)
+    (GPT-2, Radford et al., 2019), biases 0, norm weights 1.
+    """
+    name = canonical_name(cfg, name)
+    parts = name.split(".")
+    owner, leaf = (parts[-2] if len(parts) > 1 else ""), parts[-1]
+    if leaf == "bias":
+        return torch.zeros(shape)
+    if owner.endswith("norm") and leaf == "weight":
+        return torch.ones(shape)
+    if leaf != "weight" or owner not in RESIDUAL_OUTPUTS | NORMAL_WEIGHTS:
+        raise ValueError(f"init_value does not know how to initialize parameter {name!r}")
+    std = cfg.init_std
+    if owner in RESIDUAL_OUTPUTS:
+        std /= math.sqrt(2 * cfg.n_layers)
+    gen = torch.Generator().manual_seed(_seed_for(seed, name))
+    return torch.empty(shape).normal_(0.0, std, generator=gen)
+
+
+@torch.no_grad()
+def init_parameters(model: nn.Module, seed: int, cfg: ModelConfig | None = None) -> None:
+    """Fill every parameter of `model` (any device, already materialized) from init_value.
+
+    `cfg` defaults to `model.cfg`. Tied weights are re-tied first (see tie_weights).
+    """
+    cfg = cfg if cfg is not None else getattr(model, "cfg", None)
+    if cfg is None:
+        raise ValueError("init_parameters needs cfg: the model has no .cfg attribute")
+    for module in model.modules():
+        if isinstance(module, Transformer):
+            module.tie_weights()
+    for name, param in model.named_parameters():
+        if param.is_meta:
+            raise ValueError(f"parameter {name!r} is on the meta device; call to_empty first")
+        param.copy_(init_value(cfg, name, tuple(param.shape), seed))
+
+
+# ---------------------------------------------------------------- counting
+
+
+def count_parameters(cfg: ModelConfig) -> int:
+    """Unique parameters (a tied embedding counted once), from a model built on meta."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    return sum(p.numel() for p in model.parameters())
+
+
+def linear_weight_elements(cfg: ModelConfig) -> int:
+    """Elements of every Linear weight (biases excluded), the head included."""
+    d, hd, f = cfg.d_model, cfg.head_dim, cfg.ffn_dim
+    attn = 2 * d * cfg.n_heads * hd + 2 * d * cfg.kv_heads * hd
+    mlp = (3 if cfg.mlp == "swiglu" else 2) * d * f
+    return cfg.n_layers * (attn + mlp) + d * cfg.vocab_size
+
+
+def matmul_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
+    """Training FLOPs per token: 6 N + 12 L s h (Chowdhery et al., PaLM, 2022, appendix B).
+
+    N counts every Linear weight including the head (embedding lookups are not matmuls);
+    6 = 2 (multiply-add) x 3 (forward, and backward for activations and weights). The
+    second term is attention's q k^T and probs v, which have no weights; with causal
+    masking half of it is wasted work, and the convention counts it anyway.
+    """
+    return 6 * linear_weight_elements(cfg) + 12 * cfg.n_layers * seq_len * cfg.d_model

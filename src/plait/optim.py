@@ -1,0 +1,49 @@
+"""AdamW with the usual GPT parameter groups, warmup + cosine schedule, global norm clipping."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from plait.config import TrainConfig
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """Decay matrices and embeddings only: biases and norm gains stay unregularized."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup to `lr` over `warmup_steps`, then cosine decay to `min_lr` at the end."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def clip_grad_norm(grads: list[torch.Tensor], max_norm: float) -> float:
+    """Global L2 norm of `grads` (flat buffers or per-parameter); scale them down if above.
+
+    Same rule as torch.nn.utils.clip_grad_norm_: coefficient max_norm / (norm + 1e-6), capped
+    at 1. Taking flat buffers avoids one kernel per parameter.
+    """
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef)
+    return float(norm)

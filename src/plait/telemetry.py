@@ -1,0 +1,123 @@
+"""What a run shows and writes: per-step metrics (JSONL, optional TensorBoard), a progress bar
+and the final summary, all from rank 0. Files are flushed every line so nothing written is
+lost when a run dies."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+
+class MetricsLog:
+    """Appends one JSON object per line to OUT/metrics.jsonl, and to TensorBoard if asked."""
+
+    def __init__(self, out: Path, tensorboard: bool) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        self.path = out / "metrics.jsonl"
+        self._fh = self.path.open("w")
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # optional dependency
+
+            self._tb = SummaryWriter(log_dir=str(out / "tensorboard"))
+
+    def write(self, row: dict[str, Any]) -> None:
+        self._fh.write(json.dumps(row) + "\n")
+        self._fh.flush()
+        if self._tb is not None:
+            for key, value in _scalars(row):
+                self._tb.add_scalar(key, value, row["step"])
+
+    def close(self) -> None:
+        self._fh.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _scalars(row: dict[str, Any], prefix: str = ""):
+    for key, value in row.items():
+        if key == "step" or isinstance(value, bool):
+            continue
+        if isinstance(value, int | float):
+            yield prefix + key, value
+        elif isinstance(value, dict):
+            yield from _scalars(value, prefix + key + "/")
+
+
+def make_progress(console: Console, total: int) -> Progress:
+    return Progress(
+        TextColumn("[bold]train"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeRemainingColumn(),
+        console=console,
+        transient=False,
+    )
+
+
+@dataclass
+class RunSummary:
+    """Numbers the final table shows; also returned to callers and written as summary.json."""
+
+    layout: str
+    params: int
+    steps: int
+    tokens_per_step: int
+    final_loss: float
+    val_loss: float | None
+    unigram_baseline: float
+    step_times: list[float] = field(default_factory=list)
+    flops_per_token: int = 0
+    peak_flops: float | None = None
+    world_size: int = 1
+    comm_bytes_per_step: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def median_step_s(self) -> float:
+        times = self.step_times[1:] or self.step_times  # the first step pays for warm-up
+        return statistics.median(times) if times else float("nan")
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.median_step_s
+
+    @property
+    def mfu(self) -> float | None:
+        if not self.peak_flops:
+            return None
+        return self.tokens_per_s * self.flops_per_token / (self.peak_flops * self.world_size)
+
+    def as_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in vars(self).items() if k != "step_times"}
+        d.update(median_step_s=self.median_step_s, tokens_per_s=self.tokens_per_s, mfu=self.mfu)
+        return d
+
+
+def summary_table(s: RunSummary) -> Table:
+    table = Table(title="plait run summary", show_header=False)
+    table.add_row("layout", s.layout)
+    table.add_row("parameters", f"{s.params:,}")
+    table.add_row("steps", str(s.steps))
+    table.add_row("final train loss", f"{s.final_loss:.4f} nats/token")
+    baseline = f"{s.unigram_baseline:.4f} nats/token (byte frequencies, no context)"
+    table.add_row("unigram baseline", baseline)
+    if s.val_loss is not None:
+        gap = s.unigram_baseline - s.val_loss
+        verdict = "below" if gap > 0 else "NOT below"
+        table.add_row("validation loss", f"{s.val_loss:.4f}: {abs(gap):.3f} {verdict} baseline")
+    table.add_row("median step", f"{s.median_step_s * 1e3:.1f} ms")
+    table.add_row("throughput", f"{s.tokens_per_s:,.0f} tokens/s")
+    flops = s.tokens_per_s * s.flops_per_token
+    mfu = f" (MFU {s.mfu:.1%})" if s.mfu is not None else ""
+    table.add_row("model FLOP/s", f"{flops / 1e9:.2f} GFLOP/s{mfu}")
+    for op, nbytes in sorted(s.comm_bytes_per_step.items()):
+        table.add_row(f"{op} per step", f"{nbytes / 2**20:.2f} MiB")
+    return table

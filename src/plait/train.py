@@ -1,0 +1,165 @@
+"""The Trainer: build the model, parallelize it, and run the optimization loop.
+
+Order of construction (each step a composable function on an unchanged model):
+build on the target device -> layout-independent init -> activation recomputation ->
+data-parallel gradient buckets -> optimizer. One step: every rank draws the same global
+batch from the seeded sampler, takes its replica's share, runs its micro-batches with
+gradient accumulation, reduces gradients over dp, clips by the global norm and steps.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from plait.comm import Comm
+from plait.config import Config
+from plait.data import (
+    GlobalBatchSampler,
+    TokenWindows,
+    eval_indices,
+    load_tokens,
+    replica_share,
+    split_micro,
+    split_tokens,
+    unigram_entropy,
+)
+from plait.device import synchronize
+from plait.mesh import Mesh
+from plait.models.config import ModelConfig
+from plait.models.dropout import sample_keys
+from plait.models.transformer import Transformer, init_parameters
+from plait.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
+from plait.parallel.data_parallel import DataParallel
+from plait.parallel.recompute import apply_recompute
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step produced (the same on every rank)."""
+
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    time_s: float
+    tokens: int
+
+
+def build_model(cfg: ModelConfig, device: torch.device, seed: int) -> Transformer:
+    """Allocate on `device` and fill every parameter from its (seed, name) generator."""
+    with torch.device(device):
+        model = Transformer(cfg)
+    init_parameters(model, seed, cfg)
+    return model
+
+
+@dataclass
+class Corpus:
+    """Training and validation windows plus the baseline the model must beat."""
+
+    train: TokenWindows
+    val: TokenWindows
+    unigram_baseline: float
+
+
+def load_corpus(cfg: Config) -> Corpus:
+    tokens = load_tokens(cfg.data.path, cfg.data.max_bytes)
+    return corpus_from_tokens(tokens, cfg)
+
+
+def corpus_from_tokens(tokens: np.ndarray, cfg: Config) -> Corpus:
+    train, val = split_tokens(tokens, cfg.data.val_fraction)
+    seq = cfg.train.seq_len
+    return Corpus(TokenWindows(train, seq), TokenWindows(val, seq), unigram_entropy(train))
+
+
+class Trainer:
+    """One rank's share of a training run."""
+
+    def __init__(self, cfg: Config, mesh: Mesh, corpus: Corpus | None = None) -> None:
+        self.cfg = cfg
+        self.mesh = mesh
+        self.device = mesh.device
+        self.comm = Comm(mesh)
+        self.corpus = corpus or load_corpus(cfg)
+        self.model = build_model(cfg.model, self.device, cfg.train.seed)
+        apply_recompute(self.model, cfg.parallel.recompute)
+        self.dp = DataParallel(self.model, self.comm, cfg.parallel.bucket_mb)
+        self.optimizer = build_optimizer(self.model, cfg.train)
+        self.sampler = GlobalBatchSampler(
+            len(self.corpus.train), cfg.train.global_batch, cfg.train.seed
+        )
+        self.step = 0
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.train.global_batch * self.cfg.train.seq_len
+
+    def train_step(self) -> StepResult:
+        """One optimizer step over one global batch; returns the global mean loss."""
+        t = self.cfg.train
+        start = time.perf_counter()
+        self.comm.stats.begin_step(self.step)
+        self.dp.begin_step()
+        share, positions = replica_share(
+            self.sampler.next_batch(), self.mesh.coord.dp, self.mesh.size("dp")
+        )
+        keys = sample_keys(t.seed, self.step, positions)
+        micro_idx, micro_keys = split_micro(share, t.micro_batch), split_micro(keys, t.micro_batch)
+        lr = lr_at(self.step, t)
+        set_lr(self.optimizer, lr)
+        self.model.train()
+        loss_sum = torch.zeros((), device=self.device)
+        n = len(micro_idx)
+        for i, (idx, key) in enumerate(zip(micro_idx, micro_keys, strict=True)):
+            x, y = (v.to(self.device) for v in self.corpus.train.batch(idx))
+            self.dp.micro_batch(is_last=i == n - 1)
+            loss = self.model(x, y, key.to(self.device))  # mean over this micro-batch's tokens
+            (loss / n).backward()
+            loss_sum += loss.detach()
+        self.dp.finish()
+        grad_norm = clip_grad_norm(self.dp.grad_buffers(), t.grad_clip)
+        self.optimizer.step()
+        self.dp.zero_grad()
+        mean_loss = loss_sum / n
+        self.comm.all_reduce(mean_loss, "dp", op="avg", tag="loss")
+        synchronize(self.device)
+        elapsed = time.perf_counter() - start
+        self.step += 1
+        return StepResult(
+            self.step - 1, float(mean_loss), lr, grad_norm, elapsed, self.tokens_per_step
+        )
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean token loss over a fixed set of validation windows, split across replicas."""
+        t = self.cfg.train
+        idx = eval_indices(len(self.corpus.val), t.eval_batches * t.global_batch)
+        mine = torch.tensor_split(idx, self.mesh.size("dp"))[self.mesh.coord.dp]
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # (loss sum, tokens)
+        self.model.eval()
+        for chunk in torch.split(mine, t.micro_batch):
+            x, y = (v.to(self.device) for v in self.corpus.val.batch(chunk))
+            totals[0] += self.model(x, y).double() * y.numel()
+            totals[1] += y.numel()
+        self.comm.all_reduce(totals, "dp", op="sum", tag="eval")
+        return float(totals[0] / totals[1])
+
+    def close(self) -> None:
+        self.dp.remove_hooks()
+
+
+def injected_fault(rank: int, step: int) -> None:
+    """Test hook: PLAIT_FAULT='RANK:STEP' makes that rank raise at that step.
+
+    It exists so the failure path (one rank dies, all stop, its traceback shown) is tested
+    end to end through the real launcher.
+    """
+    spec = os.environ.get("PLAIT_FAULT")
+    if spec and spec == f"{rank}:{step}":
+        raise RuntimeError(f"injected fault (PLAIT_FAULT={spec}) on rank {rank} at step {step}")
