@@ -1,0 +1,305 @@
+"""Single-process plait vs a plain PyTorch loop: what does plait's machinery cost on one rank?
+
+Both sides train the same model (same preset and seed, so the same initial weights) on the
+same batches with the same AdamW (`plait.optim.build_optimizer`) and gradient clipping.
+
+- `--plait dp` (default): plait's step protocol with `DataParallel` over a world of one
+  (gradients land in flat buckets through per-parameter hooks; the all-reduce is a no-op),
+  `plait.optim.clip_grad_norm` over the flat buffers, `dp.zero_grad()`.
+- `--plait trainer`: `plait.train.Trainer.train_step()` as a run executes it (sampler,
+  dropout keys, lr schedule, DataParallel, clipping, loss reduction). The plain loop then
+  does the same data work (same sampler, windows and lr schedule) by hand.
+
+The plain loop is model -> loss.backward() -> torch.nn.utils.clip_grad_norm_ ->
+optimizer.step() -> optimizer.zero_grad(). After warm-up, rounds alternate a block of K
+steps of each side (the order flips every round); the report gives the median step time of
+each and their ratio (target: plait overhead <= 5%).
+
+    .venv/bin/python benchmarks/bench_single.py --rounds 40 --steps 5 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (
+    describe_machine_md,
+    machine,
+    markdown_table,
+    median,
+    paired_ratio,
+    save_json,
+    summarize,
+    usable_cores,
+)
+from plait.comm import Comm
+from plait.config import Config, TrainConfig, build_config
+from plait.data import GlobalBatchSampler, load_tokens, split_micro
+from plait.mesh import single_process_mesh
+from plait.models.presets import get_preset
+from plait.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
+from plait.parallel.data_parallel import DataParallel
+from plait.train import Trainer, build_model, corpus_from_tokens
+
+
+class Side:
+    def __init__(self, name: str, step: Callable[[], float]) -> None:
+        self.name, self.step = name, step
+        self.times: list[float] = []
+        self.block_medians: list[float] = []
+        self.losses: list[float] = []
+
+    def block(self, steps: int, record: bool) -> None:
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            loss = self.step()
+            times.append(time.perf_counter() - start)
+            self.losses.append(loss)
+        if record:
+            self.times += times
+            self.block_medians.append(median(times))
+
+
+def plain_step_fn(model, opt, clip: float, next_micro: Callable[[], list]) -> Callable[[], float]:
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step() -> float:
+        micro = next_micro()
+        n, loss_sum = len(micro), 0.0
+        for x, y in micro:
+            loss = model(x, y)
+            (loss / n).backward()
+            loss_sum += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(params, clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss_sum / n
+
+    return step
+
+
+def plait_dp_step_fn(model, opts, train_cfg, next_micro) -> tuple[Callable[[], float], object]:
+    comm = Comm(single_process_mesh())
+    dp = DataParallel(model, comm, opts.bucket_mb)
+    opt = build_optimizer(model, train_cfg)
+    counter = [0]
+
+    def step() -> float:
+        comm.stats.begin_step(counter[0])
+        dp.begin_step()
+        micro = next_micro()
+        n, loss_sum = len(micro), 0.0
+        for i, (x, y) in enumerate(micro):
+            dp.micro_batch(is_last=i == n - 1)
+            loss = model(x, y)
+            (loss / n).backward()
+            loss_sum += float(loss.detach())
+        dp.finish()
+        clip_grad_norm(dp.grad_buffers(), opts.clip)
+        opt.step()
+        dp.zero_grad()
+        counter[0] += 1
+        return loss_sum / n
+
+    return step, dp
+
+
+def cycler(batches: list) -> Callable[[], list]:
+    state = [0]
+
+    def nxt() -> list:
+        b = batches[state[0] % len(batches)]
+        state[0] += 1
+        return b
+
+    return nxt
+
+
+def fixed_batches(opts: argparse.Namespace, vocab: int) -> list:
+    b, s, n = opts.micro_batch, opts.seq_len, opts.pool * opts.accum
+    if opts.data == "synthetic":
+        g = torch.Generator().manual_seed(opts.seed)
+        toks = torch.randint(0, vocab, (n, b, s + 1), generator=g)
+        micro = [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in toks]
+    else:
+        from plait.data import TokenWindows
+
+        windows = TokenWindows(load_tokens(opts.data_path, opts.max_bytes), s)
+        g = torch.Generator().manual_seed(opts.seed)
+        order = torch.randperm(len(windows), generator=g)[: n * b].view(n, b)
+        micro = [windows.batch(order[i]) for i in range(n)]
+    return [micro[i * opts.accum : (i + 1) * opts.accum] for i in range(opts.pool)]
+
+
+def build_sides(opts: argparse.Namespace) -> tuple[Side, Side, dict]:
+    device = torch.device("cpu")
+    extra: dict = {}
+    if opts.plait == "dp":
+        cfg = get_preset(opts.model)
+        train_cfg = TrainConfig(lr=opts.lr)
+        batches = fixed_batches(opts, cfg.vocab_size)
+        model_p = build_model(cfg, device, opts.seed)
+        step_p, dp = plait_dp_step_fn(model_p, opts, train_cfg, cycler(batches))
+        model_q = build_model(cfg, device, opts.seed)
+        opt_q = build_optimizer(model_q, train_cfg)
+        step_q = plain_step_fn(model_q, opt_q, opts.clip, cycler(batches))
+        extra["buckets"] = len(dp.buckets)
+    else:
+        full = trainer_config(opts)
+        corpus = corpus_from_tokens(load_tokens(opts.data_path, opts.max_bytes), full)
+        trainer = Trainer(full, single_process_mesh(device), corpus)
+        extra["buckets"] = len(trainer.dp.buckets)
+
+        def step_p() -> float:
+            return trainer.train_step().loss
+
+        model_q = build_model(full.model, device, full.train.seed)
+        opt_q = build_optimizer(model_q, full.train)
+        sampler = GlobalBatchSampler(len(corpus.train), full.train.global_batch, full.train.seed)
+        counter = [0]
+
+        def next_micro() -> list:
+            set_lr(opt_q, lr_at(counter[0], full.train))
+            counter[0] += 1
+            idx = split_micro(sampler.next_batch(), full.train.micro_batch)
+            return [corpus.train.batch(i) for i in idx]
+
+        step_q = plain_step_fn(model_q, opt_q, full.train.grad_clip, next_micro)
+    return Side("plait", step_p), Side("plain", step_q), extra
+
+
+def trainer_config(opts: argparse.Namespace) -> Config:
+    overrides = {
+        "train": {
+            "micro_batch": opts.micro_batch,
+            "global_batch": opts.micro_batch * opts.accum,
+            "seq_len": opts.seq_len,
+            "lr": opts.lr,
+            "min_lr": opts.lr / 10,
+            "grad_clip": opts.clip,
+            "seed": opts.seed,
+            "progress": False,
+            "device": "cpu",
+            "steps": 10_000,
+        },
+        "parallel": {"bucket_mb": opts.bucket_mb},
+        "data": {"path": opts.data_path, "max_bytes": opts.max_bytes},
+    }
+    cfg = build_config(opts.model, overrides)
+    cfg.validate()
+    return cfg
+
+
+def run(opts: argparse.Namespace) -> dict:
+    torch.set_num_threads(opts.threads or usable_cores())
+    plait_side, plain_side, extra = build_sides(opts)
+    for side in (plait_side, plain_side):
+        side.block(opts.warmup, record=False)
+    for r in range(opts.rounds):
+        for side in (plait_side, plain_side) if r % 2 == 0 else (plain_side, plait_side):
+            side.block(opts.steps, record=True)
+    diffs = [abs(a - b) for a, b in zip(plait_side.losses, plain_side.losses, strict=True)]
+    return {
+        "machine": machine(),
+        "config": {**vars(opts), "threads": torch.get_num_threads()},
+        "plait": {**summarize(plait_side.times), **extra},
+        "plain": summarize(plain_side.times),
+        "ratio_of_medians": median(plait_side.times) / median(plain_side.times),
+        "paired_block_ratio": paired_ratio(plait_side.block_medians, plain_side.block_medians),
+        "block_ratios": [
+            a / b for a, b in zip(plait_side.block_medians, plain_side.block_medians, strict=True)
+        ],
+        "max_loss_diff": max(diffs),
+    }
+
+
+def report(res: dict, target: float) -> str:
+    p, q, c = res["plait"], res["plain"], res["config"]
+    ratio = res["ratio_of_medians"]
+    verdict = "meets" if ratio <= target else "misses"
+    what = "DataParallel (world of 1)" if c["plait"] == "dp" else "Trainer.train_step"
+    data = c["data"] if c["plait"] == "dp" else "real"
+    return "\n".join(
+        [
+            f"### single process: plait {what} vs plain PyTorch loop: {c['model']}, "
+            f"micro-batch {c['micro_batch']} x seq {c['seq_len']} x accum {c['accum']}, "
+            f"{data} data",
+            "",
+            f"Machine: {describe_machine_md(res['machine'])}; {c['threads']} thread(s)",
+            "",
+            markdown_table(
+                ["impl", "median step ms", "min ms", "p25 ms", "p75 ms", "steps"],
+                [
+                    [
+                        f"plait ({c['plait']})",
+                        p["median_ms"],
+                        p["min_ms"],
+                        p["p25_ms"],
+                        p["p75_ms"],
+                        p["steps"],
+                    ],
+                    [
+                        "plain PyTorch",
+                        q["median_ms"],
+                        q["min_ms"],
+                        q["p25_ms"],
+                        q["p75_ms"],
+                        q["steps"],
+                    ],
+                ],
+            ),
+            "",
+            f"ratio plait/plain (median step): **{ratio:.3f}** ({verdict} target <= {target}); "
+            f"median of per-round ratios {res['paired_block_ratio']:.3f}; "
+            f"max |loss diff| {res['max_loss_diff']:.2e}",
+        ]
+    )
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--plait", choices=("dp", "trainer"), default="dp", help="plait side")
+    ap.add_argument("--model", default="small-gpt", help="plait preset name")
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--accum", type=int, default=1, help="micro-batches per step")
+    ap.add_argument("--bucket-mb", type=float, default=1.0)
+    ap.add_argument("--clip", type=float, default=1.0)
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument(
+        "--data",
+        choices=("synthetic", "real"),
+        default="synthetic",
+        help="dp mode only; trainer mode always reads the corpus",
+    )
+    ap.add_argument("--data-path", default=None)
+    ap.add_argument("--max-bytes", type=int, default=2_000_000)
+    ap.add_argument("--pool", type=int, default=8, help="distinct batches cycled (dp mode)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads; 0 = all cores")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--target", type=float, default=1.05)
+    ap.add_argument("--json", default=None)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    opts = parse(argv)
+    res = run(opts)
+    res["command"] = "python " + " ".join(sys.argv)
+    print(report(res, opts.target))
+    save_json(opts.json, res)
+
+
+if __name__ == "__main__":
+    main()

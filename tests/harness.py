@@ -1,0 +1,123 @@
+"""Multi-rank test harness: start a gloo world once per test module, run many checks in it.
+
+Starting processes and a process group costs seconds here, so a `World` keeps its workers
+alive and feeds them functions (importable, module-level) to run on every rank. A check that
+raises on any rank fails the test with that rank's traceback; a check that outlives its
+timeout kills the world (the next check starts a fresh one) instead of hanging the suite.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(rank: int, world: int, port: int, tasks: mp.Queue, results: mp.Queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+    )
+    results.put((rank, True, "ready"))
+    while (item := tasks.get()) is not None:
+        fn, args, kwargs = item
+        try:
+            results.put((rank, True, fn(*args, **kwargs)))
+        except BaseException:
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RankFailure(AssertionError):
+    """A check raised on some rank; the message carries that rank's traceback."""
+
+
+class World:
+    """`n` worker processes joined in one gloo process group."""
+
+    def __init__(self, n: int, start_timeout: float = 120.0) -> None:
+        self.n = n
+        self.start_timeout = start_timeout
+        self._procs: list[mp.Process] = []
+        self._start()
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self._tasks = [ctx.Queue() for _ in range(self.n)]
+        self._results = ctx.Queue()
+        self._procs = [
+            ctx.Process(
+                target=_serve,
+                args=(r, self.n, port, self._tasks[r], self._results),
+                daemon=True,
+            )
+            for r in range(self.n)
+        ]
+        for p in self._procs:
+            p.start()
+        self._collect(self.start_timeout, "start-up")
+
+    def run(self, fn: Callable, *args: Any, timeout: float = 180.0, **kwargs: Any) -> list:
+        """Run fn(*args, **kwargs) on every rank; returns the results in rank order."""
+        if not self._procs:
+            self._start()
+        for q in self._tasks:
+            q.put((fn, args, kwargs))
+        return self._collect(timeout, getattr(fn, "__name__", str(fn)))
+
+    def _collect(self, timeout: float, what: str) -> list:
+        out: dict[int, Any] = {}
+        failures: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
+        while len(out) + len(failures) < self.n:
+            if failures:  # survivors may be stuck in a collective: give them 10 s to report
+                deadline = min(deadline, first_failure + 10.0)
+            try:
+                rank, ok, value = self._results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+                if failures and time.monotonic() > deadline:
+                    break
+                if dead or time.monotonic() > deadline:
+                    self.close(kill=True)
+                    missing = sorted(set(range(self.n)) - set(out) - set(failures))
+                    reason = f"ranks {dead} died" if dead else f"timed out after {timeout:g}s"
+                    raise RankFailure(f"{what}: {reason}; no answer from ranks {missing}")
+                continue
+            if not ok and not failures:
+                first_failure = time.monotonic()
+            (out if ok else failures)[rank] = value
+        if failures:
+            self.close(kill=True)
+            first = min(failures)
+            raise RankFailure(f"{what} failed on rank {first}:\n{failures[first]}")
+        return [out[r] for r in range(self.n)]
+
+    def close(self, kill: bool = False) -> None:
+        if not kill:
+            for q in self._tasks:
+                q.put(None)
+            for p in self._procs:
+                p.join(timeout=10)
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        self._procs = []

@@ -1,0 +1,88 @@
+"""Single-process reference training: the plainest loop that defines the right answer.
+
+No plait parallel machinery at all: whole global batch in one forward, torch's own
+clip_grad_norm_, the same optimizer/schedule/data/dropout-key rules as the Trainer. Every
+parallel layout must reproduce its loss every step and its parameters at the end.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from plait.config import Config, build_config
+from plait.data import GlobalBatchSampler, load_tokens
+from plait.models.dropout import sample_keys
+from plait.optim import build_optimizer, lr_at, set_lr
+from plait.train import Corpus, build_model, corpus_from_tokens
+
+
+@functools.cache
+def _tokens(max_bytes: int):
+    return load_tokens(None, max_bytes)
+
+
+def small_config(
+    preset: str = "tiny-gpt",
+    dp: int = 1,
+    micro: int = 2,
+    accum: int = 1,
+    recompute: str = "none",
+    dropout: float = 0.0,
+    steps: int = 10,
+    bucket_mb: float = 0.02,
+    **train: object,
+) -> Config:
+    """A tiny run: seconds on CPU, yet every code path (buckets, accumulation) exercised."""
+    train_over = {
+        "steps": steps,
+        "micro_batch": micro,
+        "global_batch": micro * accum * dp,
+        "seq_len": 32,
+        "lr": 1e-3,
+        "min_lr": 1e-4,
+        "warmup_steps": 2,
+        "eval_every": 0,
+        "progress": False,
+        "out": "/tmp/plait-test-unused",
+        **train,
+    }
+    over = {
+        "model": {"dropout": dropout},
+        "parallel": {"dp": dp, "recompute": recompute, "bucket_mb": bucket_mb, "comm_timeout": 60},
+        "data": {"max_bytes": 300_000},
+        "train": train_over,
+    }
+    cfg = build_config(preset, over)
+    cfg.validate(check_data=False)
+    return cfg
+
+
+def corpus_for(cfg: Config) -> Corpus:
+    return corpus_from_tokens(_tokens(cfg.data.max_bytes), cfg)
+
+
+def reference_run(
+    cfg: Config, corpus: Corpus
+) -> tuple[list[float], list[float], list[torch.Tensor]]:
+    """Losses and gradient norms per step and final parameters of one process, global batch."""
+    t = cfg.train
+    model = build_model(cfg.model, torch.device("cpu"), t.seed)
+    opt = build_optimizer(model, t)
+    sampler = GlobalBatchSampler(len(corpus.train), t.global_batch, t.seed)
+    losses, norms = [], []
+    model.train()
+    for step in range(t.steps):
+        idx = sampler.next_batch()
+        keys = sample_keys(t.seed, step, torch.arange(t.global_batch))
+        set_lr(opt, lr_at(step, t))
+        x, y = corpus.train.batch(idx)
+        loss = model(x, y, keys)
+        loss.backward()
+        max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, norms, [p.detach().clone() for p in model.parameters()]

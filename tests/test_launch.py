@@ -1,0 +1,79 @@
+"""End to end through the real command: local spawn, torchrun, and failure on one rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+TINY = [
+    "--model", "tiny-gpt", "--dp", "2", "--steps", "4", "--seq-len", "32",
+    "--global-batch", "4", "--micro-batch", "1", "--eval-batches", "1", "--eval-every", "2",
+    "--max-bytes", "200000", "--no-progress",
+]  # fmt: skip
+
+
+def _plait(args: list[str], env: dict | None = None, launcher: list[str] | None = None):
+    cmd = (launcher or [sys.executable, "-m", "plait.cli"]) + ["train", *TINY, *args]
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=full_env)
+
+
+def _processes_with(marker: str) -> list[int]:
+    """PIDs whose environment carries `marker` (children inherit it; orphans would too)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if marker.encode() in (entry / "environ").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def test_train_dp2_writes_metrics_and_summary(tmp_path):
+    proc = _plait(["--out", str(tmp_path)])
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert all({"loss", "lr", "grad_norm", "tokens_per_s", "comm_bytes"} <= r.keys() for r in rows)
+    assert rows[0]["comm_bytes"]["all_reduce"] > 0
+    assert "val_loss" in rows[1] and "val_loss" in rows[3]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["layout"].startswith("dp=2")
+    assert "unigram baseline" in proc.stderr
+
+
+def test_failure_on_one_rank_stops_all_with_its_traceback(tmp_path):
+    marker = f"PLAIT_TEST_MARK_{uuid.uuid4().hex}"
+    proc = _plait(["--out", str(tmp_path)], env={"PLAIT_FAULT": "1:2", marker: "1"})
+    assert proc.returncode == 1
+    assert "a worker failed; all ranks stopped" in proc.stderr
+    assert "Process 1 terminated" in proc.stderr
+    assert "injected fault (PLAIT_FAULT=1:2) on rank 1 at step 2" in proc.stderr
+    assert "Traceback" in proc.stderr
+    assert _processes_with(marker) == []  # no orphan worker left behind
+    # what rank 0 wrote before the failure is on disk, line by line
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_under_torchrun_uses_its_environment(tmp_path):
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    torchrun += ["--standalone", "-m", "plait.cli"]
+    proc = _plait(["--out", str(tmp_path)], launcher=torchrun)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["world_size"] == 2
+
+
+def test_torchrun_world_must_match_layout(tmp_path):
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1"]
+    torchrun += ["--standalone", "-m", "plait.cli"]
+    proc = _plait(["--out", str(tmp_path)], launcher=torchrun)
+    assert proc.returncode != 0
+    assert "world size 1 != dp*pp*tp = 2*1*1 = 2" in proc.stderr

@@ -1,0 +1,202 @@
+"""Tests for plait.optim: parameter groups, the warmup + cosine schedule, gradient clipping."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from plait.config import TrainConfig
+from plait.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
+
+# --- schedule -----------------------------------------------------------------------------
+
+
+def sched(**kw: float) -> TrainConfig:
+    base = {"steps": 100, "warmup_steps": 10, "lr": 1e-3, "min_lr": 1e-4}
+    return TrainConfig(**{**base, **kw})
+
+
+def test_warmup_is_linear_and_reaches_lr() -> None:
+    cfg = sched()
+    warm = [lr_at(s, cfg) for s in range(cfg.warmup_steps)]
+    assert warm == pytest.approx([1e-3 * (s + 1) / 10 for s in range(10)])
+    steps = [b - a for a, b in itertools.pairwise(warm)]
+    assert steps == pytest.approx([1e-4] * 9)  # constant increments: linear
+    assert warm[0] > 0  # the first step already learns
+    assert lr_at(cfg.warmup_steps - 1, cfg) == pytest.approx(cfg.lr)
+    assert lr_at(cfg.warmup_steps, cfg) == pytest.approx(cfg.lr)  # cosine starts at the peak
+
+
+def test_peak_is_lr_and_end_is_min_lr() -> None:
+    cfg = sched()
+    lrs = [lr_at(s, cfg) for s in range(cfg.steps + 1)]
+    assert max(lrs) == pytest.approx(cfg.lr)
+    assert lr_at(cfg.steps, cfg) == pytest.approx(cfg.min_lr)
+    assert lr_at(cfg.steps + 50, cfg) == pytest.approx(cfg.min_lr)  # stays there
+    assert min(lrs) >= cfg.min_lr - 1e-15
+    # Halfway through the decay, cosine is at the midpoint of lr and min_lr.
+    mid = cfg.warmup_steps + (cfg.steps - cfg.warmup_steps) // 2
+    assert lr_at(mid, cfg) == pytest.approx((cfg.lr + cfg.min_lr) / 2)
+
+
+def test_monotone_decay_after_warmup() -> None:
+    cfg = sched()
+    decay = [lr_at(s, cfg) for s in range(cfg.warmup_steps, cfg.steps + 1)]
+    assert all(b < a for a, b in itertools.pairwise(decay))
+
+
+def test_cosine_shape() -> None:
+    cfg = sched(steps=110, warmup_steps=10)
+    for s in (10, 35, 60, 85, 110):
+        progress = (s - 10) / 100
+        expected = 1e-4 + 0.5 * (1e-3 - 1e-4) * (1 + math.cos(math.pi * progress))
+        assert lr_at(s, cfg) == pytest.approx(expected)
+
+
+def test_no_warmup_starts_at_peak() -> None:
+    cfg = sched(warmup_steps=0)
+    assert lr_at(0, cfg) == pytest.approx(cfg.lr)
+    assert lr_at(cfg.steps, cfg) == pytest.approx(cfg.min_lr)
+
+
+def test_warmup_longer_than_the_run_does_not_divide_by_zero() -> None:
+    cfg = sched(steps=5, warmup_steps=10)
+    assert [lr_at(s, cfg) for s in range(5)] == pytest.approx([1e-4, 2e-4, 3e-4, 4e-4, 5e-4])
+    cfg = sched(steps=10, warmup_steps=10)
+    assert lr_at(10, cfg) == pytest.approx(cfg.lr)  # span clamps to 1: progress 0
+
+
+# --- parameter groups ---------------------------------------------------------------------
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.norm = nn.LayerNorm(4)
+        self.proj = nn.Linear(4, 3)
+        self.frozen = nn.Linear(3, 3, bias=False)
+        self.frozen.weight.requires_grad_(False)
+
+
+def ids(group: dict) -> set[int]:
+    return {id(p) for p in group["params"]}
+
+
+def test_build_optimizer_groups() -> None:
+    model = Tiny()
+    cfg = TrainConfig(lr=2e-3, weight_decay=0.25, beta1=0.8, beta2=0.9)
+    opt = build_optimizer(model, cfg)
+    assert isinstance(opt, torch.optim.AdamW)
+    decay, no_decay = opt.param_groups
+    assert ids(decay) == {id(model.emb.weight), id(model.proj.weight)}
+    assert ids(no_decay) == {id(model.norm.weight), id(model.norm.bias), id(model.proj.bias)}
+    assert all(p.dim() >= 2 for p in decay["params"])
+    assert all(p.dim() < 2 for p in no_decay["params"])
+    assert decay["weight_decay"] == 0.25 and no_decay["weight_decay"] == 0.0
+    for g in (decay, no_decay):
+        assert g["lr"] == 2e-3 and g["betas"] == (0.8, 0.9)
+    # The frozen weight is in neither group.
+    assert id(model.frozen.weight) not in ids(decay) | ids(no_decay)
+
+
+def test_tied_parameter_appears_once() -> None:
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10))
+    model[1].weight = model[0].weight
+    opt = build_optimizer(model, TrainConfig())
+    decay, no_decay = opt.param_groups
+    assert len(decay["params"]) == 1 and len(no_decay["params"]) == 1
+
+
+def test_weight_decay_applies_only_to_matrices() -> None:
+    model = nn.Linear(3, 2)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+        model.bias.fill_(1.0)
+    opt = build_optimizer(model, TrainConfig(lr=0.1, weight_decay=0.5))
+    model.weight.grad = torch.zeros_like(model.weight)
+    model.bias.grad = torch.zeros_like(model.bias)
+    opt.step()
+    # Zero gradient: only decoupled weight decay moves a parameter (p *= 1 - lr * wd).
+    assert torch.allclose(model.weight, torch.full_like(model.weight, 0.95))
+    assert torch.equal(model.bias, torch.ones_like(model.bias))
+
+
+def test_set_lr_sets_every_group() -> None:
+    opt = build_optimizer(Tiny(), TrainConfig())
+    set_lr(opt, 0.123)
+    assert [g["lr"] for g in opt.param_groups] == [0.123, 0.123]
+
+
+# --- clipping -----------------------------------------------------------------------------
+
+
+def random_grads(seed: int, scale: float) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(7, 5), (5,), (3, 4, 2), (1,)]
+    return [torch.randn(s, generator=gen, dtype=torch.float64) * scale for s in shapes]
+
+
+def torch_reference(grads: list[torch.Tensor], max_norm: float) -> tuple[float, list]:
+    params = [nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g.clone()
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return float(norm), [p.grad for p in params]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("max_norm", [0.5, 1.0, 1e6])
+def test_clip_matches_torch(seed: int, max_norm: float) -> None:
+    grads = random_grads(seed, scale=1.0)
+    original = [g.clone() for g in grads]
+    ref_norm, ref_grads = torch_reference(grads, max_norm)
+    norm = clip_grad_norm(grads, max_norm)
+    assert isinstance(norm, float)
+    expected_norm = math.sqrt(sum(float((g**2).sum()) for g in original))
+    assert norm == pytest.approx(expected_norm, rel=1e-12)
+    assert norm == pytest.approx(ref_norm, rel=1e-12)
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-12, atol=0)
+    if max_norm < norm:  # actually clipped: the new norm is max_norm (up to the 1e-6 guard)
+        new = math.sqrt(sum(float((g**2).sum()) for g in grads))
+        assert new == pytest.approx(max_norm, rel=1e-5)
+        assert not torch.equal(grads[0], original[0])
+
+
+def test_no_clip_below_max_leaves_grads_unchanged() -> None:
+    grads = random_grads(3, scale=1e-3)
+    original = [g.clone() for g in grads]
+    norm = clip_grad_norm(grads, max_norm=1.0)
+    assert norm < 1.0
+    for g, o in zip(grads, original, strict=True):
+        assert torch.equal(g, o)
+
+
+def test_max_norm_zero_means_no_clipping() -> None:
+    grads = random_grads(4, scale=100.0)
+    original = [g.clone() for g in grads]
+    norm = clip_grad_norm(grads, max_norm=0.0)
+    assert norm == pytest.approx(math.sqrt(sum(float((g**2).sum()) for g in original)))
+    assert norm > 100.0
+    for g, o in zip(grads, original, strict=True):
+        assert torch.equal(g, o)
+
+
+def test_flat_buffer_and_per_parameter_grads_agree() -> None:
+    grads = random_grads(5, scale=2.0)
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    # Two flat "buckets" with views, as data parallel hands them over.
+    half = flat.numel() // 2
+    buffers = [flat[:half], flat[half:]]
+    per_param = [g.clone() for g in grads]
+    n_flat = clip_grad_norm(buffers, max_norm=1.0)
+    n_param = clip_grad_norm(per_param, max_norm=1.0)
+    assert n_flat == pytest.approx(n_param, rel=1e-12)
+    assert n_flat > 1.0
+    # Clipping in place through the buffers scaled the same values as per parameter.
+    torch.testing.assert_close(flat, torch.cat([g.reshape(-1) for g in per_param]))
