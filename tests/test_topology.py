@@ -140,3 +140,8 @@ def test_layout_is_immutable() -> None:
     layout = Layout(dp=2)
     with pytest.raises(AttributeError):
         layout.dp = 4  # type: ignore[misc]
+
+
+def test_bool_is_not_an_axis_size() -> None:
+    with pytest.raises(ConfigError, match="dp must be a positive integer, got True"):
+        Layout(dp=True)

@@ -153,8 +153,35 @@ def load_toml(path: str | Path) -> dict[str, dict[str, Any]]:
     return raw
 
 
+def _type_ok(annotation: str, value: Any) -> bool:
+    if value is None:
+        return "None" in annotation
+    if "bool" in annotation:
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    if "int" in annotation:
+        return isinstance(value, int)
+    if "float" in annotation:
+        return isinstance(value, int | float)
+    return isinstance(value, str)
+
+
+def check_types(cfg: Config) -> None:
+    """A TOML string where a number belongs must fail here, not deep inside a worker."""
+    for section in SECTIONS:
+        target = getattr(cfg, section)
+        for f in dataclasses.fields(target):
+            value = getattr(target, f.name)
+            if not _type_ok(str(f.type), value):
+                raise ConfigError(
+                    f"{section}.{f.name} must be {f.type}, got {value!r} ({type(value).__name__})"
+                )
+
+
 def validate_config(cfg: Config, check_data: bool = True) -> None:
     """Everything checkable before workers start; the first problem found is raised."""
+    check_types(cfg)
     cfg.model.validate()
     t, par = cfg.train, cfg.parallel
     layout = par.layout  # raises on dp < 1
@@ -203,8 +230,9 @@ def _validate_corpus(cfg: Config) -> None:
 
     t = cfg.train
     available = corpus_bytes_available(cfg.data.path, cfg.data.max_bytes)
-    train_windows = int(available * (1 - cfg.data.val_fraction) - 1) // t.seq_len
-    val_windows = int(available * cfg.data.val_fraction - 1) // t.seq_len
+    val_tokens = int(available * cfg.data.val_fraction)  # the same arithmetic as split_tokens
+    train_windows = (available - val_tokens - 1) // t.seq_len
+    val_windows = (val_tokens - 1) // t.seq_len
     source = cfg.data.path or "the default corpus"
     if train_windows < t.global_batch or val_windows < 1:
         raise ConfigError(

@@ -38,7 +38,7 @@ class Layout:
     def __post_init__(self) -> None:
         for axis in AXES:
             size = getattr(self, axis)
-            if not isinstance(size, int) or size < 1:
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise ConfigError(f"{axis} must be a positive integer, got {size!r}")
 
     @property

@@ -71,6 +71,8 @@ class ModelConfig:
         for name in ("vocab_size", "n_layers", "d_model", "n_heads", "max_seq_len"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"model.{name} must be >= 1, got {getattr(self, name)}")
+        if self.n_kv_heads is not None and self.n_kv_heads < 1:
+            raise ConfigError(f"model.n_kv_heads must be >= 1 (or unset), got {self.n_kv_heads}")
         if self.d_model % self.n_heads:
             raise ConfigError(
                 f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}"
