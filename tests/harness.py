@@ -86,6 +86,7 @@ class World:
         out: dict[int, Any] = {}
         failures: dict[int, str] = {}
         deadline = time.monotonic() + timeout
+        first_failure = 0.0
         while len(out) + len(failures) < self.n:
             if failures:  # survivors may be stuck in a collective: give them 10 s to report
                 deadline = min(deadline, first_failure + 10.0)
@@ -99,7 +100,7 @@ class World:
                     self.close(kill=True)
                     missing = sorted(set(range(self.n)) - set(out) - set(failures))
                     reason = f"ranks {dead} died" if dead else f"timed out after {timeout:g}s"
-                    raise RankFailure(f"{what}: {reason}; no answer from ranks {missing}")
+                    raise RankFailure(f"{what}: {reason}; no answer from ranks {missing}") from None
                 continue
             if not ok and not failures:
                 first_failure = time.monotonic()

@@ -205,3 +205,11 @@ def test_tiny_training_run_with_tensorboard(tmp_path: Path, corpus: Path) -> Non
     events = list((out / "tensorboard").glob("events.out.tfevents.*"))
     assert len(events) == 1 and events[0].stat().st_size > 0
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+def test_brackets_in_messages_survive(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Rich markup must not eat '[section]' or a gloo '[/path...]' in a message."""
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[optimizer]\nlr = 1.0\n")
+    message = error_of(["train", "--config", str(bad)], capsys)
+    assert "unknown config section [optimizer]" in message

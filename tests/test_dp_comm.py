@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import corpus_for, small_config
 
 from plait.comm import Comm
 from plait.errors import CommTimeoutError
 from plait.mesh import build_mesh
 from plait.topology import Layout
 from plait.train import Trainer
+from reference import corpus_for, small_config
 
 
 def _one_step_traffic(accum: int, bucket_mb: float) -> dict:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import corpus_for, reference_run, small_config
 
 from plait.mesh import build_mesh
 from plait.train import Trainer
+from reference import corpus_for, reference_run, small_config
 
 RTOL = 1e-5
 # Parameters: Adam divides by sqrt(v), so rounding-level gradient differences (summation

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import uuid
@@ -19,7 +20,18 @@ TINY = [
 def _plait(args: list[str], env: dict | None = None, launcher: list[str] | None = None):
     cmd = (launcher or [sys.executable, "-m", "plait.cli"]) + ["train", *TINY, *args]
     full_env = {**os.environ, **(env or {})}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=full_env)
+    # A session of its own, so a hung run is killed with all its workers, not just the parent.
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"timed out after 120 s; stderr:\n{err[-3000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def _processes_with(marker: str) -> list[int]:
@@ -54,7 +66,7 @@ def test_failure_on_one_rank_stops_all_with_its_traceback(tmp_path):
     proc = _plait(["--out", str(tmp_path)], env={"PLAIT_FAULT": "1:2", marker: "1"})
     assert proc.returncode == 1
     assert "a worker failed; all ranks stopped" in proc.stderr
-    assert "Process 1 terminated" in proc.stderr
+    assert "rank 1 failed first" in proc.stderr
     assert "injected fault (PLAIT_FAULT=1:2) on rank 1 at step 2" in proc.stderr
     assert "Traceback" in proc.stderr
     assert _processes_with(marker) == []  # no orphan worker left behind

@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from plait.config import SECTIONS, Config, build_config, flag_name, load_toml
@@ -102,19 +103,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config_from_args(args)
     except ConfigError as e:
-        err.print(f"[bold red]plait: error:[/] {e}", highlight=False)
+        err.print("[bold red]plait: error:[/] " + escape(str(e)), highlight=False)
         return 2
-    from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
-
-    from plait.launch import launch
+    from plait.launch import WorkerFailure, launch
 
     try:
         launch(cfg)
-    except ProcessRaisedException as e:
-        err.print(f"[bold red]plait: a worker failed; all ranks stopped.[/]\n{e}", highlight=False)
-        return 1
-    except ProcessExitedException as e:
-        err.print(f"[bold red]plait: a worker died; all ranks stopped:[/] {e}", highlight=False)
+    except WorkerFailure as e:
+        err.print("[bold red]plait: a worker failed; all ranks stopped.[/]")
+        err.print(str(e), markup=False, highlight=False)
         return 1
     return 0
 

@@ -62,7 +62,7 @@ class DataConfig:
 class TrainConfig:
     """The optimization loop."""
 
-    steps: int = field(default=300, metadata={"help": "optimizer steps"})
+    steps: int = field(default=600, metadata={"help": "optimizer steps"})
     micro_batch: int = field(default=8, metadata={"help": "sequences per micro-batch per rank"})
     global_batch: int = field(
         default=16, metadata={"help": "sequences per step = micro-batch x accumulation x dp"}

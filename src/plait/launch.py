@@ -8,8 +8,13 @@ failing rank's traceback is shown, and the launcher exits non-zero: no orphan su
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import socket
+import tempfile
+import time
+import traceback
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -47,21 +52,56 @@ def init_worker(cfg: Config, rank: int, world: int, local_rank: int, local_world
     return build_mesh(cfg.parallel.layout, device, cfg.parallel.comm_timeout)
 
 
-def worker(rank: int, cfg: Config, world: int, local_world: int, port: int | None) -> RunSummary:
+class WorkerFailure(RuntimeError):
+    """A local worker failed; carries the rank that failed first and its traceback."""
+
+    def __init__(self, rank: int, trace: str, others: list[int]) -> None:
+        self.rank, self.trace, self.others = rank, trace, others
+        also = f" (then ranks {others} failed too)" if others else ""
+        super().__init__(f"rank {rank} failed first{also}:\n{trace}")
+
+
+def worker(
+    rank: int,
+    cfg: Config,
+    world: int,
+    local_world: int,
+    port: int | None,
+    error_dir: str | None = None,
+) -> RunSummary:
     """Entry point of one spawned or torchrun-started worker."""
     if port is not None:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    mesh = init_worker(cfg, rank, world, local_rank, local_world)
     try:
+        mesh = init_worker(cfg, rank, world, local_rank, local_world)
         return run(cfg, mesh)
+    except BaseException:
+        if error_dir is not None:  # the launcher picks the earliest failure: the root cause
+            record = {"rank": rank, "time": time.time(), "traceback": traceback.format_exc()}
+            Path(error_dir, f"rank{rank}.json").write_text(json.dumps(record))
+        raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
+def _first_failure(error_dir: str, fallback: Exception) -> WorkerFailure:
+    """When one rank dies its peers fail next (closed connections): report the first."""
+    records = [json.loads(p.read_text()) for p in Path(error_dir).glob("rank*.json")]
+    if not records:
+        return WorkerFailure(getattr(fallback, "error_index", -1), str(fallback), [])
+    records.sort(key=lambda r: r["time"])
+    first = records[0]
+    return WorkerFailure(first["rank"], first["traceback"], [r["rank"] for r in records[1:]])
+
+
 def launch(cfg: Config) -> None:
-    """Run `cfg` on every worker it needs; raises the first failing rank's error."""
+    """Run `cfg` on every worker it needs; raises WorkerFailure naming the first failing rank.
+
+    torch.multiprocessing terminates the surviving workers as soon as one fails, so no
+    process outlives the launcher.
+    """
     world = cfg.parallel.layout.world_size
     if under_torchrun():
         env_world = int(os.environ["WORLD_SIZE"])
@@ -72,6 +112,13 @@ def launch(cfg: Config) -> None:
     if world == 1:
         worker(0, cfg, 1, 1, None)
         return
-    mp.start_processes(
-        worker, args=(cfg, world, world, free_port()), nprocs=world, start_method="spawn"
-    )
+    with tempfile.TemporaryDirectory(prefix="plait-errors-") as error_dir:
+        try:
+            mp.start_processes(
+                worker,
+                args=(cfg, world, world, free_port(), error_dir),
+                nprocs=world,
+                start_method="spawn",
+            )
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+            raise _first_failure(error_dir, e) from None
