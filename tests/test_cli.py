@@ -213,3 +213,17 @@ def test_brackets_in_messages_survive(capsys: pytest.CaptureFixture[str], tmp_pa
     bad.write_text("[optimizer]\nlr = 1.0\n")
     message = error_of(["train", "--config", str(bad)], capsys)
     assert "unknown config section [optimizer]" in message
+
+
+def test_schedule_command_draws_and_reports(tmp_path: Path, capsys) -> None:
+    argv = ["schedule", "--pp", "4", "--microbatches", "8", "--schedule", "1f1b"]
+    assert main([*argv, "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "0.2727" in out  # (p-1)/(m+p-1) = 3/11
+    assert (tmp_path / "1f1b-p4-m8.png").stat().st_size > 0
+
+
+def test_schedule_command_bad_sizes(capsys) -> None:
+    argv = ["schedule", "--pp", "4", "--microbatches", "6", "--schedule", "interleaved"]
+    message = error_of([*argv, "--virtual-stages", "2"], capsys)
+    assert "m a multiple of p, got m=6, p=4" in message

@@ -7,10 +7,11 @@ a fused backward costs b + w. Fractions keep every number exact.
 from __future__ import annotations
 
 from fractions import Fraction as Fr
+from itertools import pairwise
 
 import pytest
 
-from plait.parallel.pipeline.actions import Kind
+from plait.parallel.pipeline.actions import Kind, TimedAction
 from plait.parallel.pipeline.schedules import (
     SCHEDULES,
     build_schedule,
@@ -20,7 +21,7 @@ from plait.parallel.pipeline.schedules import (
     two_bw,
     zb_h1,
 )
-from plait.parallel.pipeline.simulate import Costs, predicted_bubble, simulate
+from plait.parallel.pipeline.simulate import Costs, measure, predicted_bubble, simulate
 from test_schedules import grid
 
 
@@ -82,11 +83,13 @@ def test_peak_in_flight():
     assert simulate(one_f_one_b(p, 2)).peak_in_flight == (2, 2, 2, 1)
     assert simulate(zb_h1(p, m)).peak_in_flight == (4, 3, 2, 1)  # same as 1F1B
     assert simulate(two_bw(p, m)).peak_in_flight == (4, 3, 2, 1)
-    # interleaved: 2(p-r-1) + (v-1)p + 1 chunk activations; rank 0 holds p + (p-1)/v stages
-    for v in (2, 3):
-        peaks = simulate(interleaved(p, m, v), unit(v)).peak_in_flight
-        assert peaks == tuple(2 * (p - r - 1) + (v - 1) * p + 1 for r in range(p))
-        assert Fr(peaks[0], v) == p + Fr(p - 1, v)
+    # interleaved (m > p): 2(p-r-1) + (v-1)p + 1 chunk activations, each 1/v of a stage's:
+    # p + (p-2r-1)/v stages, p + (p-1)/v on rank 0
+    for p in range(2, 6):
+        for m, v in ((2 * p, 2), (3 * p, 2), (2 * p, 3)):
+            peaks = simulate(interleaved(p, m, v), unit(v)).peak_in_flight
+            assert peaks == tuple(2 * (p - r - 1) + (v - 1) * p + 1 for r in range(p))
+            assert Fr(peaks[0], v) == p + Fr(p - 1, v)
     for p in range(1, 6):
         for m in range(1, 3 * p + 1):
             peaks = simulate(one_f_one_b(p, m)).peak_in_flight
@@ -129,5 +132,14 @@ def test_timings_are_sequential_per_rank():
     for r in range(3):
         ts = [t for t in sim.timings if t.rank == r]
         assert [t.index for t in ts] == list(range(len(sim.schedule.ranks[r])))
-        assert all(a.end <= b.start for a, b in zip(ts, ts[1:]))
+        assert all(a.end <= b.start for a, b in pairwise(ts))
     assert max(t.end for t in sim.timings) == sim.makespan
+
+
+def test_measure_uses_the_simulators_definition_on_shifted_records():
+    """A runtime's records start at wall-clock time, not 0: same bubble."""
+    sim = simulate(zb_h1(3, 5))
+    shifted = [
+        TimedAction(t.rank, t.index, t.action, t.start + 100, t.end + 100) for t in sim.timings
+    ]
+    assert measure(shifted, 3) == (sim.makespan, sim.busy, sim.bubble_fraction)

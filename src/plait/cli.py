@@ -1,4 +1,4 @@
-"""`plait` command line: `plait train`, `plait presets`.
+"""`plait` command line: `plait train`, `plait presets`, `plait schedule`.
 
 Flags are generated from the config dataclasses, so a field's help string is its flag's help
 and a new field is a new flag. Everything is validated here, before any worker starts.
@@ -54,6 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
     for section, cls in SECTIONS.items():
         _add_section(train, section, cls)
     sub.add_parser("presets", help="list model presets with their parameter counts")
+    sched = sub.add_parser(
+        "schedule", help="simulate a pipeline schedule (no model): bubble, memory, chart"
+    )
+    sched.add_argument("--pp", type=int, required=True, help="pipeline stages (ranks)")
+    sched.add_argument("--microbatches", type=int, required=True, help="micro-batches per step")
+    sched.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved, zb-h1, 2bw")
+    sched.add_argument("--virtual-stages", type=int, default=1, help="chunks per rank (v)")
+    sched.add_argument("--out", default=None, help="folder for the PNG chart and trace JSON")
     return parser
 
 
@@ -95,11 +103,27 @@ def _presets() -> int:
     return 0
 
 
+def _schedule(args: argparse.Namespace, err: Console) -> int:
+    from pathlib import Path
+
+    from plait.parallel.pipeline.schedule_cli import schedule_main
+
+    out = Path(args.out) if args.out else None
+    try:
+        schedule_main(args.pp, args.microbatches, args.schedule, args.virtual_stages, out)
+    except ConfigError as e:
+        err.print("[bold red]plait: error:[/] " + escape(str(e)), highlight=False)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "presets":
         return _presets()
     err = Console(stderr=True)
+    if args.command == "schedule":
+        return _schedule(args, err)
     try:
         cfg = config_from_args(args)
     except ConfigError as e:
