@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,10 +51,24 @@ class StepResult:
     tokens: int
 
 
-def build_model(cfg: ModelConfig, device: torch.device, seed: int) -> Transformer:
-    """Allocate on `device` and fill every parameter from its (seed, name) generator."""
-    with torch.device(device):
+def build_model(
+    cfg: ModelConfig,
+    device: torch.device,
+    seed: int,
+    parallelize: Callable[[Transformer], None] | None = None,
+) -> Transformer:
+    """Build on the meta device, parallelize, then materialize on `device` and initialize.
+
+    Building on meta first means a model too large for one device is never allocated whole:
+    `parallelize` (tensor-parallel sharding, pipeline stage split) shrinks it before any
+    memory is touched, and each parameter (or shard) is then filled from its (seed, name)
+    generator, so the values do not depend on the layout.
+    """
+    with torch.device("meta"):
         model = Transformer(cfg)
+    if parallelize is not None:
+        parallelize(model)
+    model.to_empty(device=device)
     init_parameters(model, seed, cfg)
     return model
 
