@@ -87,27 +87,28 @@ class Handle:
 
     def __init__(
         self,
-        work: dist.Work | None,
+        work: dist.Work | list[dist.Work] | None,
         describe: Callable[[], str],
         timeout_s: float,
         then: Callable[[], None] | None = None,
         blocking_wait: bool = True,
     ) -> None:
-        self._work = work
+        self._works = work if isinstance(work, list) else ([] if work is None else [work])
         self._describe = describe
         self._timeout_s = timeout_s
         self._then = then
         self._blocking = blocking_wait
-        self.done = work is None
+        self.done = not self._works
 
     def wait(self) -> None:
         if self.done:
             return
         try:
-            if self._blocking:
-                self._work.wait(timeout=datetime.timedelta(seconds=self._timeout_s))
-            else:  # NCCL: the stream waits; the watchdog enforces the process-group timeout
-                self._work.wait()
+            for work in self._works:
+                if self._blocking:
+                    work.wait(timeout=datetime.timedelta(seconds=self._timeout_s))
+                else:  # NCCL: the stream waits; the watchdog enforces the process-group timeout
+                    work.wait()
         except RuntimeError as e:
             text = str(e)
             if "timed out" in text.lower() or "timeout" in text.lower():
@@ -182,6 +183,29 @@ class Comm:
         global_src = self.mesh.ranks(axis)[src]
         work = dist.broadcast(t, src=global_src, group=self.mesh.group(axis), async_op=True)
         self._finish(work, "broadcast", axis, t, None, False)
+
+    def p2p(
+        self, ops: list[tuple[str, torch.Tensor, int]], axis: str = "pp", tag: str = ""
+    ) -> Handle:
+        """Post sends and receives together; ops are ('send'|'recv', tensor, peer axis-rank).
+
+        One batch (batch_isend_irecv) so NCCL can pair them without deadlock; a send and its
+        receive are matched by order between each pair of ranks.
+        """
+        ranks = self.mesh.ranks(axis)
+        p2p_ops = []
+        for kind, t, peer in ops:
+            self.stats.record(kind, axis, t, tag)
+            fn = dist.isend if kind == "send" else dist.irecv
+            p2p_ops.append(dist.P2POp(fn, t, ranks[peer], self.mesh.group(axis)))
+        works = dist.batch_isend_irecv(p2p_ops) if p2p_ops else []
+        step, me = self.stats.step, self.mesh.rank
+
+        def describe() -> str:
+            what = ", ".join(f"{k} {t.numel()} to/from {axis} rank {p}" for k, t, p in ops)
+            return f"p2p [{what}] at step {step} on rank {me}"
+
+        return Handle(works, describe, self.mesh.timeout_s, None, self._blocking_wait)
 
     def barrier(self, axis: str = "world") -> None:
         """A tiny all-reduce rather than dist.barrier, so it obeys the same deadline."""

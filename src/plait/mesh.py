@@ -36,10 +36,18 @@ class Mesh:
         return self.layout.world_size
 
     def size(self, axis: str) -> int:
-        return self.layout.world_size if axis == "world" else self.layout.size(axis)
+        if axis == "world":
+            return self.layout.world_size
+        if axis in AXES:
+            return self.layout.size(axis)
+        return len(self.group_ranks.get(axis, [self.rank]))
 
     def axis_rank(self, axis: str) -> int:
-        return self.rank if axis == "world" else self.coord.get(axis)
+        if axis == "world":
+            return self.rank
+        if axis in AXES:
+            return self.coord.get(axis)
+        return self.group_ranks[axis].index(self.rank)
 
     def group(self, axis: str) -> dist.ProcessGroup | None:
         """The process group of `axis` ('world' for all ranks); None when it has one rank."""
@@ -92,4 +100,20 @@ def build_mesh(layout: Layout, device: torch.device, timeout_s: float = 300.0) -
             if rank in ranks:
                 mine = group
         groups[axis] = mine
+    _add_pipeline_ends(layout, rank, timeout, groups, group_ranks)
     return Mesh(layout, rank, device, groups, group_ranks, timeout_s)
+
+
+def _add_pipeline_ends(layout: Layout, rank: int, timeout, groups: dict, group_ranks: dict) -> None:
+    """'pp_ends': first and last pipeline stage of each (dp, tp) position.
+
+    Tied input/output embeddings live on both ends of the pipeline; their gradients are summed
+    over this group (Megatron's embedding group). Middle stages are in no such group.
+    """
+    if layout.pp == 1:
+        return
+    for ranks in layout.axis_groups("pp"):
+        ends = [ranks[0], ranks[-1]]
+        group = dist.new_group(ends, timeout=timeout)
+        if rank in ends:
+            groups["pp_ends"], group_ranks["pp_ends"] = group, ends

@@ -208,7 +208,8 @@ class Transformer(nn.Module):
 
         Called again by `init_parameters` because `Module.to_empty` unties shared weights.
         """
-        if self.cfg.tie_embeddings:
+        # A pipeline stage may hold only one end (the other is on another rank; see stage.py).
+        if self.cfg.tie_embeddings and hasattr(self.embed, "tok") and hasattr(self.head, "weight"):
             self.head.weight = self.embed.tok.weight
 
     def forward(
@@ -217,6 +218,10 @@ class Transformer(nn.Module):
         x = self.embed(tokens, keys)  # (b, s, h)
         for block in self.blocks:
             x = block(x, keys)  # (b, s, h)
+        return self.output(x, targets)
+
+    def output(self, x: Tensor, targets: Tensor | None = None) -> Tensor:
+        """Final norm and head: logits, or the mean loss given targets (the last stage's job)."""
         logits = self.head(self.norm(x))  # (b, s, V)
         if targets is None:
             return logits
