@@ -99,7 +99,6 @@ class PlaitSide(Side):
         ph = dict.fromkeys(PHASES, 0.0)
         clock = time.perf_counter
         self.comm.stats.begin_step(self.step)
-        self.dp.begin_step()
         n, loss_sum = len(micro), 0.0
         for i, (x, y) in enumerate(micro):
             t0 = clock()
@@ -114,7 +113,8 @@ class PlaitSide(Side):
         t0 = clock()
         self.dp.finish()
         t1 = clock()
-        clip_grad_norm(self.dp.grad_buffers(), self.clip)
+        if self.clip > 0:  # clip 0 = off on both sides (torch's clip_grad_norm_(0) zeroes)
+            clip_grad_norm(self.dp.grad_buffers(), self.clip)
         t2 = clock()
         self.opt.step()
         t3 = clock()
@@ -155,7 +155,8 @@ class DDPSide(Side):
             ph["backward"] += t2 - t1
             loss_sum += float(loss.detach())
         t0 = clock()
-        torch.nn.utils.clip_grad_norm_(self.params, self.clip)
+        if self.clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, self.clip)
         t1 = clock()
         self.opt.step()
         t2 = clock()
@@ -216,6 +217,7 @@ def worker(rank: int, world: int, opts: argparse.Namespace) -> dict:
         "plait": {
             **summarize(plait_side.times),
             "phases_median_ms": {k: median(v) * 1e3 for k, v in plait_side.phases.items()},
+            "times_ms": [t * 1e3 for t in plait_side.times],
             "grad_allreduce_bytes_per_step": plait_side.grad_bytes[-1],
             "grad_allreduce_calls_per_step": plait_side.grad_calls[-1],
             "buckets": len(plait_side.dp.buckets),
@@ -225,6 +227,7 @@ def worker(rank: int, world: int, opts: argparse.Namespace) -> dict:
         "ddp": {
             **summarize(ddp_side.times),
             "phases_median_ms": {k: median(v) * 1e3 for k, v in ddp_side.phases.items()},
+            "times_ms": [t * 1e3 for t in ddp_side.times],
             **ddp_side.bucket_info(),
         },
         "ratio_of_medians": median(plait_side.times) / median(ddp_side.times),
@@ -332,7 +335,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--accum", type=int, default=1, help="micro-batches per step")
     ap.add_argument("--bucket-mb", type=float, default=1.0, help="plait bucket_mb = DDP cap")
     ap.add_argument("--ddp-grad-view", action="store_true", help="gradient_as_bucket_view")
-    ap.add_argument("--clip", type=float, default=1.0, help="grad-norm clip (both sides)")
+    ap.add_argument("--clip", type=float, default=1.0, help="grad-norm clip (both sides); 0 = off")
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--data", choices=("synthetic", "real"), default="synthetic")
     ap.add_argument("--data-path", default=None, help="real data: file or folder")

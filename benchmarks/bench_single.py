@@ -78,7 +78,8 @@ def plain_step_fn(model, opt, clip: float, next_micro: Callable[[], list]) -> Ca
             loss = model(x, y)
             (loss / n).backward()
             loss_sum += float(loss.detach())
-        torch.nn.utils.clip_grad_norm_(params, clip)
+        if clip > 0:  # clip 0 = off (torch's clip_grad_norm_ with 0 would zero the grads)
+            torch.nn.utils.clip_grad_norm_(params, clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss_sum / n
@@ -94,7 +95,6 @@ def plait_dp_step_fn(model, opts, train_cfg, next_micro) -> tuple[Callable[[], f
 
     def step() -> float:
         comm.stats.begin_step(counter[0])
-        dp.begin_step()
         micro = next_micro()
         n, loss_sum = len(micro), 0.0
         for i, (x, y) in enumerate(micro):
@@ -103,7 +103,8 @@ def plait_dp_step_fn(model, opts, train_cfg, next_micro) -> tuple[Callable[[], f
             (loss / n).backward()
             loss_sum += float(loss.detach())
         dp.finish()
-        clip_grad_norm(dp.grad_buffers(), opts.clip)
+        if opts.clip > 0:
+            clip_grad_norm(dp.grad_buffers(), opts.clip)
         opt.step()
         dp.zero_grad()
         counter[0] += 1
@@ -210,8 +211,12 @@ def run(opts: argparse.Namespace) -> dict:
     return {
         "machine": machine(),
         "config": {**vars(opts), "threads": torch.get_num_threads()},
-        "plait": {**summarize(plait_side.times), **extra},
-        "plain": summarize(plain_side.times),
+        "plait": {
+            **summarize(plait_side.times),
+            **extra,
+            "times_ms": [t * 1e3 for t in plait_side.times],
+        },
+        "plain": {**summarize(plain_side.times), "times_ms": [t * 1e3 for t in plain_side.times]},
         "ratio_of_medians": median(plait_side.times) / median(plain_side.times),
         "paired_block_ratio": paired_ratio(plait_side.block_medians, plain_side.block_medians),
         "block_ratios": [

@@ -119,6 +119,7 @@ def _entry(rank: int, fn: Callable, world: int, port: int, out_dir: str, args: t
         result = fn(rank, world, *args)
         if rank == 0:
             Path(out_dir, "result.json").write_text(json.dumps(result))
+        dist.barrier()  # nobody tears down gloo while a peer still talks to it
     finally:
         dist.destroy_process_group()
 

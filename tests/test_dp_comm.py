@@ -93,3 +93,24 @@ def test_collectives_and_their_accounting(world2):
     assert rows["all_gather"]["elements"] == 4  # the gathered (full) buffer
     assert rows["reduce_scatter"]["elements"] == 4  # the input before scattering
     assert rows["broadcast"]["bytes"] == 4
+
+
+def _optimizer_zero_grad_is_enough() -> list[float]:
+    """The usual torch idiom (optimizer.zero_grad) must not leak gradients across steps."""
+    cfg = small_config(dp=2, steps=3)
+    mesh = build_mesh(cfg.parallel.layout, torch.device("cpu"), 60)
+    trainer = Trainer(cfg, mesh, corpus_for(cfg))
+    x, y = trainer.corpus.train.batch(torch.arange(2))
+    norms = []
+    for _ in range(3):
+        trainer.model(x, y).backward()
+        trainer.dp.finish()
+        norms.append(float(torch.cat([g.flatten() for g in trainer.dp.grad_buffers()]).norm()))
+        trainer.optimizer.zero_grad()  # not dp.zero_grad(); no optimizer step: same gradient
+    trainer.close()
+    return norms
+
+
+def test_optimizer_zero_grad_is_enough(world2):
+    norms = world2.run(_optimizer_zero_grad_is_enough)[0]
+    assert norms[0] == pytest.approx(norms[1], rel=1e-6) and norms[1] == pytest.approx(norms[2])

@@ -120,7 +120,6 @@ class Trainer:
         t = self.cfg.train
         start = time.perf_counter()
         self.comm.stats.begin_step(self.step)
-        self.dp.begin_step()
         share, positions = replica_share(
             self.sampler.next_batch(), self.mesh.coord.dp, self.mesh.size("dp")
         )

@@ -43,6 +43,7 @@ class DataParallel:
             for p, view in zip(bucket.params, bucket.views, strict=True):
                 self._slot[p] = (bucket, view)
         self.sync = True
+        self._stale = False
         self.launch_log: list[tuple[int, str]] = []  # (bucket, 'backward'|'finish'), last step
         self._next_launch = 0
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
@@ -61,13 +62,20 @@ class DataParallel:
         for p in self.params:
             p.grad = self._slot[p][1]
         self._reset_pending()
+        self._stale = True
 
-    def zero_grad(self) -> None:
-        """Zero the buckets and detach `p.grad`, so the next backward starts from zero."""
+    def zero_grad(self, keep: nn.Parameter | None = None) -> None:
+        """Zero the buckets and detach `p.grad`, so the next backward starts from zero.
+
+        Also done automatically at the first gradient after `finish()`, so the usual
+        `optimizer.zero_grad()` is enough (it sets every `p.grad` to None).
+        """
         for bucket in self.buckets:
             bucket.buffer.zero_()
         for p in self.params:
-            p.grad = None
+            if p is not keep:
+                p.grad = None
+        self._stale = False
 
     def grad_buffers(self) -> list[torch.Tensor]:
         """The flat buffers (for norms and clipping without touching each parameter)."""
@@ -80,6 +88,8 @@ class DataParallel:
 
     # -- internals --------------------------------------------------------------------
     def _on_grad(self, p: nn.Parameter) -> None:
+        if self._stale:  # first gradient since finish(): the buckets still hold the last step's
+            self.zero_grad(keep=p)
         bucket, view = self._slot[p]
         view.add_(p.grad)
         p.grad = None  # the bucket holds it now; free the per-parameter copy
@@ -93,8 +103,13 @@ class DataParallel:
             bucket = self.buckets[self._next_launch]
             if bucket.pending > 0 and not force:
                 return
+            if self._next_launch == 0:
+                self.launch_log = []
+            # Divide before the sum, while backward still runs, rather than after the wait.
+            if (n := self.comm.mesh.size(self.axis)) > 1:
+                bucket.buffer.div_(n)
             bucket.handle = self.comm.all_reduce(
-                bucket.buffer, self.axis, op="avg", tag="grad", async_op=True
+                bucket.buffer, self.axis, op="sum", tag="grad", async_op=True
             )
             bucket.launched = True
             self.launch_log.append((bucket.index, "finish" if force else "backward"))
@@ -106,7 +121,3 @@ class DataParallel:
             bucket.launched = False
             bucket.handle = None
         self._next_launch = 0
-
-    def begin_step(self) -> None:
-        """Forget the previous step's launch log (kept for tests and telemetry)."""
-        self.launch_log = []
