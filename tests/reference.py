@@ -32,6 +32,11 @@ def small_config(
     dropout: float = 0.0,
     steps: int = 10,
     bucket_mb: float = 0.02,
+    pp: int = 1,
+    schedule: str = "1f1b",
+    virtual_stages: int = 1,
+    stage_layers: str = "",
+    n_layers: int | None = None,
     **train: object,
 ) -> Config:
     """A tiny run: seconds on CPU, yet every code path (buckets, accumulation) exercised."""
@@ -48,9 +53,19 @@ def small_config(
         "out": "/tmp/plait-test-unused",
         **train,
     }
+    model = {"dropout": dropout} | ({"n_layers": n_layers} if n_layers else {})
     over = {
-        "model": {"dropout": dropout},
-        "parallel": {"dp": dp, "recompute": recompute, "bucket_mb": bucket_mb, "comm_timeout": 60},
+        "model": model,
+        "parallel": {
+            "dp": dp,
+            "pp": pp,
+            "schedule": schedule,
+            "virtual_stages": virtual_stages,
+            "stage_layers": stage_layers,
+            "recompute": recompute,
+            "bucket_mb": bucket_mb,
+            "comm_timeout": 60,
+        },
         "data": {"max_bytes": 300_000},
         "train": train_over,
     }
@@ -67,8 +82,13 @@ def reference_run(
     cfg: Config, corpus: Corpus
 ) -> tuple[list[float], list[float], list[torch.Tensor]]:
     """Losses and gradient norms per step and final parameters of one process, global batch."""
+    model = build_model(cfg.model, torch.device("cpu"), cfg.train.seed)
+    losses, norms, params = _train(model, cfg, corpus)
+    return losses, norms, params
+
+
+def _train(model, cfg: Config, corpus: Corpus):
     t = cfg.train
-    model = build_model(cfg.model, torch.device("cpu"), t.seed)
     opt = build_optimizer(model, t)
     sampler = GlobalBatchSampler(len(corpus.train), t.global_batch, t.seed)
     losses, norms = [], []
@@ -86,3 +106,23 @@ def reference_run(
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
     return losses, norms, [p.detach().clone() for p in model.parameters()]
+
+
+def reference_run_named(cfg: Config, corpus: Corpus):
+    """reference_run with parameters by name, plus the final validation loss."""
+    t = cfg.train
+    model = build_model(cfg.model, torch.device("cpu"), t.seed)
+    losses, norms, _ = _train(model, cfg, corpus)
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return losses, norms, params, _validation(model, cfg, corpus)
+
+
+@torch.no_grad()
+def _validation(model, cfg: Config, corpus: Corpus) -> float:
+    from plait.data import eval_indices
+
+    t = cfg.train
+    idx = eval_indices(len(corpus.val), t.eval_batches * t.global_batch)
+    model.eval()
+    x, y = corpus.val.batch(idx)
+    return float(model(x, y))

@@ -89,3 +89,18 @@ def test_torchrun_world_must_match_layout(tmp_path):
     proc = _plait(["--out", str(tmp_path)], launcher=torchrun)
     assert proc.returncode != 0
     assert "world size 1 != dp*pp*tp = 2*1*1 = 2" in proc.stderr
+
+
+def test_pipeline_trace_chart_and_measured_bubble(tmp_path):
+    proc = _plait(["--out", str(tmp_path), "--dp", "1", "--pp", "2", "--microbatches", "4",
+                   "--schedule", "gpipe", "--trace"])  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    name = "pipeline-gpipe-p2-m4-v1"
+    trace = json.loads((tmp_path / f"{name}.trace.json").read_text())
+    computes = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["name"][0] in "FB"]
+    assert len(computes) == 2 * 2 * 4  # F and B of 4 micro-batches on each of 2 ranks
+    assert (tmp_path / f"{name}.png").stat().st_size > 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert 0 < summary["pipeline"]["measured_bubble"] < 1
+    assert summary["pipeline"]["simulated_bubble"] > 0
+    assert "pipeline bubble (gpipe)" in proc.stderr

@@ -30,6 +30,20 @@ class ParallelConfig:
     """How the work is split across processes."""
 
     dp: int = field(default=1, metadata={"help": "data-parallel replicas"})
+    pp: int = field(default=1, metadata={"help": "pipeline-parallel stages (ranks)"})
+    schedule: str = field(
+        default="1f1b", metadata={"help": "pipeline schedule: gpipe, 1f1b, interleaved, zb-h1"}
+    )
+    virtual_stages: int = field(
+        default=1, metadata={"help": "model chunks per pipeline rank (interleaved schedule)"}
+    )
+    microbatches: int = field(
+        default=0,
+        metadata={"help": "micro-batches per step; sets micro-batch = global / (dp x this)"},
+    )
+    stage_layers: str = field(
+        default="", metadata={"help": "layers per pipeline stage, e.g. '3,3,2'; default even"}
+    )
     bucket_mb: float = field(default=25.0, metadata={"help": "gradient bucket size in MiB"})
     recompute: str = field(
         default="none", metadata={"help": "activation recomputation: none, full or selective"}
@@ -40,7 +54,18 @@ class ParallelConfig:
 
     @property
     def layout(self) -> Layout:
-        return Layout(dp=self.dp)
+        return Layout(dp=self.dp, pp=self.pp)
+
+    def stage_layer_counts(self) -> list[int] | None:
+        """`stage_layers` as numbers, or None for an even split."""
+        if not self.stage_layers.strip():
+            return None
+        try:
+            return [int(x) for x in self.stage_layers.split(",")]
+        except ValueError:
+            raise ConfigError(
+                f"stage_layers must be comma-separated integers, got {self.stage_layers!r}"
+            ) from None
 
 
 @dataclass
@@ -85,6 +110,10 @@ class TrainConfig:
     )
     device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
     progress: bool = field(default=True, metadata={"help": "show a progress bar on rank 0"})
+    trace: bool = field(
+        default=False,
+        metadata={"help": "pipeline: write a Chrome trace and Gantt chart of the last step"},
+    )
 
 
 @dataclass
@@ -134,7 +163,20 @@ def build_config(preset: str, overrides: dict[str, dict[str, Any]]) -> Config:
                     f"unknown key {key!r} in [{section}]; known: {', '.join(sorted(names))}"
                 )
             setattr(target, key, value)
+    _derive_micro_batch(cfg)
     return cfg
+
+
+def _derive_micro_batch(cfg: Config) -> None:
+    """--microbatches M fixes the micro-batch size: global batch / (dp x M)."""
+    m, dp, g = cfg.parallel.microbatches, cfg.parallel.dp, cfg.train.global_batch
+    if not isinstance(m, int) or isinstance(m, bool) or m <= 0:
+        return
+    if not isinstance(dp, int) or not isinstance(g, int) or dp < 1 or g % (dp * m):
+        raise ConfigError(
+            f"global batch {g} is not divisible by dp {dp} x microbatches {m} = {dp * m}"
+        )
+    cfg.train.micro_batch = g // (dp * m)
 
 
 def load_toml(path: str | Path) -> dict[str, dict[str, Any]]:
@@ -213,6 +255,7 @@ def validate_config(cfg: Config, check_data: bool = True) -> None:
         raise ConfigError(
             f"bucket_mb and comm_timeout must be > 0; got {par.bucket_mb}, {par.comm_timeout}"
         )
+    _validate_pipeline(cfg)
     if t.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"device must be auto, cpu or cuda; got {t.device!r}")
     if cfg.model.vocab_size < 256:
@@ -223,6 +266,25 @@ def validate_config(cfg: Config, check_data: bool = True) -> None:
         raise ConfigError(f"data.val_fraction must be in (0, 1), got {cfg.data.val_fraction}")
     if check_data:
         _validate_corpus(cfg)
+
+
+def _validate_pipeline(cfg: Config) -> None:
+    """Schedule, micro-batch count and stage split are checked without starting anything."""
+    from plait.parallel.pipeline.schedules import build_schedule  # pure, no processes
+    from plait.parallel.pipeline.stage import split_layers
+
+    par = cfg.parallel
+    if par.pp == 1:
+        if par.virtual_stages != 1:
+            raise ConfigError(f"virtual_stages={par.virtual_stages} needs pp > 1")
+        return
+    if par.schedule == "2bw":
+        raise ConfigError(
+            "schedule '2bw' can be simulated (plait schedule) but the runtime does not run it "
+            "yet; choose gpipe, 1f1b, interleaved or zb-h1"
+        )
+    build_schedule(par.schedule, par.pp, cfg.accumulation, par.virtual_stages)
+    split_layers(cfg.model.n_layers, par.pp * par.virtual_stages, par.stage_layer_counts())
 
 
 def _validate_corpus(cfg: Config) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -35,13 +36,21 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def clip_grad_norm(grads: list[torch.Tensor], max_norm: float) -> float:
+def clip_grad_norm(
+    grads: list[torch.Tensor],
+    max_norm: float,
+    reduce_sq: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> float:
     """Global L2 norm of `grads` (flat buffers or per-parameter); scale them down if above.
 
     Same rule as torch.nn.utils.clip_grad_norm_: coefficient max_norm / (norm + 1e-6), capped
-    at 1. Taking flat buffers avoids one kernel per parameter.
+    at 1. Taking flat buffers avoids one kernel per parameter. `reduce_sq` turns this rank's
+    squared norm into the model's (summing over pipeline stages, counting shared parameters
+    once) when the model is split across ranks.
     """
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    if reduce_sq is not None:
+        norm = reduce_sq(norm.pow(2)).sqrt()
     if max_norm > 0:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for g in grads:

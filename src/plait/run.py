@@ -36,6 +36,12 @@ def _row(r: StepResult, trainer: Trainer, flops_per_token: int, peak: float | No
     return row
 
 
+def _trace(trainer: Trainer, out: Path, lead: bool) -> dict | None:
+    """The last step's pipeline timeline: every pp rank's actions, drawn and measured."""
+    timings = trainer.pipeline.gather_timings()  # collective over the pp axis
+    return trainer.pipeline.report(timings, out) if lead else None
+
+
 def run(cfg: Config, mesh: Mesh, corpus: Corpus | None = None) -> RunSummary:
     """Train `cfg` on this rank; returns the summary (identical numbers on every rank)."""
     t = cfg.train
@@ -80,6 +86,8 @@ def run(cfg: Config, mesh: Mesh, corpus: Corpus | None = None) -> RunSummary:
                 val = f" val {summary.val_loss:.3f}" if summary.val_loss is not None else ""
                 info = f"loss {result.loss:.3f}{val} {row['tokens_per_s']:,.0f} tok/s"
                 progress.update(task, advance=1, info=info)
+        if t.trace and trainer.pipeline:
+            summary.pipeline = _trace(trainer, Path(t.out), lead)
     finally:
         if progress:
             progress.stop()

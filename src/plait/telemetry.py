@@ -79,6 +79,7 @@ class RunSummary:
     peak_flops: float | None = None
     world_size: int = 1
     comm_bytes_per_step: dict[str, int] = field(default_factory=dict)
+    pipeline: dict | None = None  # measured vs simulated bubble, with --trace
 
     @property
     def median_step_s(self) -> float:
@@ -120,4 +121,8 @@ def summary_table(s: RunSummary) -> Table:
     table.add_row("model FLOP/s", f"{flops / 1e9:.2f} GFLOP/s{mfu}")
     for op, nbytes in sorted(s.comm_bytes_per_step.items()):
         table.add_row(f"{op} per step", f"{nbytes / 2**20:.2f} MiB")
+    if s.pipeline:
+        bubble = f"{s.pipeline['measured_bubble']:.1%} measured"
+        bubble += f", {s.pipeline['simulated_bubble']:.1%} simulated from measured costs"
+        table.add_row(f"pipeline bubble ({s.pipeline['schedule']})", bubble)
     return table

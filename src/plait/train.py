@@ -36,6 +36,8 @@ from plait.models.dropout import sample_keys
 from plait.models.transformer import Transformer, init_parameters
 from plait.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from plait.parallel.data_parallel import DataParallel
+from plait.parallel.pipeline.engine import PipelineEngine
+from plait.parallel.pipeline.runtime import MicroBatch
 from plait.parallel.recompute import apply_recompute
 
 
@@ -102,9 +104,13 @@ class Trainer:
         self.device = mesh.device
         self.comm = Comm(mesh)
         self.corpus = corpus or load_corpus(cfg)
-        self.model = build_model(cfg.model, self.device, cfg.train.seed)
+        self.pipeline = PipelineEngine(cfg, mesh, self.comm) if mesh.size("pp") > 1 else None
+        prune = self.pipeline.prune if self.pipeline else None
+        self.model = build_model(cfg.model, self.device, cfg.train.seed, prune)
         apply_recompute(self.model, cfg.parallel.recompute)
         self.dp = DataParallel(self.model, self.comm, cfg.parallel.bucket_mb)
+        if self.pipeline:
+            self.pipeline.attach(self.model, self.dp)
         self.optimizer = build_optimizer(self.model, cfg.train)
         self.sampler = GlobalBatchSampler(
             len(self.corpus.train), cfg.train.global_batch, cfg.train.seed
@@ -128,19 +134,19 @@ class Trainer:
         lr = lr_at(self.step, t)
         set_lr(self.optimizer, lr)
         self.model.train()
-        loss_sum = torch.zeros((), device=self.device)
-        n = len(micro_idx)
-        for i, (idx, key) in enumerate(zip(micro_idx, micro_keys, strict=True)):
-            x, y = (v.to(self.device) for v in self.corpus.train.batch(idx))
-            self.dp.micro_batch(is_last=i == n - 1)
-            loss = self.model(x, y, key.to(self.device))  # mean over this micro-batch's tokens
-            (loss / n).backward()
-            loss_sum += loss.detach()
+        if self.pipeline:
+            micro = [self._micro(idx, key) for idx, key in zip(micro_idx, micro_keys, strict=True)]
+            mean_loss = self.pipeline.run(micro)
+        else:
+            mean_loss = self._accumulate(micro_idx, micro_keys)
         self.dp.finish()
-        grad_norm = clip_grad_norm(self.dp.grad_buffers(), t.grad_clip)
+        reduce_sq = None
+        if self.pipeline:
+            self.pipeline.sync_tied_grads()
+            reduce_sq = self.pipeline.squared_norm
+        grad_norm = clip_grad_norm(self.dp.grad_buffers(), t.grad_clip, reduce_sq)
         self.optimizer.step()
         self.dp.zero_grad()
-        mean_loss = loss_sum / n
         self.comm.all_reduce(mean_loss, "dp", op="avg", tag="loss")
         synchronize(self.device)
         elapsed = time.perf_counter() - start
@@ -149,18 +155,40 @@ class Trainer:
             self.step - 1, float(mean_loss), lr, grad_norm, elapsed, self.tokens_per_step
         )
 
+    def _micro(self, idx: torch.Tensor, key: torch.Tensor) -> MicroBatch:
+        x, y = (v.to(self.device) for v in self.corpus.train.batch(idx))
+        return MicroBatch(x, y, key.to(self.device))
+
+    def _accumulate(self, micro_idx: list, micro_keys: list) -> torch.Tensor:
+        """Gradient accumulation without a pipeline; returns the mean micro-batch loss."""
+        loss_sum = torch.zeros((), device=self.device)
+        n = len(micro_idx)
+        for i, (idx, key) in enumerate(zip(micro_idx, micro_keys, strict=True)):
+            mb = self._micro(idx, key)
+            self.dp.micro_batch(is_last=i == n - 1)
+            loss = self.model(mb.tokens, mb.targets, mb.keys)  # mean over its tokens
+            (loss / n).backward()
+            loss_sum += loss.detach()
+        return loss_sum / n
+
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean token loss over a fixed set of validation windows, split across replicas."""
         t = self.cfg.train
         idx = eval_indices(len(self.corpus.val), t.eval_batches * t.global_batch)
         mine = torch.tensor_split(idx, self.mesh.size("dp"))[self.mesh.coord.dp]
-        totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # (loss sum, tokens)
         self.model.eval()
+        batches = []
         for chunk in torch.split(mine, t.micro_batch):
             x, y = (v.to(self.device) for v in self.corpus.val.batch(chunk))
-            totals[0] += self.model(x, y).double() * y.numel()
-            totals[1] += y.numel()
+            batches.append(MicroBatch(x, y, torch.zeros(len(chunk), dtype=torch.int64)))
+        if self.pipeline:
+            totals = self.pipeline.evaluate(batches)
+        else:
+            totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # (loss sum, tokens)
+            for mb in batches:
+                totals[0] += self.model(mb.tokens, mb.targets).double() * mb.targets.numel()
+                totals[1] += mb.targets.numel()
         self.comm.all_reduce(totals, "dp", op="sum", tag="eval")
         return float(totals[0] / totals[1])
 

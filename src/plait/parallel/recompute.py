@@ -43,7 +43,8 @@ def apply_recompute(model: nn.Module, mode: str) -> list[nn.Module]:
         raise ConfigError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}; got {mode!r}")
     if mode == "none":
         return []
-    targets = [blk if mode == "full" else blk.attn.core for blk in model.blocks]
+    blocks = [blk for blk in model.blocks if hasattr(blk, "attn")]  # skip other stages' blocks
+    targets = [blk if mode == "full" else blk.attn.core for blk in blocks]
     for module in targets:
         checkpoint_module(module)
     return targets

@@ -1,0 +1,171 @@
+"""Execute one rank's pipeline schedule: compute actions on its stages, p2p for the rest.
+
+The runtime walks the rank's action list front to back in the batches `comm_batches` gives:
+a compute action alone, or a run of consecutive sends/receives posted together (one
+batch_isend_irecv) and waited for. The validator proves every schedule deadlock-free under
+exactly this execution model, so the runtime needs no logic of its own about ordering.
+
+Gradient accumulation is exact: each micro-batch's loss (a mean over its tokens) is divided
+by m before backward, so the accumulated gradient is that of the step's mean loss. Data
+parallelism overlaps as without a pipeline: a chunk's parameters are marked final on the
+action that produces their last micro-batch's gradients (B, or W where the backward is split).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from plait.comm import Comm
+from plait.parallel.data_parallel import DataParallel
+from plait.parallel.pipeline.actions import Action, Kind, Schedule, TimedAction, comm_batches
+from plait.parallel.pipeline.stage import StagePlan, run_stage
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch as every stage sees it (tokens used by stage 0, targets by the last)."""
+
+    tokens: Tensor  # (b, s)
+    targets: Tensor  # (b, s)
+    keys: Tensor  # (b,) dropout keys
+
+
+@dataclass
+class _StepState:
+    """Tensors in flight during one step, keyed by (micro-batch, chunk)."""
+
+    inputs: dict = field(default_factory=dict)  # stage inputs (activations needing grad)
+    outputs: dict = field(default_factory=dict)  # stage outputs (activations or scaled loss)
+    grads_in: dict = field(default_factory=dict)  # gradient w.r.t. input, to send back
+    grads_out: dict = field(default_factory=dict)  # received gradient w.r.t. output
+    pending_w: dict = field(default_factory=dict)  # (output, grad) awaiting W
+    loss_sum: Tensor | None = None
+
+
+class PipelineRuntime:
+    """Runs `schedule` for pipeline rank `rank` over the stages in `plans` (one per chunk)."""
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        rank: int,
+        model: nn.Module,
+        plans: list[StagePlan],
+        comm: Comm,
+        dp: DataParallel,
+        activation_shape: tuple[int, ...],
+    ) -> None:
+        self.schedule = schedule
+        self.rank = rank
+        self.model = model
+        self.plans = plans
+        self.comm = comm
+        self.dp = dp
+        self.activation_shape = activation_shape
+        self.actions = schedule.ranks[rank]
+        self.batches = comm_batches(self.actions)
+        self.chunk_params = [self._params_of(plan) for plan in plans]
+        grad_kind = Kind.W if schedule.split_backward else Kind.B
+        self._final = {
+            (a.microbatch, a.chunk)
+            for a in self.actions
+            if a.kind is grad_kind and a.microbatch == schedule.m - 1
+        }
+        self.timings: list[TimedAction] = []
+
+    def _params_of(self, plan: StagePlan) -> list[nn.Parameter]:
+        parts: list[nn.Module] = [self.model.blocks[i] for i in plan.layers]
+        if plan.first:
+            parts.append(self.model.embed)
+        if plan.last:
+            parts += [self.model.norm, self.model.head]
+        seen: dict[int, nn.Parameter] = {}
+        for part in parts:
+            for p in part.parameters():
+                seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    # -- one step --------------------------------------------------------------------------
+    def run(self, micro: list[MicroBatch]) -> Tensor:
+        """Run the schedule over the step's micro-batches; returns the summed micro-batch loss
+        on the last stage (zero elsewhere). Action timings (wall-clock seconds, comparable
+        across processes) land in `self.timings`."""
+        st = _StepState(loss_sum=torch.zeros((), device=micro[0].tokens.device))
+        self.timings = []
+        self.dp.micro_batch(is_last=False)
+        for batch in self.batches:
+            acts = [self.actions[i] for i in batch]
+            start = time.time()
+            if acts[0].is_comm:
+                self._communicate(acts, st)
+            elif acts[0].kind is not Kind.STEP:
+                self._compute(acts[0], micro, st)
+            end = time.time()
+            for i, a in zip(batch, acts, strict=True):
+                self.timings.append(TimedAction(self.rank, i, a, start, end))
+        return st.loss_sum
+
+    # -- compute ---------------------------------------------------------------------------
+    def _compute(self, a: Action, micro: list[MicroBatch], st: _StepState) -> None:
+        key = (a.microbatch, a.chunk)
+        if a.kind is Kind.F:
+            self._forward(a, micro[a.microbatch], st)
+            return
+        final = key in self._final
+        if final:
+            self.dp.micro_batch(is_last=True)  # this action completes the chunk's gradients
+        if a.kind is Kind.B:
+            self._backward_input(a, st)
+        else:
+            out, grad = st.pending_w.pop(key)
+            torch.autograd.backward(out, grad, inputs=self.chunk_params[a.chunk])
+        if final:
+            self.dp.micro_batch(is_last=False)
+
+    def _forward(self, a: Action, mb: MicroBatch, st: _StepState) -> None:
+        plan, key = self.plans[a.chunk], (a.microbatch, a.chunk)
+        inp = mb.tokens if plan.first else st.inputs[key].requires_grad_()
+        st.inputs[key] = inp
+        out = run_stage(self.model, plan, inp, mb.keys, mb.targets if plan.last else None)
+        if plan.last:
+            st.loss_sum += out.detach()
+            out = out / self.schedule.m  # the step's loss is the mean over micro-batches
+        st.outputs[key] = out
+
+    def _backward_input(self, a: Action, st: _StepState) -> None:
+        plan, key = self.plans[a.chunk], (a.microbatch, a.chunk)
+        out, inp = st.outputs.pop(key), st.inputs.pop(key)
+        grad = None if plan.last else st.grads_out.pop(key)
+        if not self.schedule.split_backward:
+            torch.autograd.backward(out, grad)
+            if not plan.first:
+                st.grads_in[key] = inp.grad
+            return
+        # Zero-bubble split: input gradient now (the previous stage waits for it), weight
+        # gradients later in W from the same retained graph.
+        if not plan.first:
+            (st.grads_in[key],) = torch.autograd.grad(out, inp, grad, retain_graph=True)
+        st.pending_w[key] = (out, grad)
+
+    # -- communication ---------------------------------------------------------------------
+    def _communicate(self, acts: list[Action], st: _StepState) -> None:
+        ops = []
+        for a in acts:
+            key = (a.microbatch, a.chunk)
+            if a.kind is Kind.SEND_F:
+                ops.append(("send", st.outputs[key].detach().contiguous(), a.peer))
+            elif a.kind is Kind.SEND_B:
+                ops.append(("send", st.grads_in.pop(key).contiguous(), a.peer))
+            else:
+                buf = torch.empty(self.activation_shape, device=self.dp_device)
+                (st.inputs if a.kind is Kind.RECV_F else st.grads_out)[key] = buf
+                ops.append(("recv", buf, a.peer))
+        self.comm.p2p(ops, axis="pp", tag="pipeline").wait()
+
+    @property
+    def dp_device(self) -> torch.device:
+        return self.comm.mesh.device
