@@ -33,6 +33,7 @@ def small_config(
     steps: int = 10,
     bucket_mb: float = 0.02,
     pp: int = 1,
+    tp: int = 1,
     schedule: str = "1f1b",
     virtual_stages: int = 1,
     stage_layers: str = "",
@@ -59,6 +60,7 @@ def small_config(
         "parallel": {
             "dp": dp,
             "pp": pp,
+            "tp": tp,
             "schedule": schedule,
             "virtual_stages": virtual_stages,
             "stage_layers": stage_layers,

@@ -31,6 +31,10 @@ class ParallelConfig:
 
     dp: int = field(default=1, metadata={"help": "data-parallel replicas"})
     pp: int = field(default=1, metadata={"help": "pipeline-parallel stages (ranks)"})
+    tp: int = field(default=1, metadata={"help": "tensor-parallel ranks (Megatron style)"})
+    sequence_parallel: bool = field(
+        default=False, metadata={"help": "tensor parallel: shard norms/dropout by sequence"}
+    )
     schedule: str = field(
         default="1f1b", metadata={"help": "pipeline schedule: gpipe, 1f1b, interleaved, zb-h1"}
     )
@@ -54,7 +58,7 @@ class ParallelConfig:
 
     @property
     def layout(self) -> Layout:
-        return Layout(dp=self.dp, pp=self.pp)
+        return Layout(dp=self.dp, pp=self.pp, tp=self.tp)
 
     def stage_layer_counts(self) -> list[int] | None:
         """`stage_layers` as numbers, or None for an even split."""
@@ -256,6 +260,11 @@ def validate_config(cfg: Config, check_data: bool = True) -> None:
             f"bucket_mb and comm_timeout must be > 0; got {par.bucket_mb}, {par.comm_timeout}"
         )
     _validate_pipeline(cfg)
+    from plait.parallel.tp.apply import check_tensor_parallel  # pure
+
+    if par.sequence_parallel and par.tp == 1:
+        raise ConfigError("sequence_parallel needs tp > 1")
+    check_tensor_parallel(cfg.model, par.tp, par.sequence_parallel, t.seq_len)
     if t.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"device must be auto, cpu or cuda; got {t.device!r}")
     if cfg.model.vocab_size < 256:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -36,23 +35,21 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def clip_grad_norm(
-    grads: list[torch.Tensor],
-    max_norm: float,
-    reduce_sq: Callable[[torch.Tensor], torch.Tensor] | None = None,
-) -> float:
+def clip_grad_norm(grads: list[torch.Tensor], max_norm: float) -> float:
     """Global L2 norm of `grads` (flat buffers or per-parameter); scale them down if above.
 
-    Same rule as torch.nn.utils.clip_grad_norm_: coefficient max_norm / (norm + 1e-6), capped
-    at 1. Taking flat buffers avoids one kernel per parameter. `reduce_sq` turns this rank's
-    squared norm into the model's (summing over pipeline stages, counting shared parameters
-    once) when the model is split across ranks.
+    Same rule as torch.nn.utils.clip_grad_norm_. Taking flat buffers avoids one kernel per
+    parameter. For a model split across ranks compute the norm with
+    `plait.parallel.grad_norm.global_grad_norm` and call `scale_to_norm`.
     """
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-    if reduce_sq is not None:
-        norm = reduce_sq(norm.pow(2)).sqrt()
+    scale_to_norm(grads, norm, max_norm)
+    return float(norm)
+
+
+def scale_to_norm(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:
+    """torch's clipping rule: multiply by max_norm / (norm + 1e-6), capped at 1; 0 = off."""
     if max_norm > 0:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for g in grads:
             g.mul_(coef)
-    return float(norm)

@@ -34,11 +34,13 @@ from plait.mesh import Mesh
 from plait.models.config import ModelConfig
 from plait.models.dropout import sample_keys
 from plait.models.transformer import Transformer, init_parameters
-from plait.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
+from plait.optim import build_optimizer, lr_at, scale_to_norm, set_lr
 from plait.parallel.data_parallel import DataParallel
+from plait.parallel.grad_norm import global_grad_norm
 from plait.parallel.pipeline.engine import PipelineEngine
 from plait.parallel.pipeline.runtime import MicroBatch
 from plait.parallel.recompute import apply_recompute
+from plait.parallel.tensor_parallel import apply_tensor_parallel, sync_sequence_parallel_grads
 
 
 @dataclass
@@ -105,8 +107,7 @@ class Trainer:
         self.comm = Comm(mesh)
         self.corpus = corpus or load_corpus(cfg)
         self.pipeline = PipelineEngine(cfg, mesh, self.comm) if mesh.size("pp") > 1 else None
-        prune = self.pipeline.prune if self.pipeline else None
-        self.model = build_model(cfg.model, self.device, cfg.train.seed, prune)
+        self.model = build_model(cfg.model, self.device, cfg.train.seed, self._parallelize)
         apply_recompute(self.model, cfg.parallel.recompute)
         self.dp = DataParallel(self.model, self.comm, cfg.parallel.bucket_mb)
         if self.pipeline:
@@ -116,6 +117,12 @@ class Trainer:
             len(self.corpus.train), cfg.train.global_batch, cfg.train.seed
         )
         self.step = 0
+
+    def _parallelize(self, model: Transformer) -> None:
+        """On the meta model, in DESIGN's order: tensor parallel, then the pipeline split."""
+        apply_tensor_parallel(model, self.mesh, self.comm, self.cfg.parallel.sequence_parallel)
+        if self.pipeline:
+            self.pipeline.prune(model)
 
     @property
     def tokens_per_step(self) -> int:
@@ -140,11 +147,12 @@ class Trainer:
         else:
             mean_loss = self._accumulate(micro_idx, micro_keys)
         self.dp.finish()
-        reduce_sq = None
+        sync_sequence_parallel_grads(self.model, self.comm)  # no-op without it
         if self.pipeline:
             self.pipeline.sync_tied_grads()
-            reduce_sq = self.pipeline.squared_norm
-        grad_norm = clip_grad_norm(self.dp.grad_buffers(), t.grad_clip, reduce_sq)
+        norm = global_grad_norm(self.model, self.dp, self.comm, self.pipeline)
+        scale_to_norm(self.dp.grad_buffers(), norm, t.grad_clip)
+        grad_norm = float(norm)
         self.optimizer.step()
         self.dp.zero_grad()
         self.comm.all_reduce(mean_loss, "dp", op="avg", tag="loss")

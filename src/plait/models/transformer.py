@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -190,6 +191,18 @@ class Embedding(nn.Module):
         return self.drop(x, keys)
 
 
+class LMLoss(nn.Module):
+    """Mean token cross-entropy, computed in fp32.
+
+    A submodule rather than a call inside `Transformer.forward` so that tensor parallelism
+    can swap in a vocabulary-parallel loss that reads vocabulary-sharded logits.
+    """
+
+    def forward(self, logits: Tensor, targets: Tensor) -> Tensor:
+        # fp32 loss: a low-precision log-softmax over a large vocabulary loses digits.
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
 class Transformer(nn.Module):
     """embed -> blocks -> norm -> head; returns logits, or the mean loss given targets."""
 
@@ -201,6 +214,7 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = make_norm(cfg)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.loss = LMLoss()
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -225,8 +239,7 @@ class Transformer(nn.Module):
         logits = self.head(self.norm(x))  # (b, s, V)
         if targets is None:
             return logits
-        # fp32 loss: a low-precision log-softmax over a large vocabulary loses digits.
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        return self.loss(logits, targets)
 
 
 # ---------------------------------------------------------------- initialization
@@ -278,11 +291,42 @@ def init_value(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int) -
     return torch.empty(shape).normal_(0.0, std, generator=gen)
 
 
+class ShardLike(Protocol):
+    """What init needs to know about a shard (plait.parallel.tp.sharding.ShardSpec has it)."""
+
+    @property
+    def global_shape(self) -> tuple[int, ...]: ...
+    @property
+    def offsets(self) -> tuple[int, ...]: ...
+    @property
+    def local_shape(self) -> tuple[int, ...]: ...
+
+
+def shard_value(
+    cfg: ModelConfig, name: str, shape: tuple[int, ...], shard: ShardLike, seed: int
+) -> Tensor:
+    """Initial value of a parameter shard: its slice of the full init_value, padding zero.
+
+    `shard` describes the local tensor (of `shape`) as a slice of the full parameter: it has
+    `global_shape`, `offsets` and `local_shape` (the extent of real data). Elements of the
+    local tensor beyond `local_shape` are padding (e.g. vocabulary rows added so that tensor
+    parallelism splits evenly) and start, and stay, zero.
+    """
+    full = init_value(cfg, name, tuple(shard.global_shape), seed)
+    region = tuple(slice(o, o + n) for o, n in zip(shard.offsets, shard.local_shape, strict=True))
+    out = torch.zeros(shape)
+    out[tuple(slice(0, n) for n in shard.local_shape)] = full[region]
+    return out
+
+
 @torch.no_grad()
 def init_parameters(model: nn.Module, seed: int, cfg: ModelConfig | None = None) -> None:
     """Fill every parameter of `model` (any device, already materialized) from init_value.
 
-    `cfg` defaults to `model.cfg`. Tied weights are re-tied first (see tie_weights).
+    `cfg` defaults to `model.cfg`. Tied weights are re-tied first (see tie_weights). A module
+    may carry `param_shards`, a dict from its parameter's local name to shard metadata (see
+    `shard_value`): such a parameter is a slice of a larger one (tensor parallelism) and gets
+    exactly that slice of the full value, so every layout starts from the same weights.
     """
     cfg = cfg if cfg is not None else getattr(model, "cfg", None)
     if cfg is None:
@@ -290,10 +334,21 @@ def init_parameters(model: nn.Module, seed: int, cfg: ModelConfig | None = None)
     for module in model.modules():
         if isinstance(module, Transformer):
             module.tie_weights()
-    for name, param in model.named_parameters():
-        if param.is_meta:
-            raise ValueError(f"parameter {name!r} is on the meta device; call to_empty first")
-        param.copy_(init_value(cfg, name, tuple(param.shape), seed))
+    done: set[int] = set()  # a tied weight appears under two modules; fill it once
+    for prefix, module in model.named_modules():
+        shards = getattr(module, "param_shards", {})
+        for leaf, param in module.named_parameters(recurse=False):
+            name = f"{prefix}.{leaf}" if prefix else leaf
+            if id(param) in done:
+                continue
+            done.add(id(param))
+            if param.is_meta:
+                raise ValueError(f"parameter {name!r} is on the meta device; call to_empty first")
+            shape, shard = tuple(param.shape), shards.get(leaf)
+            if shard is None:
+                param.copy_(init_value(cfg, name, shape, seed))
+            else:
+                param.copy_(shard_value(cfg, name, shape, shard, seed))
 
 
 # ---------------------------------------------------------------- counting

@@ -43,7 +43,8 @@ class PipelineEngine:
         self.schedule = build_schedule(par.schedule, self.p, self.m, par.virtual_stages)
         sizes = par.stage_layer_counts()
         self.plans = rank_plans(cfg.model.n_layers, self.p, par.virtual_stages, self.rank, sizes)
-        self.activation_shape = (t.micro_batch, t.seq_len, cfg.model.d_model)
+        seq = t.seq_len // (par.tp if par.sequence_parallel else 1)  # sequence-parallel shards
+        self.activation_shape = (t.micro_batch, seq, cfg.model.d_model)
         self.runtime: PipelineRuntime | None = None
         self.model: Transformer | None = None
 
@@ -73,12 +74,16 @@ class PipelineEngine:
         for p in tied_embedding_params(self.model):
             self.comm.all_reduce(p.grad, "pp_ends", op="sum", tag="tied_embedding")
 
-    def squared_norm(self, local_sq: torch.Tensor) -> torch.Tensor:
-        """Global squared gradient norm: every stage's parameters once (tied copy once)."""
-        sq = local_sq.clone()
+    def norm_duplicates(self) -> list[torch.nn.Parameter]:
+        """Parameters another stage already counts in the global gradient norm: the last
+        stage's copy of a tied embedding (the first stage counts the shared matrix)."""
         copies = tied_embedding_params(self.model)
         if self.mesh.size("pp_ends") > 1 and self.is_last and copies:
-            sq -= copies[-1].grad.pow(2).sum()  # the first stage counts the shared matrix
+            return copies[-1:]
+        return []
+
+    def sum_over_stages(self, sq: torch.Tensor) -> torch.Tensor:
+        """Every stage's share of the squared gradient norm, summed (in place)."""
         self.comm.all_reduce(sq, "pp", op="sum", tag="grad_norm")
         return sq
 
@@ -101,7 +106,8 @@ class PipelineEngine:
         if plan.first:
             x = mb.tokens
         else:
-            x = torch.empty((*mb.tokens.shape, self.activation_shape[-1]), device=self.mesh.device)
+            shape = (mb.tokens.shape[0], *self.activation_shape[1:])
+            x = torch.empty(shape, device=self.mesh.device)
             self.comm.p2p([("recv", x, prev)], tag="eval").wait()
         out = run_stage(self.model, plan, x, None, mb.targets if plan.last else None)
         if plan.last:

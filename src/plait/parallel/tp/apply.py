@@ -1,0 +1,184 @@
+"""`apply_tensor_parallel`: turn a model from models/transformer.py into its tp-sharded form.
+
+The model's code is unchanged. A declarative plan (module path -> style) says what happens
+to each submodule of a block; the model level (embedding, final norm, head, loss) is
+handled by `_apply_model_level`. Module paths and parameter names stay those of the
+single-process model, so `init_value`, checkpoints and recomputation see the same names.
+
+Per block, with t = tp (Shoeybi et al., 2019, section 3; Korthikanti et al., 2022):
+
+    attention: enter (f | SP all-gather) -> wq, wk, wv column -> a/t, kv/t local heads
+               -> core (dropout on local heads) -> wo row -> g | SP reduce-scatter
+    MLP:       enter -> fc1 column -> GELU -> fc2 row -> g | SP reduce-scatter
+               enter -> w_gate, w_up column -> SiLU * -> w_down row -> g | SP reduce-scatter
+    under SP:  norms and residual dropouts work on the (b, s/t, h) sequence shard
+
+Call it on the meta model before `to_empty` and `init_parameters` (train.build_model's
+`parallelize` hook): shards are created where the replaced layers live and are filled by
+`init_parameters` with their slice of the single-process value. Called on a materialized
+model, each shard is cut from the existing full weights instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+
+from plait.comm import Comm
+from plait.errors import ConfigError
+from plait.mesh import Mesh
+from plait.models.config import ModelConfig
+from plait.parallel.tp.layers import (
+    ColumnParallelLinear,
+    EnterRegion,
+    RowParallelLinear,
+    ShardedDropout,
+)
+from plait.parallel.tp.vocab import ParallelEmbedding, VocabParallelCrossEntropy
+
+
+def check_tensor_parallel(
+    cfg: ModelConfig, tp: int, sequence_parallel: bool = False, seq_len: int | None = None
+) -> None:
+    """Raise ConfigError naming the values when `cfg` cannot be split `tp` ways.
+
+    Pure (no processes), so the CLI can call it before any worker starts. The vocabulary
+    needs no check: it is padded to a multiple of tp.
+    """
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ConfigError(f"tp must be a positive integer, got {tp!r}")
+    needs = [
+        ("model.n_heads", cfg.n_heads, "query heads are split across tp ranks"),
+        ("model.n_kv_heads", cfg.kv_heads, "key/value heads are split across tp ranks"),
+        ("MLP hidden size (model.ffn_hidden)", cfg.ffn_dim, "its columns are split"),
+    ]
+    for name, value, why in needs:
+        if value % tp:
+            raise ConfigError(f"{name}={value} is not divisible by tp={tp} ({why})")
+    if sequence_parallel and seq_len is not None and seq_len % tp:
+        raise ConfigError(
+            f"train.seq_len={seq_len} is not divisible by tp={tp} "
+            "(sequence parallelism splits every sequence across tp ranks)"
+        )
+
+
+# ---------------------------------------------------------------- styles
+@dataclass(frozen=True)
+class TPContext:
+    """What every style needs: the communicator and whether sequence parallelism is on."""
+
+    comm: Comm
+    sequence_parallel: bool
+
+
+Style = Callable[[nn.Module, str, TPContext], None]
+"""Transforms child `name` of `parent` in place (replacing it or annotating it)."""
+
+
+def colwise(parent: nn.Module, name: str, ctx: TPContext) -> None:
+    """Column-parallel; entered once by the block (EnterRegion), not per layer."""
+    layer = ColumnParallelLinear.from_linear(getattr(parent, name), ctx.comm, enter=False)
+    setattr(parent, name, layer)
+
+
+def rowwise(parent: nn.Module, name: str, ctx: TPContext) -> None:
+    """Row-parallel; its output leaves the region (g, or reduce-scatter under SP)."""
+    layer = RowParallelLinear.from_linear(
+        getattr(parent, name), ctx.comm, sequence_parallel=ctx.sequence_parallel
+    )
+    setattr(parent, name, layer)
+
+
+def enter(parent: nn.Module, name: str, ctx: TPContext) -> None:
+    """The block's input enters the tp region once for all its column-parallel layers."""
+    getattr(parent, name).register_forward_pre_hook(EnterRegion(ctx.comm, ctx.sequence_parallel))
+
+
+def shard_dim1_dropout(parent: nn.Module, name: str, ctx: TPContext) -> None:
+    """Dropout on a tensor split along dim 1: heads (b, a/t, s, s) or sequence (b, s/t, h)."""
+    setattr(parent, name, ShardedDropout.from_dropout(getattr(parent, name), 1, ctx.comm))
+
+
+def sequence_partial(parent: nn.Module, name: str, ctx: TPContext) -> None:
+    """A replicated module run on sequence shards: its gradients are partial over tp."""
+    module = getattr(parent, name)
+    module.tp_partial_grads = tuple(leaf for leaf, _ in module.named_parameters(recurse=False))
+
+
+def block_plan(cfg: ModelConfig, sequence_parallel: bool) -> dict[str, Style]:
+    """Module path within a Block -> style, in application order."""
+    plan: dict[str, Style] = {
+        "attn": enter,
+        "attn.wq": colwise,
+        "attn.wk": colwise,
+        "attn.wv": colwise,
+        "attn.wo": rowwise,
+        "attn.core.drop": shard_dim1_dropout,  # probabilities of the local heads
+        "mlp": enter,
+    }
+    if cfg.mlp == "swiglu":
+        plan |= {"mlp.w_gate": colwise, "mlp.w_up": colwise, "mlp.w_down": rowwise}
+    else:
+        plan |= {"mlp.fc1": colwise, "mlp.fc2": rowwise}
+    if sequence_parallel:
+        plan |= {
+            "attn_norm": sequence_partial,
+            "mlp_norm": sequence_partial,
+            "attn_drop": shard_dim1_dropout,
+            "mlp_drop": shard_dim1_dropout,
+        }
+    return plan
+
+
+def apply_plan(root: nn.Module, plan: dict[str, Style], ctx: TPContext) -> None:
+    for path, style in plan.items():
+        parent_path, _, name = path.rpartition(".")
+        parent = root.get_submodule(parent_path) if parent_path else root
+        style(parent, name, ctx)
+
+
+# ---------------------------------------------------------------- the model
+def apply_tensor_parallel(
+    model: nn.Module, mesh: Mesh, comm: Comm, sequence_parallel: bool = False
+) -> nn.Module:
+    """Shard `model` (a models.transformer.Transformer) over the mesh's tp axis, in place.
+
+    Returns the model. With tp = 1 nothing changes. The loss becomes vocabulary-parallel
+    (`model.loss`), and logits returned without targets are this rank's vocabulary slice
+    (b, s, V_padded/tp); `gather_logits` assembles them.
+    """
+    if comm.mesh is not mesh:
+        raise ValueError("comm must be built on the same mesh that is passed")
+    tp = mesh.size("tp")
+    cfg: ModelConfig = model.cfg
+    check_tensor_parallel(cfg, tp, sequence_parallel)
+    if tp == 1:
+        return model
+    if isinstance(model.head, ColumnParallelLinear):
+        raise ValueError("apply_tensor_parallel was already applied to this model")
+    ctx = TPContext(comm, sequence_parallel)
+    plan = block_plan(cfg, sequence_parallel)
+    for block in model.blocks:
+        apply_plan(block, plan, ctx)
+    _apply_model_level(model, ctx)
+    return model
+
+
+def _apply_model_level(model: nn.Module, ctx: TPContext) -> None:
+    """Embedding, final norm, head and loss; then re-tie the head to the embedding."""
+    cfg: ModelConfig = model.cfg
+    model.embed = ParallelEmbedding(model.embed, ctx.comm, ctx.sequence_parallel)
+    if ctx.sequence_parallel:
+        sequence_partial(model, "norm", ctx)
+    model.head = ColumnParallelLinear.from_linear(
+        model.head,
+        ctx.comm,
+        enter=True,
+        sequence_parallel=ctx.sequence_parallel,
+        pad=True,
+        tag="tp-head",
+    )
+    model.loss = VocabParallelCrossEntropy(cfg.vocab_size, ctx.comm)
+    model.tie_weights()  # the head's rows are the embedding shard's rows: same padding
