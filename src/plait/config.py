@@ -49,6 +49,20 @@ class ParallelConfig:
         default="", metadata={"help": "layers per pipeline stage, e.g. '3,3,2'; default even"}
     )
     bucket_mb: float = field(default=25.0, metadata={"help": "gradient bucket size in MiB"})
+    zero: int = field(
+        default=0,
+        metadata={"help": "ZeRO stage: 0 replicate, 1 optimizer states, 2 +grads, 3 +params"},
+    )
+    precision: str = field(default="fp32", metadata={"help": "fp32, bf16 or fp16 (loss scaling)"})
+    reduce_dtype: str | None = field(
+        default=None, metadata={"help": "gradient reduction dtype: fp32 or the precision's"}
+    )
+    offload: str = field(
+        default="none", metadata={"help": "optimizer states and master weights: none, cpu, nvme"}
+    )
+    offload_dir: str | None = field(
+        default=None, metadata={"help": "folder for --offload nvme state files"}
+    )
     recompute: str = field(
         default="none", metadata={"help": "activation recomputation: none, full or selective"}
     )
@@ -59,6 +73,11 @@ class ParallelConfig:
     @property
     def layout(self) -> Layout:
         return Layout(dp=self.dp, pp=self.pp, tp=self.tp)
+
+    @property
+    def uses_zero_engine(self) -> bool:
+        """Sharding, mixed precision or offload: the ZeRO engine replaces DataParallel."""
+        return self.zero > 0 or self.precision != "fp32" or self.offload != "none"
 
     def stage_layer_counts(self) -> list[int] | None:
         """`stage_layers` as numbers, or None for an even split."""
@@ -265,6 +284,7 @@ def validate_config(cfg: Config, check_data: bool = True) -> None:
     if par.sequence_parallel and par.tp == 1:
         raise ConfigError("sequence_parallel needs tp > 1")
     check_tensor_parallel(cfg.model, par.tp, par.sequence_parallel, t.seq_len)
+    _validate_zero(cfg)
     if t.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"device must be auto, cpu or cuda; got {t.device!r}")
     if cfg.model.vocab_size < 256:
@@ -294,6 +314,21 @@ def _validate_pipeline(cfg: Config) -> None:
         )
     build_schedule(par.schedule, par.pp, cfg.accumulation, par.virtual_stages)
     split_layers(cfg.model.n_layers, par.pp * par.virtual_stages, par.stage_layer_counts())
+
+
+def _validate_zero(cfg: Config) -> None:
+    from plait.parallel.zero import check_zero_options  # pure checks
+    from plait.precision import parse_precision
+
+    par = cfg.parallel
+    check_zero_options(par.zero, par.offload, par.offload_dir, par.pp)
+    parse_precision(par.precision, par.reduce_dtype)
+    if par.uses_zero_engine and (par.pp > 1 or par.tp > 1):
+        raise ConfigError(
+            f"zero={par.zero}, precision={par.precision}, offload={par.offload} run on the ZeRO "
+            f"engine, which the trainer does not yet combine with pp={par.pp} or tp={par.tp}; "
+            "use zero=0, fp32 and no offload with pipeline or tensor parallelism"
+        )
 
 
 def _validate_corpus(cfg: Config) -> None:

@@ -60,3 +60,10 @@ def threads_per_worker(local_world: int) -> int:
     """Split the host's cores between the local workers so they don't oversubscribe."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, (cores or 1) // max(1, local_world))
+
+
+def host_empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host memory for offloaded state: pinned when the compute device is a GPU, because
+    asynchronous copies need page-locked memory (on a CPU-only build pinning is unavailable
+    and pointless)."""
+    return torch.empty(numel, dtype=dtype, pin_memory=device.type == "cuda")

@@ -33,6 +33,10 @@ def _row(r: StepResult, trainer: Trainer, flops_per_token: int, peak: float | No
     }
     if peak:
         row["mfu"] = flops / (peak * trainer.mesh.world_size)
+    if trainer.zero:  # ZeRO engine: what this rank holds, and fp16's scale
+        row["model_state_bytes"] = trainer.zero.memory.model_state_bytes()
+        row["loss_scale"] = trainer.zero.loss_scale
+        row["step_skipped"] = trainer.zero.last_step_skipped
     return row
 
 
@@ -77,6 +81,7 @@ def run(cfg: Config, mesh: Mesh, corpus: Corpus | None = None) -> RunSummary:
             summary.step_times.append(result.time_s)
             summary.final_loss = result.loss
             summary.comm_bytes_per_step = row["comm_bytes"]
+            summary.model_state_bytes = row.get("model_state_bytes")
             last = trainer.step == t.steps
             if (t.eval_every and trainer.step % t.eval_every == 0) or last:
                 summary.val_loss = row["val_loss"] = trainer.evaluate()

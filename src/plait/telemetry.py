@@ -80,6 +80,7 @@ class RunSummary:
     world_size: int = 1
     comm_bytes_per_step: dict[str, int] = field(default_factory=dict)
     pipeline: dict | None = None  # measured vs simulated bubble, with --trace
+    model_state_bytes: int | None = None  # per rank, with the ZeRO engine
 
     @property
     def median_step_s(self) -> float:
@@ -121,6 +122,8 @@ def summary_table(s: RunSummary) -> Table:
     table.add_row("model FLOP/s", f"{flops / 1e9:.2f} GFLOP/s{mfu}")
     for op, nbytes in sorted(s.comm_bytes_per_step.items()):
         table.add_row(f"{op} per step", f"{nbytes / 2**20:.2f} MiB")
+    if s.model_state_bytes is not None:
+        table.add_row("model states per rank", f"{s.model_state_bytes / 2**20:.2f} MiB")
     if s.pipeline:
         bubble = f"{s.pipeline['measured_bubble']:.1%} measured"
         bubble += f", {s.pipeline['simulated_bubble']:.1%} simulated from measured costs"

@@ -41,6 +41,8 @@ from plait.parallel.pipeline.engine import PipelineEngine
 from plait.parallel.pipeline.runtime import MicroBatch
 from plait.parallel.recompute import apply_recompute
 from plait.parallel.tensor_parallel import apply_tensor_parallel, sync_sequence_parallel_grads
+from plait.parallel.zero import AdamW, ZeroEngine
+from plait.precision import parse_precision
 
 
 @dataclass
@@ -97,6 +99,20 @@ def corpus_from_tokens(tokens: np.ndarray, cfg: Config) -> Corpus:
     return Corpus(TokenWindows(train, seq), TokenWindows(val, seq), unigram_entropy(train))
 
 
+def _zero_engine(cfg: Config, model: Transformer, comm: Comm) -> ZeroEngine:
+    par = cfg.parallel
+    return ZeroEngine(
+        model,
+        comm,
+        AdamW.from_train(cfg.train),
+        stage=par.zero,
+        precision=parse_precision(par.precision, par.reduce_dtype),
+        offload=par.offload,
+        offload_dir=par.offload_dir,
+        bucket_mb=par.bucket_mb,
+    )
+
+
 class Trainer:
     """One rank's share of a training run."""
 
@@ -109,10 +125,13 @@ class Trainer:
         self.pipeline = PipelineEngine(cfg, mesh, self.comm) if mesh.size("pp") > 1 else None
         self.model = build_model(cfg.model, self.device, cfg.train.seed, self._parallelize)
         apply_recompute(self.model, cfg.parallel.recompute)
-        self.dp = DataParallel(self.model, self.comm, cfg.parallel.bucket_mb)
+        self.zero = (
+            _zero_engine(cfg, self.model, self.comm) if cfg.parallel.uses_zero_engine else None
+        )
+        self.dp = None if self.zero else DataParallel(self.model, self.comm, cfg.parallel.bucket_mb)
         if self.pipeline:
             self.pipeline.attach(self.model, self.dp)
-        self.optimizer = build_optimizer(self.model, cfg.train)
+        self.optimizer = None if self.zero else build_optimizer(self.model, cfg.train)
         self.sampler = GlobalBatchSampler(
             len(self.corpus.train), cfg.train.global_batch, cfg.train.seed
         )
@@ -139,8 +158,23 @@ class Trainer:
         keys = sample_keys(t.seed, self.step, positions)
         micro_idx, micro_keys = split_micro(share, t.micro_batch), split_micro(keys, t.micro_batch)
         lr = lr_at(self.step, t)
-        set_lr(self.optimizer, lr)
         self.model.train()
+        if self.zero:
+            mean_loss, grad_norm = self._zero_step(micro_idx, micro_keys, lr)
+        else:
+            mean_loss, grad_norm = self._replicated_step(micro_idx, micro_keys, lr)
+        self.comm.all_reduce(mean_loss, "dp", op="avg", tag="loss")
+        synchronize(self.device)
+        elapsed = time.perf_counter() - start
+        self.step += 1
+        return StepResult(
+            self.step - 1, float(mean_loss), lr, grad_norm, elapsed, self.tokens_per_step
+        )
+
+    def _replicated_step(self, micro_idx: list, micro_keys: list, lr: float):
+        """DataParallel (ZeRO stage 0) with torch AdamW; with or without tp and pp."""
+        t = self.cfg.train
+        set_lr(self.optimizer, lr)
         if self.pipeline:
             micro = [self._micro(idx, key) for idx, key in zip(micro_idx, micro_keys, strict=True)]
             mean_loss = self.pipeline.run(micro)
@@ -155,13 +189,24 @@ class Trainer:
         grad_norm = float(norm)
         self.optimizer.step()
         self.dp.zero_grad()
-        self.comm.all_reduce(mean_loss, "dp", op="avg", tag="loss")
-        synchronize(self.device)
-        elapsed = time.perf_counter() - start
-        self.step += 1
-        return StepResult(
-            self.step - 1, float(mean_loss), lr, grad_norm, elapsed, self.tokens_per_step
-        )
+        return mean_loss, grad_norm
+
+    def _zero_step(self, micro_idx: list, micro_keys: list, lr: float):
+        """The ZeRO engine: sharded states, mixed precision, offload (fp16 may skip a step)."""
+        engine, n = self.zero, len(micro_idx)
+        engine.begin_step()
+        loss_sum = torch.zeros((), device=self.device)
+        for i, (idx, key) in enumerate(zip(micro_idx, micro_keys, strict=True)):
+            mb = self._micro(idx, key)
+            engine.micro_batch(is_last=i == n - 1)
+            loss = self.model(mb.tokens, mb.targets, mb.keys)
+            engine.scale_loss(loss / n).backward()
+            loss_sum += loss.detach().float()
+        engine.finish()
+        grad_norm = engine.clip_grad_norm(self.cfg.train.grad_clip)
+        engine.step(lr)
+        engine.zero_grad()
+        return loss_sum / n, grad_norm
 
     def _micro(self, idx: torch.Tensor, key: torch.Tensor) -> MicroBatch:
         x, y = (v.to(self.device) for v in self.corpus.train.batch(idx))
@@ -201,7 +246,10 @@ class Trainer:
         return float(totals[0] / totals[1])
 
     def close(self) -> None:
-        self.dp.remove_hooks()
+        if self.zero:
+            self.zero.close()
+        else:
+            self.dp.remove_hooks()
 
 
 def injected_fault(rank: int, step: int) -> None:

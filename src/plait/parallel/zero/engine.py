@@ -1,0 +1,287 @@
+"""ZeroEngine: data parallelism with ZeRO stage 0-3 sharding, mixed precision and offload,
+behind the step protocol of `DataParallel` plus the optimizer it replaces.
+
+One step, in the order the trainer calls it:
+
+    engine.begin_step()                          # memory peaks (optional)
+    for i, micro in enumerate(micro_batches):
+        engine.micro_batch(is_last=i == n - 1)   # before its forward
+        loss = model(...)
+        engine.scale_loss(loss / n).backward()   # fp16: times the loss scale
+    engine.finish()                              # reductions complete
+    norm = engine.clip_grad_norm(max_norm)       # global norm over the shards; clips
+    stepped = engine.step(lr)                    # False: fp16 overflow, step skipped
+    engine.zero_grad()
+
+What each stage keeps per rank (Ψ parameters, N ranks; see docs/zero.md):
+  stage 0: everything (plain data parallelism, with master weights when not fp32);
+  stage 1: full parameters and gradients; 1/N of master weights and moments;
+  stage 2: full parameters; 1/N of gradients, master weights and moments;
+  stage 3: 1/N of everything; blocks gathered just in time (params.Gatherer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from plait.comm import Comm
+from plait.errors import ConfigError
+from plait.memory_tracker import MemoryTracker
+from plait.parallel.zero.adamw import ElementwiseOptimizer, clip_segments
+from plait.parallel.zero.layout import build_groups
+from plait.parallel.zero.nvme import NvmeStates
+from plait.parallel.zero.params import Gatherer, ParamStore, flatten_values
+from plait.parallel.zero.reducer import GradReducer
+from plait.parallel.zero.state_dict import ParamShardState, export_states, import_states
+from plait.parallel.zero.states import OFFLOADS, ResidentStates
+from plait.precision import DynamicLossScaler, Precision, has_inf_or_nan, parse_precision
+
+STAGES = (0, 1, 2, 3)
+
+
+def check_zero_options(stage: int, offload: str, offload_dir: str | None, pp: int = 1) -> None:
+    """Reject impossible combinations with one message naming the values (before workers)."""
+    if stage not in STAGES:
+        raise ConfigError(f"zero stage must be 0, 1, 2 or 3; got {stage!r}")
+    if offload not in OFFLOADS:
+        raise ConfigError(f"offload must be one of {', '.join(OFFLOADS)}; got {offload!r}")
+    if offload == "nvme" and not offload_dir:
+        raise ConfigError("offload 'nvme' needs a directory for the state files (--offload-dir)")
+    if offload != "nvme" and offload_dir:
+        raise ConfigError(f"--offload-dir {offload_dir!r} is only used with --offload nvme")
+    if pp > 1 and stage > 0:
+        raise ConfigError(
+            f"zero stage {stage} with pipeline parallelism (pp={pp}) is not supported: the "
+            "pipeline sums tied-embedding gradients after the data-parallel reduction, which "
+            "needs full gradients (stage 0); stages 2-3 would also reduce every micro-batch"
+        )
+
+
+class ZeroEngine:
+    """Sharded data-parallel training state of one model replica on one rank."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        comm: Comm,
+        optimizer: ElementwiseOptimizer,
+        stage: int = 0,
+        precision: Precision | str = "fp32",
+        offload: str = "none",
+        offload_dir: str | Path | None = None,
+        bucket_mb: float = 25.0,
+        sub_group_mb: float = 64.0,
+        axis: str = "dp",
+        tracker: MemoryTracker | None = None,
+        scaler: DynamicLossScaler | None = None,
+    ) -> None:
+        check_zero_options(stage, offload, str(offload_dir) if offload_dir else None)
+        self.precision = parse_precision(precision) if isinstance(precision, str) else precision
+        if stage == 3 and not hasattr(model, "blocks"):
+            raise ConfigError("zero stage 3 gathers per block: the model needs a `blocks` list")
+        if scaler is not None and not self.precision.needs_scaler:
+            raise ConfigError(f"a loss scaler is for fp16; precision is {self.precision.name}")
+        self.scaler = scaler or (DynamicLossScaler() if self.precision.needs_scaler else None)
+        self.model, self.comm, self.optimizer = model, comm, optimizer
+        self.stage, self.axis, self.device = stage, axis, comm.mesh.device
+        self.memory = tracker or MemoryTracker(self.device)
+        n, rank = comm.mesh.size(axis), comm.mesh.axis_rank(axis)
+        self.groups = build_groups(model, stage, int(bucket_mb * 2**20), rank, n)
+        values = [flatten_values(g, self.device) for g in self.groups]
+        self.params = ParamStore(
+            self.groups, values, stage, self.precision.param_dtype, comm, axis, self.memory
+        )
+        # fp32 without offload: the parameter shard is the master weight (no copy).
+        self.separate_master = self.precision.needs_master or offload != "none"
+        self.states = self._make_states(values, offload, offload_dir, sub_group_mb)
+        del values
+        self.gatherer = Gatherer(model, self.params) if stage == 3 else None
+        self.grads = GradReducer(
+            self.groups,
+            comm,
+            axis,
+            stage,
+            self.precision.reduce_dtype,
+            self.device,
+            self.memory,
+            self.gatherer.release if self.gatherer else None,
+        )
+        self._decay = [g.decay_segments() for g in self.groups]
+        self.step_count = 0  # optimizer steps taken (skipped ones not counted)
+        self.last_step_skipped = False
+        self._coef = 1.0
+        self._found_inf: bool | None = None
+
+    def _make_states(
+        self, values: list[Tensor], offload: str, directory, sub_group_mb: float
+    ) -> ResidentStates | NvmeStates:
+        """Master weights (from the fp32 initial values) and optimizer states, placed."""
+        alias = not self.separate_master
+        masters = [
+            self.params.shards[g.index] if alias else v[g.lo : g.hi]
+            for g, v in zip(self.groups, values, strict=True)
+        ]
+        names = tuple(self.optimizer.state_names)
+        if offload == "nvme":  # a sub-group: master + states, 4 bytes each per element
+            sub_group = max(1, int(sub_group_mb * 2**20) // (4 + 4 * len(names)))
+            rank = self.comm.mesh.rank
+            return NvmeStates(masters, names, directory, rank, sub_group, self.memory)
+        return ResidentStates(masters, names, offload, self.device, alias, self.memory)
+
+    # -- the step protocol ---------------------------------------------------------------
+    def begin_step(self) -> None:
+        self.memory.begin_step()
+
+    def micro_batch(self, is_last: bool) -> None:
+        """Call before each micro-batch (before its forward in stage 3)."""
+        self.grads.micro_batch(is_last)
+
+    def scale_loss(self, loss: Tensor) -> Tensor:
+        """The loss to call backward on: times the loss scale under fp16, else unchanged."""
+        return loss * self.scaler.scale if self.scaler else loss
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler else 1.0
+
+    def finish(self) -> None:
+        """Complete every gradient reduction: the shards hold the averaged (scaled) gradient."""
+        self.grads.finish()
+        self._found_inf = None
+        self._coef = 1.0
+        if self.stage == 0 and self.precision.reduce_dtype == self.precision.param_dtype:
+            for g, full in zip(self.groups, self.grads.full, strict=True):  # as DataParallel
+                for p, off in zip(g.params, g.offsets, strict=True):
+                    p.grad = full[off : off + p.numel()].view_as(p)
+
+    def grad_shards(self) -> list[Tensor]:
+        """This rank's gradient shard of every group (still multiplied by the loss scale)."""
+        return self.grads.shards
+
+    def found_inf(self) -> bool:
+        """Whether any rank's gradient has an inf or nan (fp16 only), agreed by all ranks."""
+        if self.scaler is None:
+            return False
+        if self._found_inf is None:
+            flag = has_inf_or_nan(self.grads.shards, self.device)
+            self.comm.all_reduce(flag, "world", op="max", tag="found_inf")
+            self._found_inf = bool(flag)
+        return self._found_inf
+
+    def grad_pieces(self) -> list[tuple[nn.Parameter, int, Tensor]]:
+        """(parameter, first flattened element, view of that part of its gradient) for every
+        parameter piece in this rank's shards: for per-parameter work on sharded gradients
+        (summing sequence-parallel partial gradients over tp, norms that weight parameters).
+        Values are still multiplied by the loss scale."""
+        out = []
+        for g, shard in zip(self.groups, self.grads.shards, strict=True):
+            for piece in g.pieces():
+                view = shard[piece.shard_offset : piece.shard_offset + piece.length]
+                out.append((g.params[piece.param], piece.start, view))
+        return out
+
+    def grad_sq(self, weight: Callable[[nn.Parameter], float] | None = None) -> Tensor:
+        """Squared L2 norm of this rank's (unscaled) gradient shard, fp32 (padding is zero).
+
+        `weight(p)` scales each parameter's contribution, e.g. 0 for a tensor-parallel
+        replica of a parameter another tp rank already counts."""
+        if weight is None:
+            parts = self.grads.shards
+        else:
+            parts = [v * weight(p) for p, _, v in self.grad_pieces() if weight(p) != 0]
+        norms = [torch.linalg.vector_norm(s, dtype=torch.float32) for s in parts]
+        sq = torch.linalg.vector_norm(torch.stack(norms)).pow(2) if norms else torch.zeros(())
+        return sq / self.loss_scale**2 if self.scaler else sq
+
+    def grad_norm(
+        self,
+        reduce_sq: Callable[[Tensor], Tensor] | None = None,
+        weight: Callable[[nn.Parameter], float] | None = None,
+    ) -> Tensor:
+        """Global gradient norm: shard squares summed over dp (stages >= 1), then `reduce_sq`
+        (pipeline stages, tensor-parallel shards) when the model is split further."""
+        sq = self.grad_sq(weight)
+        if self.stage >= 1:
+            self.comm.all_reduce(sq, self.axis, tag="grad_norm")
+        if reduce_sq is not None:
+            sq = reduce_sq(sq)
+        return sq.sqrt()
+
+    def clip(self, coef: Tensor | float) -> None:
+        """Multiply the gradients by `coef` in the coming step (folded into the unscaling)."""
+        self._coef = float(coef)
+
+    def clip_grad_norm(
+        self,
+        max_norm: float,
+        reduce_sq: Callable[[Tensor], Tensor] | None = None,
+        weight: Callable[[nn.Parameter], float] | None = None,
+    ) -> float:
+        """Same rule as plait.optim.clip_grad_norm: coef = max_norm / (norm + 1e-6), <= 1."""
+        norm = self.grad_norm(reduce_sq, weight)
+        if max_norm > 0:
+            self.clip(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        return float(norm)
+
+    @torch.no_grad()
+    def step(self, lr: float) -> bool:
+        """Update master weights and moments of this rank's shards, then the parameters.
+
+        Returns False (nothing changed) when fp16 gradients overflowed on some rank."""
+        factor = self._coef / self.loss_scale  # the scale of these gradients: read first
+        found = self.found_inf()
+        self.last_step_skipped = self.scaler.update(found) if self.scaler else False
+        if self.last_step_skipped:
+            return False
+        self.step_count += 1
+        for chunk in self.states.chunks():
+            gi, start, end = chunk.group, chunk.start, chunk.end
+            grad = self.grads.shards[gi][start:end].to(chunk.tensors["master"].device)
+            grad = grad.to(torch.float32) * factor
+            master = chunk.tensors["master"]
+            decay = clip_segments(self._decay[gi], start, end)
+            self.optimizer.update(master, grad, chunk.tensors, self.step_count, lr, decay)
+            if self.separate_master:
+                self.params.shards[gi][start:end].copy_(master)
+        if self.stage in (1, 2):
+            self.params.all_gather()
+        return True
+
+    def zero_grad(self) -> None:
+        self.grads.zero_grad()
+
+    # -- parameters and state ------------------------------------------------------------
+    def unsharded(self) -> AbstractContextManager:
+        """Context in which every parameter holds its full value (stage 3 gathers)."""
+        return self.gatherer.gathered() if self.gatherer else nullcontext()
+
+    def param_states(self) -> list[ParamShardState]:
+        """This rank's optimizer state per parameter piece, padding stripped (checkpoints)."""
+        return export_states(self.groups, self.states)
+
+    @torch.no_grad()
+    def load_param_states(self, full: dict[str, dict[str, Tensor]], step: int) -> None:
+        """Load full per-parameter states (name -> master/exp_avg/exp_avg_sq, any layout they
+        were saved under) into this rank's shards, and the parameters from the masters."""
+        import_states(self.groups, self.states, full)
+        self.step_count = step
+        for chunk in self.states.chunks():
+            self.params.shards[chunk.group][chunk.start : chunk.end].copy_(chunk.tensors["master"])
+        if self.stage in (1, 2):
+            self.params.all_gather()
+
+    def iter_params(self) -> Iterator[nn.Parameter]:
+        for g in self.groups:
+            yield from g.params
+
+    def close(self) -> None:
+        """Remove hooks and offload files."""
+        self.grads.remove_hooks()
+        if self.gatherer:
+            self.gatherer.remove_hooks()
+        self.states.close()

@@ -1,0 +1,140 @@
+"""Where every parameter element lives: flat groups, their padding, and each rank's shard.
+
+A *flat group* is one contiguous buffer holding consecutive parameters (a gradient bucket
+for stages 0-2, one transformer block for stage 3). ZeRO splits each group into N equal
+contiguous shards, one per data-parallel rank, so a group is padded with zeros to a multiple
+of N; a shard may start or end inside a parameter. This file is pure arithmetic: no process
+group, no communication, testable on its own.
+
+    group   | p0 ........ | p1 ... | p2 ........... |pad|
+    shards  | rank 0        | rank 1        | rank 2     |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from plait.parallel.buckets import assign_buckets
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part of one parameter that falls inside a shard."""
+
+    param: int  # index into FlatGroup.params
+    start: int  # first element, in the parameter's flattened order
+    length: int
+    shard_offset: int  # where it starts inside the shard
+
+
+@dataclass
+class FlatGroup:
+    """Consecutive parameters in one padded flat buffer, sharded over `world` ranks."""
+
+    index: int
+    params: list[nn.Parameter]
+    names: list[str]
+    offsets: list[int]
+    numel: int  # without padding
+    padded: int  # a multiple of the number of shards
+    rank: int
+    world: int
+
+    @property
+    def padding(self) -> int:
+        return self.padded - self.numel
+
+    @property
+    def shard_numel(self) -> int:
+        return self.padded // self.world
+
+    @property
+    def lo(self) -> int:
+        """First element of this rank's shard in the group."""
+        return self.rank * self.shard_numel
+
+    @property
+    def hi(self) -> int:
+        return self.lo + self.shard_numel
+
+    def pieces(self) -> list[Piece]:
+        """The parameters (parts of them) inside this rank's shard, in order; padding skipped."""
+        out = []
+        for i, (p, off) in enumerate(zip(self.params, self.offsets, strict=True)):
+            start, end = max(off, self.lo), min(off + p.numel(), self.hi)
+            if start < end:
+                out.append(Piece(i, start - off, end - start, start - self.lo))
+        return out
+
+    def decay_segments(self) -> list[tuple[int, int]]:
+        """(start, end) ranges of the shard that get weight decay: matrices and embeddings,
+        never biases or norm gains (the grouping of `plait.optim.build_optimizer`)."""
+        segments: list[tuple[int, int]] = []
+        for piece in self.pieces():
+            if self.params[piece.param].dim() < 2:
+                continue
+            start, end = piece.shard_offset, piece.shard_offset + piece.length
+            if segments and segments[-1][1] == start:  # adjacent matrices: one range
+                segments[-1] = (segments[-1][0], end)
+            else:
+                segments.append((start, end))
+        return segments
+
+
+def padded_size(numel: int, multiple: int) -> int:
+    return -(-numel // multiple) * multiple
+
+
+def param_names(model: nn.Module) -> dict[int, str]:
+    """id(parameter) -> its first name (a tied weight keeps the embedding's name)."""
+    names: dict[int, str] = {}
+    for name, p in model.named_parameters():
+        names.setdefault(id(p), name)
+    return names
+
+
+def block_units(model: nn.Module) -> list[list[nn.Parameter]]:
+    """Stage 3's gather units in backward order: the last block first, the root last.
+
+    Each transformer block is a unit (gathered for its forward and its backward); the rest
+    (embedding, final norm, head) is the *root*, which the first and the last layers share
+    (a tied embedding is both), so it is gathered around the whole forward and the whole
+    backward, as FSDP treats its root module.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    blocks = list(getattr(model, "blocks", []))
+    units: list[list[nn.Parameter]] = []
+    taken: set[int] = set()
+    for block in reversed(blocks):
+        unit = [p for p in block.parameters() if p.requires_grad and id(p) not in taken]
+        taken.update(id(p) for p in unit)
+        units.append(unit)
+    units.append([p for p in params if id(p) not in taken])
+    return units
+
+
+def build_groups(
+    model: nn.Module, stage: int, bucket_bytes: int, rank: int, world: int
+) -> list[FlatGroup]:
+    """Flat groups in the order backward completes them (so reductions launch in order).
+
+    Stages 0-2: byte-capped buckets in reverse registration order (as data parallelism).
+    Stage 3: one group per block (see `block_units`). Stage 0 shards nothing (one shard);
+    stages 1-3 pad each group to a multiple of `world`.
+    """
+    names = param_names(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    lists = block_units(model) if stage == 3 else assign_buckets(params, bucket_bytes)
+    shards, me = (1, 0) if stage == 0 else (world, rank)
+    groups = []
+    for i, group in enumerate(p for p in lists if p):
+        offsets, numel = [], 0
+        for p in group:
+            offsets.append(numel)
+            numel += p.numel()
+        padded = padded_size(numel, shards)
+        group_names = [names[id(p)] for p in group]
+        groups.append(FlatGroup(i, group, group_names, offsets, numel, padded, me, shards))
+    return groups

@@ -1,0 +1,145 @@
+"""Precision policy (fp32, bf16, fp16) and the dynamic loss scaler fp16 needs.
+
+Mixed precision after Micikevicius et al. (Mixed Precision Training, 2018): the model
+computes with 16-bit copies of the parameters, while the optimizer updates fp32 *master*
+weights, because a 16-bit weight cannot absorb updates smaller than its rounding step
+(lr x update ~ 1e-4 of the weight vanishes in bf16's 8-bit mantissa).
+
+- fp32: parameters are the master weights; nothing is converted.
+- bf16: same exponent range as fp32, so gradients never overflow; no loss scaling.
+- fp16: 5 exponent bits. Small gradients underflow to zero unless the loss is multiplied
+  by a large scale before backward (and the gradients divided by it before the step);
+  too large a scale overflows to inf. The dynamic scaler finds the largest safe scale:
+  it backs off (and the step is skipped) on any inf/nan and grows again after a window
+  of clean steps.
+
+The gradient *reduction* dtype is a separate choice: reducing 16-bit gradients halves the
+communication and the gradient memory (the ZeRO paper's 2Ψ), reducing in fp32 avoids
+rounding in the sum of many ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from plait.errors import ConfigError
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class LossScaleError(FloatingPointError):
+    """fp16 gradients overflow even at the minimum loss scale: training cannot go on."""
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Which dtypes the parameters, the gradient reduction and the master weights use."""
+
+    name: str
+    param_dtype: torch.dtype  # what the model computes with
+    reduce_dtype: torch.dtype  # gradient buffers and their collectives
+
+    @property
+    def master_dtype(self) -> torch.dtype:
+        return torch.float32
+
+    @property
+    def needs_master(self) -> bool:
+        """A separate fp32 copy exists only when the parameters are not fp32 themselves."""
+        return self.param_dtype != torch.float32
+
+    @property
+    def needs_scaler(self) -> bool:
+        return self.name == "fp16"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """'bfloat16' for torch.bfloat16: the spelling CommStats records use."""
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_precision(name: str, reduce_dtype: str | None = None) -> Precision:
+    """Precision from its CLI name; `reduce_dtype` (fp32/bf16/fp16) defaults to the compute dtype.
+
+    An fp16 reduction of bf16 gradients (or the reverse) would convert between two 16-bit
+    formats for nothing but rounding, so only the compute dtype or fp32 are accepted.
+    """
+    if name not in PRECISIONS:
+        raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}; got {name!r}")
+    param = _DTYPES[name]
+    reduce = param if reduce_dtype is None else _DTYPES.get(reduce_dtype)
+    if reduce not in (param, torch.float32):
+        raise ConfigError(
+            f"gradient reduction dtype for precision {name} must be {name} or fp32; "
+            f"got {reduce_dtype!r}"
+        )
+    return Precision(name, param, reduce)
+
+
+@dataclass
+class DynamicLossScaler:
+    """Multiply the loss by `scale`; halve it on overflow, double it after `window` clean steps.
+
+    The decision must be the same on every rank (a rank that steps while another skips
+    diverges forever), so `update` takes the overflow flag *after* it was agreed on by an
+    all-reduce over all ranks (`ZeroEngine` does that). Defaults follow torch's GradScaler.
+    """
+
+    scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    window: int = 2000
+    min_scale: float = 1.0
+    clean_steps: int = 0
+    skipped_steps: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.growth_factor > 1.0 or not 0.0 < self.backoff_factor < 1.0:
+            raise ConfigError(
+                f"loss scaler needs growth_factor > 1 and 0 < backoff_factor < 1; got "
+                f"{self.growth_factor} and {self.backoff_factor}"
+            )
+        if self.window < 1 or not 0.0 < self.min_scale <= self.scale:
+            raise ConfigError(
+                f"loss scaler needs window >= 1 and 0 < min_scale <= scale; got window "
+                f"{self.window}, min_scale {self.min_scale}, scale {self.scale}"
+            )
+
+    def update(self, found_inf: bool) -> bool:
+        """Record one step's (agreed) overflow flag; returns True if the step must be skipped."""
+        if not found_inf:
+            self.clean_steps += 1
+            if self.clean_steps >= self.window:
+                self.scale *= self.growth_factor
+                self.clean_steps = 0
+            return False
+        if self.scale <= self.min_scale:
+            raise LossScaleError(
+                f"fp16 gradients are inf/nan even at the minimum loss scale {self.min_scale:g} "
+                f"({self.skipped_steps} steps skipped before this one): the model has diverged "
+                "or its gradients exceed fp16's range; lower the learning rate or use bf16"
+            )
+        self.scale = max(self.scale * self.backoff_factor, self.min_scale)
+        self.clean_steps = 0
+        self.skipped_steps += 1
+        return True
+
+    def state_dict(self) -> dict[str, float | int]:
+        return {"scale": self.scale, "clean_steps": self.clean_steps, "skipped": self.skipped_steps}
+
+    def load_state_dict(self, state: dict[str, float | int]) -> None:
+        self.scale = float(state["scale"])
+        self.clean_steps = int(state["clean_steps"])
+        self.skipped_steps = int(state["skipped"])
+
+
+def has_inf_or_nan(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """A float32 0/1 flag, kept on the device (no host sync) so it can be all-reduced as is."""
+    flag = torch.zeros((), dtype=torch.float32, device=device)
+    for t in tensors:
+        if t.numel():
+            flag = torch.maximum(flag, (~torch.isfinite(t)).any().to(device, torch.float32))
+    return flag

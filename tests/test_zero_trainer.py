@@ -1,0 +1,84 @@
+"""ZeRO through the Trainer and the command line reproduces single-process training (fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plait.config import build_config
+from plait.errors import ConfigError
+from plait.mesh import build_mesh
+from plait.train import Trainer
+from reference import corpus_for, reference_run_named, small_config
+
+RTOL, PARAM_ATOL = 1e-5, 5e-5  # see test_pp_parity.py
+
+
+def _zero_parity(zero: int, offload: str = "none", offload_dir=None, **kw) -> dict:
+    cfg = small_config(**kw)
+    cfg.parallel.zero, cfg.parallel.offload, cfg.parallel.offload_dir = zero, offload, offload_dir
+    cfg.validate(check_data=False)
+    corpus = corpus_for(cfg)
+    mesh = build_mesh(cfg.parallel.layout, torch.device("cpu"), 60)
+    trainer = Trainer(cfg, mesh, corpus)
+    results = [trainer.train_step() for _ in range(cfg.train.steps)]
+    val = trainer.evaluate()
+    with trainer.zero.unsharded():
+        params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    state_bytes = trainer.zero.memory.model_state_bytes()
+    trainer.close()
+    ref_losses, ref_norms, ref_params, ref_val = reference_run_named(cfg, corpus)
+    torch.testing.assert_close(
+        torch.tensor([r.loss for r in results]), torch.tensor(ref_losses), rtol=RTOL, atol=0
+    )
+    torch.testing.assert_close(
+        torch.tensor([r.grad_norm for r in results]), torch.tensor(ref_norms), rtol=RTOL, atol=0
+    )
+    for name, p in params.items():
+        torch.testing.assert_close(p, ref_params[name], rtol=RTOL, atol=PARAM_ATOL)
+    assert val == pytest.approx(ref_val, rel=RTOL)
+    return {"state_bytes": state_bytes}
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_zero_stages_through_the_trainer_match_single_process(world2, zero):
+    world2.run(_zero_parity, zero=zero, dp=2, accum=2, preset="tiny-gpt")
+
+
+def test_zero_offload_through_the_trainer(world2, tmp_path):
+    world2.run(_zero_parity, zero=2, offload="cpu", dp=2, preset="tiny-llama")
+    world2.run(_zero_parity, zero=1, offload="nvme", offload_dir=str(tmp_path), dp=2)
+
+
+def _bf16_trains(**kw) -> list[float]:
+    cfg = small_config(steps=30, **kw)
+    cfg.parallel.precision, cfg.parallel.zero = "bf16", 2
+    cfg.train.lr = 3e-3
+    cfg.validate(check_data=False)
+    mesh = build_mesh(cfg.parallel.layout, torch.device("cpu"), 60)
+    trainer = Trainer(cfg, mesh, corpus_for(cfg))
+    losses = [trainer.train_step().loss for _ in range(cfg.train.steps)]
+    trainer.close()
+    return losses
+
+
+def test_bf16_zero2_loss_falls(world2):
+    losses = world2.run(_bf16_trains, dp=2, micro=4, preset="tiny-gpt")[0]
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.3
+
+
+@pytest.mark.parametrize(
+    ("over", "message"),
+    [
+        ({"zero": 4}, "zero stage must be 0, 1, 2 or 3; got 4"),
+        ({"zero": 1, "pp": 2}, "with pipeline parallelism (pp=2) is not supported"),
+        ({"precision": "bf16", "tp": 2}, "does not yet combine with pp=1 or tp=2"),
+        ({"precision": "fp8"}, "precision must be one of"),
+        ({"offload": "nvme"}, "needs a directory"),
+    ],
+)
+def test_zero_option_errors(over, message):
+    cfg = build_config("tiny-gpt", {"parallel": over, "train": {"seq_len": 32}})
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        cfg.validate(check_data=False)
