@@ -36,7 +36,7 @@ class ParallelConfig:
         default=False, metadata={"help": "tensor parallel: shard norms/dropout by sequence"}
     )
     schedule: str = field(
-        default="1f1b", metadata={"help": "pipeline schedule: gpipe, 1f1b, interleaved, zb-h1"}
+        default="1f1b", metadata={"help": "pipeline schedule: gpipe, 1f1b, interleaved, zb-h1, 2bw"}
     )
     virtual_stages: int = field(
         default=1, metadata={"help": "model chunks per pipeline rank (interleaved schedule)"}
@@ -308,10 +308,9 @@ def _validate_pipeline(cfg: Config) -> None:
             raise ConfigError(f"virtual_stages={par.virtual_stages} needs pp > 1")
         return
     if par.schedule == "2bw":
-        raise ConfigError(
-            "schedule '2bw' can be simulated (plait schedule) but the runtime does not run it "
-            "yet; choose gpipe, 1f1b, interleaved or zb-h1"
-        )
+        from plait.parallel.pipeline.async_2bw import check_two_bw  # pure checks
+
+        check_two_bw(cfg)
     build_schedule(par.schedule, par.pp, cfg.accumulation, par.virtual_stages)
     split_layers(cfg.model.n_layers, par.pp * par.virtual_stages, par.stage_layer_counts())
 

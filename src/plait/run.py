@@ -33,7 +33,7 @@ def _row(r: StepResult, trainer: Trainer, flops_per_token: int, peak: float | No
     }
     if peak:
         row["mfu"] = flops / (peak * trainer.mesh.world_size)
-    if trainer.zero:  # ZeRO engine: what this rank holds, and fp16's scale
+    if getattr(trainer, "zero", None):  # ZeRO engine: what this rank holds, and fp16's scale
         row["model_state_bytes"] = trainer.zero.memory.model_state_bytes()
         row["loss_scale"] = trainer.zero.loss_scale
         row["step_skipped"] = trainer.zero.last_step_skipped
@@ -49,7 +49,13 @@ def _trace(trainer: Trainer, out: Path, lead: bool) -> dict | None:
 def run(cfg: Config, mesh: Mesh, corpus: Corpus | None = None) -> RunSummary:
     """Train `cfg` on this rank; returns the summary (identical numbers on every rank)."""
     t = cfg.train
-    trainer = Trainer(cfg, mesh, corpus)
+    two_bw = cfg.parallel.pp > 1 and cfg.parallel.schedule == "2bw"
+    if two_bw:  # asynchronous: one stream of steps, no flush (imported here: it uses train.py)
+        from plait.parallel.pipeline.async_2bw import TwoBWTrainer
+
+        trainer = TwoBWTrainer(cfg, mesh, corpus=corpus)
+    else:
+        trainer = Trainer(cfg, mesh, corpus)
     lead = mesh.is_logging_rank
     console = Console(stderr=True)
     log = MetricsLog(Path(t.out), t.tensorboard) if lead else None
@@ -71,34 +77,44 @@ def run(cfg: Config, mesh: Mesh, corpus: Corpus | None = None) -> RunSummary:
     )
     progress = make_progress(console, t.steps) if lead and t.progress else None
     task = progress.add_task("train", total=t.steps, info="") if progress else None
+
+    def record(result: StepResult) -> None:
+        """Everything after a step: metrics, validation, progress (every rank calls it)."""
+        row = _row(result, trainer, flops_per_token, peak)
+        summary.step_times.append(result.time_s)
+        summary.final_loss = result.loss
+        summary.comm_bytes_per_step = row["comm_bytes"]
+        summary.model_state_bytes = row.get("model_state_bytes")
+        done = result.step + 1
+        if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
+            summary.val_loss = row["val_loss"] = trainer.evaluate()
+        if log:
+            log.write(row)
+        if progress:
+            val = f" val {summary.val_loss:.3f}" if summary.val_loss is not None else ""
+            info = f"loss {result.loss:.3f}{val} {row['tokens_per_s']:,.0f} tok/s"
+            progress.update(task, advance=1, info=info)
+        if two_bw:
+            injected_fault(mesh.rank, done)
+
     try:
         if progress:
             progress.start()
-        for _ in range(t.steps):
-            injected_fault(mesh.rank, trainer.step)
-            result = trainer.train_step()
-            row = _row(result, trainer, flops_per_token, peak)
-            summary.step_times.append(result.time_s)
-            summary.final_loss = result.loss
-            summary.comm_bytes_per_step = row["comm_bytes"]
-            summary.model_state_bytes = row.get("model_state_bytes")
-            last = trainer.step == t.steps
-            if (t.eval_every and trainer.step % t.eval_every == 0) or last:
-                summary.val_loss = row["val_loss"] = trainer.evaluate()
-            if log:
-                log.write(row)
-            if progress:
-                val = f" val {summary.val_loss:.3f}" if summary.val_loss is not None else ""
-                info = f"loss {result.loss:.3f}{val} {row['tokens_per_s']:,.0f} tok/s"
-                progress.update(task, advance=1, info=info)
-        if t.trace and trainer.pipeline:
+        if two_bw:
+            trainer.run(on_step=record)
+        else:
+            for _ in range(t.steps):
+                injected_fault(mesh.rank, trainer.step)
+                record(trainer.train_step())
+        if t.trace and getattr(trainer, "pipeline", None):
             summary.pipeline = _trace(trainer, Path(t.out), lead)
     finally:
         if progress:
             progress.stop()
         if log:
             log.close()
-        trainer.close()
+        if not two_bw:
+            trainer.close()
     if lead:
         Path(t.out, "summary.json").write_text(json.dumps(summary.as_dict(), indent=2))
         console.print(summary_table(summary))
