@@ -12,7 +12,7 @@ import torch
 
 from plait.mesh import build_mesh
 from plait.train import Trainer
-from reference import corpus_for, reference_run_named, small_config
+from reference import assert_matches_reference, corpus_for, small_config
 
 RTOL = 1e-5
 # Parameters need an absolute tolerance (see test_dp_parity.py): Adam turns rounding-level
@@ -31,18 +31,7 @@ def _pp_parity(steps: int = 10, **kw) -> dict:
     val = trainer.evaluate()
     params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.close()
-    ref_losses, ref_norms, ref_params, ref_val = reference_run_named(cfg, corpus)
-    torch.testing.assert_close(
-        torch.tensor([r.loss for r in results]), torch.tensor(ref_losses), rtol=RTOL, atol=0
-    )
-    torch.testing.assert_close(
-        torch.tensor([r.grad_norm for r in results]), torch.tensor(ref_norms), rtol=RTOL, atol=0
-    )
-    for name, p in params.items():
-        ref = ref_params["embed.tok.weight" if name == "head.weight" and cfg.model.tie_embeddings
-                         else name]  # fmt: skip
-        torch.testing.assert_close(p, ref, rtol=RTOL, atol=PARAM_ATOL, msg=lambda m, n=name: n + m)
-    assert val == pytest.approx(ref_val, rel=RTOL)
+    assert_matches_reference(cfg, corpus, results, params, val, PARAM_ATOL)
     return {"names": sorted(params), "loss": results[-1].loss}
 
 

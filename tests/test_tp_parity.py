@@ -14,7 +14,7 @@ import torch
 from plait.mesh import build_mesh
 from plait.parallel.tensor_parallel import full_tensor, param_shard_specs
 from plait.train import Trainer
-from reference import corpus_for, reference_run_named, small_config
+from reference import assert_matches_reference, corpus_for, small_config
 
 RTOL = 1e-5
 PARAM_ATOL = 5e-5  # Adam and summation order; see test_pp_parity.py
@@ -36,18 +36,7 @@ def _tp_parity(steps: int = 10, sequence_parallel: bool = False, **kw) -> dict:
     }
     stats_ops = sorted({r["op"] for r in trainer.comm.stats.as_rows() if r["axis"] == "tp"})
     trainer.close()
-    ref_losses, ref_norms, ref_params, ref_val = reference_run_named(cfg, corpus)
-    torch.testing.assert_close(
-        torch.tensor([r.loss for r in results]), torch.tensor(ref_losses), rtol=RTOL, atol=0
-    )
-    torch.testing.assert_close(
-        torch.tensor([r.grad_norm for r in results]), torch.tensor(ref_norms), rtol=RTOL, atol=0
-    )
-    tied = cfg.model.tie_embeddings
-    for name, p in params.items():
-        ref = ref_params["embed.tok.weight" if tied and name == "head.weight" else name]
-        torch.testing.assert_close(p, ref, rtol=RTOL, atol=PARAM_ATOL, msg=lambda m, n=name: n + m)
-    assert val == pytest.approx(ref_val, rel=RTOL)
+    assert_matches_reference(cfg, corpus, results, params, val, PARAM_ATOL)
     return {"sharded": sorted(specs), "tp_ops": stats_ops}
 
 

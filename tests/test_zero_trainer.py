@@ -9,7 +9,7 @@ from plait.config import build_config
 from plait.errors import ConfigError
 from plait.mesh import build_mesh
 from plait.train import Trainer
-from reference import corpus_for, reference_run_named, small_config
+from reference import assert_matches_reference, corpus_for, small_config
 
 RTOL, PARAM_ATOL = 1e-5, 5e-5  # see test_pp_parity.py
 
@@ -27,16 +27,7 @@ def _zero_parity(zero: int, offload: str = "none", offload_dir=None, **kw) -> di
         params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     state_bytes = trainer.zero.memory.model_state_bytes()
     trainer.close()
-    ref_losses, ref_norms, ref_params, ref_val = reference_run_named(cfg, corpus)
-    torch.testing.assert_close(
-        torch.tensor([r.loss for r in results]), torch.tensor(ref_losses), rtol=RTOL, atol=0
-    )
-    torch.testing.assert_close(
-        torch.tensor([r.grad_norm for r in results]), torch.tensor(ref_norms), rtol=RTOL, atol=0
-    )
-    for name, p in params.items():
-        torch.testing.assert_close(p, ref_params[name], rtol=RTOL, atol=PARAM_ATOL)
-    assert val == pytest.approx(ref_val, rel=RTOL)
+    assert_matches_reference(cfg, corpus, results, params, val, PARAM_ATOL)
     return {"state_bytes": state_bytes}
 
 
