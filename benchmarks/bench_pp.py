@@ -232,39 +232,6 @@ class FixedModel(nn.Module):
 
 
 # ---------------------------------------------------------------- diagnostic runtime
-class DeferredSendRuntime(PipelineRuntime):
-    """Bench-only diagnostic (`--plait-sends deferred`), not plait's runtime: the same action
-    lists, but a communication batch waits only for its receives; its sends are posted and
-    waited for at the end of the step, as torch.distributed.pipelining does. With gloo a send
-    completes only once the peer has posted the matching receive (rendezvous), so plait's
-    runtime, which waits for whole batches, blocks a rank in every SEND until its peer reaches
-    the RECV. Comparing the two isolates that cost."""
-
-    def run(self, micro: list[MicroBatch]) -> torch.Tensor:
-        self._pending_sends = []
-        loss = super().run(micro)
-        for handle in self._pending_sends:
-            handle.wait()
-        return loss
-
-    def _communicate(self, acts: list[Action], st) -> None:
-        sends, recvs = [], []
-        for a in acts:  # as PipelineRuntime._communicate, split into sends and receives
-            key = (a.microbatch, a.chunk)
-            if a.kind is Kind.SEND_F:
-                sends.append(("send", st.outputs[key].detach().contiguous(), a.peer))
-            elif a.kind is Kind.SEND_B:
-                sends.append(("send", st.grads_in.pop(key).contiguous(), a.peer))
-            else:
-                buf = torch.empty(self.activation_shape, device=self.dp_device)
-                (st.inputs if a.kind is Kind.RECV_F else st.grads_out)[key] = buf
-                recvs.append(("recv", buf, a.peer))
-        if sends:
-            self._pending_sends.append(self.comm.p2p(sends, axis="pp", tag="pipeline"))
-        if recvs:
-            self.comm.p2p(recvs, axis="pp", tag="pipeline").wait()
-
-
 # ---------------------------------------------------------------- torch action log
 class TorchActionLog:
     """Wall-clock start/end of every compute call of this rank's torch stages, as plait
@@ -342,8 +309,6 @@ class PlaitTrainerSide(Side):
             return out
 
         engine.run = timed_run
-        if opts.plait_sends == "deferred":
-            engine.runtime.__class__ = DeferredSendRuntime
         self._pipe = 0.0
 
     def step(self) -> float:
@@ -442,8 +407,7 @@ class PlaitFixedSide(Side):
         comm = Comm(mesh)
         self.dp = DataParallel(self.model, comm, 25.0)
         shape = (opts.micro_batch, opts.seq_len, opts.d_model)
-        cls = DeferredSendRuntime if opts.plait_sends == "deferred" else PipelineRuntime
-        self.runtime = cls(self.sched, rank, self.model, plans, comm, self.dp, shape)
+        self.runtime = PipelineRuntime(self.sched, rank, self.model, plans, comm, self.dp, shape)
         self.micro = micro
 
     def step(self) -> float:
@@ -851,8 +815,6 @@ def report(res: dict) -> str:
                         f"{means['comm_ms_per_step']:.2f}" if side == "plait" else "-",
                     ]
                 )
-    if c["plait_sends"] == "deferred":
-        head += " — plait side: bench-only DeferredSendRuntime (sends waited at step end)"
     lines = [
         head,
         "",
@@ -958,12 +920,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cost-mode", choices=("sleep", "spin"), default="sleep")
     ap.add_argument("--layers-per-stage", type=int, default=1, help="fixed-cost blocks per stage")
     ap.add_argument("--d-model", type=int, default=128, help="fixed-cost activation width")
-    ap.add_argument(
-        "--plait-sends",
-        choices=("wait", "deferred"),
-        default="wait",
-        help="deferred: the bench-only DeferredSendRuntime diagnostic",
-    )
     ap.add_argument("--warmup", type=int, default=3, help="unrecorded steps per side")
     ap.add_argument("--rounds", type=int, default=10, help="alternating rounds")
     ap.add_argument("--steps", type=int, default=3, help="steps per block")

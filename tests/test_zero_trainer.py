@@ -63,8 +63,6 @@ def test_bf16_zero2_loss_falls(world2):
     ("over", "message"),
     [
         ({"zero": 4}, "zero stage must be 0, 1, 2 or 3; got 4"),
-        ({"zero": 1, "pp": 2}, "with pipeline parallelism (pp=2) is not supported"),
-        ({"precision": "bf16", "tp": 2}, "does not yet combine with pp=1 or tp=2"),
         ({"precision": "fp8"}, "precision must be one of"),
         ({"offload": "nvme"}, "needs a directory"),
     ],

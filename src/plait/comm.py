@@ -100,6 +100,10 @@ class Handle:
         self._blocking = blocking_wait
         self.done = not self._works
 
+    def poll(self) -> bool:
+        """True once every work has completed (without blocking or running `then`)."""
+        return self.done or all(w.is_completed() for w in self._works)
+
     def wait(self) -> None:
         if self.done:
             return
@@ -120,6 +124,29 @@ class Handle:
         self.done = True
         if self._then is not None:
             self._then()
+
+
+@dataclass
+class P2PHandle:
+    """A posted batch of sends and receives.
+
+    A received tensor may be read once `receives` completes; a sent tensor must stay
+    unmodified until `sends` completes. Waiting for the receives alone lets a rank go on
+    computing while its sends drain (a gloo send completes only once the peer has posted
+    the matching receive). Where the backend coalesces the batch into one work (NCCL),
+    `receives` covers the whole batch and `sends` is empty.
+    """
+
+    receives: Handle
+    sends: Handle
+
+    def wait(self) -> None:
+        self.receives.wait()
+        self.sends.wait()
+
+    def sends_done(self) -> bool:
+        """Whether every send has completed (without blocking)."""
+        return self.sends.poll()
 
 
 class Comm:
@@ -186,11 +213,12 @@ class Comm:
 
     def p2p(
         self, ops: list[tuple[str, torch.Tensor, int]], axis: str = "pp", tag: str = ""
-    ) -> Handle:
+    ) -> P2PHandle:
         """Post sends and receives together; ops are ('send'|'recv', tensor, peer axis-rank).
 
         One batch (batch_isend_irecv) so NCCL can pair them without deadlock; a send and its
-        receive are matched by order between each pair of ranks.
+        receive are matched by order between each pair of ranks. The result can be waited
+        for whole, or its receives and sends separately (see P2PHandle).
         """
         ranks = self.mesh.ranks(axis)
         p2p_ops = []
@@ -201,11 +229,23 @@ class Comm:
         works = dist.batch_isend_irecv(p2p_ops) if p2p_ops else []
         step, me = self.stats.step, self.mesh.rank
 
-        def describe() -> str:
-            what = ", ".join(f"{k} {t.numel()} to/from {axis} rank {p}" for k, t, p in ops)
-            return f"p2p [{what}] at step {step} on rank {me}"
+        def describe(kinds: tuple[str, ...]) -> Callable[[], str]:
+            def text() -> str:
+                what = ", ".join(
+                    f"{k} {t.numel()} to/from {axis} rank {p}" for k, t, p in ops if k in kinds
+                )
+                return f"p2p [{what}] at step {step} on rank {me}"
 
-        return Handle(works, describe, self.mesh.timeout_s, None, self._blocking_wait)
+            return text
+
+        def handle(picked: list, kinds: tuple[str, ...]) -> Handle:
+            return Handle(picked, describe(kinds), self.mesh.timeout_s, None, self._blocking_wait)
+
+        if len(works) != len(ops):  # one coalesced work (NCCL): receives complete with sends
+            return P2PHandle(handle(works, ("send", "recv")), handle([], ()))
+        recvs = [w for w, (k, _, _) in zip(works, ops, strict=True) if k == "recv"]
+        sends = [w for w, (k, _, _) in zip(works, ops, strict=True) if k == "send"]
+        return P2PHandle(handle(recvs, ("recv",)), handle(sends, ("send",)))
 
     def barrier(self, axis: str = "world") -> None:
         """A tiny all-reduce rather than dist.barrier, so it obeys the same deadline."""

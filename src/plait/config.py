@@ -322,11 +322,11 @@ def _validate_zero(cfg: Config) -> None:
     par = cfg.parallel
     check_zero_options(par.zero, par.offload, par.offload_dir, par.pp)
     parse_precision(par.precision, par.reduce_dtype)
-    if par.uses_zero_engine and (par.pp > 1 or par.tp > 1):
+    if par.uses_zero_engine and par.pp > 1 and par.schedule == "2bw":
         raise ConfigError(
-            f"zero={par.zero}, precision={par.precision}, offload={par.offload} run on the ZeRO "
-            f"engine, which the trainer does not yet combine with pp={par.pp} or tp={par.tp}; "
-            "use zero=0, fp32 and no offload with pipeline or tensor parallelism"
+            f"schedule 2bw keeps its own two weight versions and optimizer; it does not run "
+            f"on the ZeRO engine (got zero={par.zero}, precision={par.precision}, "
+            f"offload={par.offload}; use zero=0, fp32 and no offload)"
         )
 
 

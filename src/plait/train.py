@@ -42,6 +42,7 @@ from plait.parallel.pipeline.runtime import MicroBatch
 from plait.parallel.recompute import apply_recompute
 from plait.parallel.tensor_parallel import apply_tensor_parallel, sync_sequence_parallel_grads
 from plait.parallel.zero import AdamW, ZeroEngine
+from plait.parallel.zero.split_model import isolated_params, norm_rules, sync_split_grads
 from plait.precision import parse_precision
 
 
@@ -99,7 +100,9 @@ def corpus_from_tokens(tokens: np.ndarray, cfg: Config) -> Corpus:
     return Corpus(TokenWindows(train, seq), TokenWindows(val, seq), unigram_entropy(train))
 
 
-def _zero_engine(cfg: Config, model: Transformer, comm: Comm) -> ZeroEngine:
+def _zero_engine(
+    cfg: Config, model: Transformer, comm: Comm, pipeline: PipelineEngine | None
+) -> ZeroEngine:
     par = cfg.parallel
     return ZeroEngine(
         model,
@@ -110,6 +113,7 @@ def _zero_engine(cfg: Config, model: Transformer, comm: Comm) -> ZeroEngine:
         offload=par.offload,
         offload_dir=par.offload_dir,
         bucket_mb=par.bucket_mb,
+        isolate=isolated_params(model, pipeline),
     )
 
 
@@ -126,10 +130,15 @@ class Trainer:
         self.model = build_model(cfg.model, self.device, cfg.train.seed, self._parallelize)
         apply_recompute(self.model, cfg.parallel.recompute)
         self.zero = (
-            _zero_engine(cfg, self.model, self.comm) if cfg.parallel.uses_zero_engine else None
+            _zero_engine(cfg, self.model, self.comm, self.pipeline)
+            if cfg.parallel.uses_zero_engine
+            else None
         )
         self.dp = None if self.zero else DataParallel(self.model, self.comm, cfg.parallel.bucket_mb)
-        if self.pipeline:
+        if self.pipeline and self.zero:
+            dtype = self.zero.precision.param_dtype
+            self.pipeline.attach(self.model, self.zero, dtype, self.zero.scale_loss)
+        elif self.pipeline:
             self.pipeline.attach(self.model, self.dp)
         self.optimizer = None if self.zero else build_optimizer(self.model, cfg.train)
         self.sampler = GlobalBatchSampler(
@@ -179,7 +188,7 @@ class Trainer:
             micro = [self._micro(idx, key) for idx, key in zip(micro_idx, micro_keys, strict=True)]
             mean_loss = self.pipeline.run(micro)
         else:
-            mean_loss = self._accumulate(micro_idx, micro_keys)
+            mean_loss = self._accumulate(micro_idx, micro_keys, self.dp)
         self.dp.finish()
         sync_sequence_parallel_grads(self.model, self.comm)  # no-op without it
         if self.pipeline:
@@ -192,36 +201,41 @@ class Trainer:
         return mean_loss, grad_norm
 
     def _zero_step(self, micro_idx: list, micro_keys: list, lr: float):
-        """The ZeRO engine: sharded states, mixed precision, offload (fp16 may skip a step)."""
-        engine, n = self.zero, len(micro_idx)
+        """The ZeRO engine: sharded states, mixed precision, offload (fp16 may skip a step);
+        with or without tp and pp."""
+        engine = self.zero
         engine.begin_step()
-        loss_sum = torch.zeros((), device=self.device)
-        for i, (idx, key) in enumerate(zip(micro_idx, micro_keys, strict=True)):
-            mb = self._micro(idx, key)
-            engine.micro_batch(is_last=i == n - 1)
-            loss = self.model(mb.tokens, mb.targets, mb.keys)
-            engine.scale_loss(loss / n).backward()
-            loss_sum += loss.detach().float()
+        if self.pipeline:
+            micro = [self._micro(idx, key) for idx, key in zip(micro_idx, micro_keys, strict=True)]
+            mean_loss = self.pipeline.run(micro)
+        else:
+            mean_loss = self._accumulate(micro_idx, micro_keys, engine)
         engine.finish()
-        grad_norm = engine.clip_grad_norm(self.cfg.train.grad_clip)
+        sync_split_grads(engine, self.model, self.pipeline)
+        reduce_sq, weight = norm_rules(self.model, self.comm, self.pipeline)
+        grad_norm = engine.clip_grad_norm(self.cfg.train.grad_clip, reduce_sq, weight)
         engine.step(lr)
         engine.zero_grad()
-        return loss_sum / n, grad_norm
+        return mean_loss, grad_norm
 
     def _micro(self, idx: torch.Tensor, key: torch.Tensor) -> MicroBatch:
         x, y = (v.to(self.device) for v in self.corpus.train.batch(idx))
         return MicroBatch(x, y, key.to(self.device))
 
-    def _accumulate(self, micro_idx: list, micro_keys: list) -> torch.Tensor:
-        """Gradient accumulation without a pipeline; returns the mean micro-batch loss."""
+    def _accumulate(
+        self, micro_idx: list, micro_keys: list, grads: DataParallel | ZeroEngine
+    ) -> torch.Tensor:
+        """Gradient accumulation without a pipeline; returns the mean micro-batch loss.
+        `grads` is told where each micro-batch falls and scales the loss (fp16)."""
         loss_sum = torch.zeros((), device=self.device)
         n = len(micro_idx)
+        scale = grads.scale_loss if isinstance(grads, ZeroEngine) else None
         for i, (idx, key) in enumerate(zip(micro_idx, micro_keys, strict=True)):
             mb = self._micro(idx, key)
-            self.dp.micro_batch(is_last=i == n - 1)
+            grads.micro_batch(is_last=i == n - 1)
             loss = self.model(mb.tokens, mb.targets, mb.keys)  # mean over its tokens
-            (loss / n).backward()
-            loss_sum += loss.detach()
+            (scale(loss / n) if scale else loss / n).backward()
+            loss_sum += loss.detach().float()
         return loss_sum / n
 
     @torch.no_grad()

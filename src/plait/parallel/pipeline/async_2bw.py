@@ -37,6 +37,7 @@ from plait.parallel.pipeline.actions import Action, Kind, TimedAction, comm_batc
 from plait.parallel.pipeline.async_2bw_points import update_points
 from plait.parallel.pipeline.async_2bw_versions import WeightVersions, weights_of
 from plait.parallel.pipeline.engine import PipelineEngine
+from plait.parallel.pipeline.p2p import Exchange
 from plait.parallel.pipeline.runtime import MicroBatch
 from plait.parallel.pipeline.schedules import two_bw
 from plait.parallel.pipeline.stage import run_stage
@@ -98,6 +99,8 @@ class TwoBWTrainer:
             len(self.corpus.train), cfg.train.global_batch, cfg.train.seed
         )
         self.trace_steps = trace_steps
+        shape = self.engine.activation_shape
+        self.exchange = Exchange(self.comm, shape, torch.float32, mesh.device)
         self.timings: deque[TimedAction] = deque()
         self.max_versions_held = 0  # distinct versions needed at once, measured per action
         self._ran = False
@@ -139,7 +142,7 @@ class TwoBWTrainer:
             acts = [actions[i] for i in batch]
             start = time.time()
             if acts[0].is_comm:
-                self._communicate(acts, fl)
+                self.exchange.post(acts, [(a.step, a.microbatch) for a in acts], fl)
             else:
                 self._compute(acts[0], fl)
             end = time.time()
@@ -155,6 +158,7 @@ class TwoBWTrainer:
     def _update(
         self, k: int, fl: _Flight, on_step: Callable[[StepResult], None] | None
     ) -> StepResult:
+        self.exchange.drain()  # a consistent cut: every posted send has its receive
         grads, loss_sum = fl.sealed.pop(k)
         lr = lr_at(k, self.cfg.train)
         busy = set(fl.version.values())
@@ -215,21 +219,6 @@ class TwoBWTrainer:
                 micro.append(MicroBatch(x, y, key.to(device)))
             fl.data[step] = micro
         return fl.data[step]
-
-    # -- communication -------------------------------------------------------------------
-    def _communicate(self, acts: list[Action], fl: _Flight) -> None:
-        ops = []
-        for a in acts:
-            key = (a.step, a.microbatch)
-            if a.kind is Kind.SEND_F:
-                ops.append(("send", fl.outputs[key].detach().contiguous(), a.peer))
-            elif a.kind is Kind.SEND_B:
-                ops.append(("send", fl.grads_in.pop(key).contiguous(), a.peer))
-            else:
-                buf = torch.empty(self.engine.activation_shape, device=self.mesh.device)
-                (fl.inputs if a.kind is Kind.RECV_F else fl.grads_out)[key] = buf
-                ops.append(("recv", buf, a.peer))
-        self.comm.p2p(ops, axis="pp", tag="pipeline").wait()
 
     # -- validation ----------------------------------------------------------------------
     @torch.no_grad()

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +33,9 @@ from plait.parallel.pipeline.stage import (
     tied_embedding_params,
 )
 
+if TYPE_CHECKING:  # the ZeRO engine imports the pipeline engine for split models
+    from plait.parallel.zero import ZeroEngine
+
 
 class PipelineEngine:
     """This rank's share of a pipeline: its stages and the schedule that drives them."""
@@ -46,6 +51,7 @@ class PipelineEngine:
         seq = t.seq_len // (par.tp if par.sequence_parallel else 1)  # sequence-parallel shards
         self.activation_shape = (t.micro_batch, seq, cfg.model.d_model)
         self.runtime: PipelineRuntime | None = None
+        self.activation_dtype = torch.float32
         self.model: Transformer | None = None
 
     @property
@@ -56,10 +62,28 @@ class PipelineEngine:
         """The `parallelize` step: keep only this rank's stages (called on the meta model)."""
         prune_to_stages(model, self.plans)
 
-    def attach(self, model: Transformer, dp: DataParallel) -> None:
+    def attach(
+        self,
+        model: Transformer,
+        grads: DataParallel | ZeroEngine,
+        activation_dtype: torch.dtype = torch.float32,
+        scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        """Run this rank's stages of `model`; `grads` (DataParallel or the ZeRO engine)
+        reduces their gradients over dp; activations travel in `activation_dtype` (the
+        compute dtype); `scale_loss` multiplies the last stage's loss (fp16 loss scale)."""
         self.model = model
+        self.activation_dtype = activation_dtype
         self.runtime = PipelineRuntime(
-            self.schedule, self.rank, model, self.plans, self.comm, dp, self.activation_shape
+            self.schedule,
+            self.rank,
+            model,
+            self.plans,
+            self.comm,
+            grads,
+            self.activation_shape,
+            activation_dtype,
+            scale_loss,
         )
 
     # -- training ------------------------------------------------------------------------
@@ -107,7 +131,7 @@ class PipelineEngine:
             x = mb.tokens
         else:
             shape = (mb.tokens.shape[0], *self.activation_shape[1:])
-            x = torch.empty(shape, device=self.mesh.device)
+            x = torch.empty(shape, dtype=self.activation_dtype, device=self.mesh.device)
             self.comm.p2p([("recv", x, prev)], tag="eval").wait()
         out = run_stage(self.model, plan, x, None, mb.targets if plan.last else None)
         if plan.last:

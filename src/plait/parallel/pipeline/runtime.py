@@ -2,8 +2,10 @@
 
 The runtime walks the rank's action list front to back in the batches `comm_batches` gives:
 a compute action alone, or a run of consecutive sends/receives posted together (one
-batch_isend_irecv) and waited for. The validator proves every schedule deadlock-free under
-exactly this execution model, so the runtime needs no logic of its own about ordering.
+batch_isend_irecv) whose receives are waited for at once and whose sends drain while the rank
+computes on (`p2p.Exchange`; all are waited for at the end of the step). The validator proves
+every schedule deadlock-free under this execution model, so the runtime needs no logic of its
+own about ordering.
 
 Gradient accumulation is exact: each micro-batch's loss (a mean over its tokens) is divided
 by m before backward, so the accumulated gradient is that of the step's mean loss. Data
@@ -14,6 +16,7 @@ action that produces their last micro-batch's gradients (B, or W where the backw
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -22,6 +25,7 @@ from torch import Tensor, nn
 from plait.comm import Comm
 from plait.parallel.data_parallel import DataParallel
 from plait.parallel.pipeline.actions import Action, Kind, Schedule, TimedAction, comm_batches
+from plait.parallel.pipeline.p2p import Exchange
 from plait.parallel.pipeline.stage import StagePlan, run_stage
 
 
@@ -58,6 +62,8 @@ class PipelineRuntime:
         comm: Comm,
         dp: DataParallel,
         activation_shape: tuple[int, ...],
+        activation_dtype: torch.dtype = torch.float32,
+        scale_loss: Callable[[Tensor], Tensor] | None = None,
     ) -> None:
         self.schedule = schedule
         self.rank = rank
@@ -66,6 +72,8 @@ class PipelineRuntime:
         self.comm = comm
         self.dp = dp
         self.activation_shape = activation_shape
+        self.scale_loss = scale_loss
+        self.exchange = Exchange(comm, activation_shape, activation_dtype, comm.mesh.device)
         self.actions = schedule.ranks[rank]
         self.batches = comm_batches(self.actions)
         self.chunk_params = [self._params_of(plan) for plan in plans]
@@ -101,12 +109,13 @@ class PipelineRuntime:
             acts = [self.actions[i] for i in batch]
             start = time.time()
             if acts[0].is_comm:
-                self._communicate(acts, st)
+                self.exchange.post(acts, [(a.microbatch, a.chunk) for a in acts], st)
             elif acts[0].kind is not Kind.STEP:
                 self._compute(acts[0], micro, st)
             end = time.time()
             for i, a in zip(batch, acts, strict=True):
                 self.timings.append(TimedAction(self.rank, i, a, start, end))
+        self.exchange.drain()
         return st.loss_sum
 
     # -- compute ---------------------------------------------------------------------------
@@ -134,6 +143,8 @@ class PipelineRuntime:
         if plan.last:
             st.loss_sum += out.detach()
             out = out / self.schedule.m  # the step's loss is the mean over micro-batches
+            if self.scale_loss is not None:  # fp16: backward runs on the scaled loss
+                out = self.scale_loss(out)
         st.outputs[key] = out
 
     def _backward_input(self, a: Action, st: _StepState) -> None:
@@ -150,22 +161,3 @@ class PipelineRuntime:
         if not plan.first:
             (st.grads_in[key],) = torch.autograd.grad(out, inp, grad, retain_graph=True)
         st.pending_w[key] = (out, grad)
-
-    # -- communication ---------------------------------------------------------------------
-    def _communicate(self, acts: list[Action], st: _StepState) -> None:
-        ops = []
-        for a in acts:
-            key = (a.microbatch, a.chunk)
-            if a.kind is Kind.SEND_F:
-                ops.append(("send", st.outputs[key].detach().contiguous(), a.peer))
-            elif a.kind is Kind.SEND_B:
-                ops.append(("send", st.grads_in.pop(key).contiguous(), a.peer))
-            else:
-                buf = torch.empty(self.activation_shape, device=self.dp_device)
-                (st.inputs if a.kind is Kind.RECV_F else st.grads_out)[key] = buf
-                ops.append(("recv", buf, a.peer))
-        self.comm.p2p(ops, axis="pp", tag="pipeline").wait()
-
-    @property
-    def dp_device(self) -> torch.device:
-        return self.comm.mesh.device

@@ -22,7 +22,7 @@ What each stage keeps per rank (Ψ parameters, N ranks; see docs/zero.md):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
@@ -54,11 +54,12 @@ def check_zero_options(stage: int, offload: str, offload_dir: str | None, pp: in
         raise ConfigError("offload 'nvme' needs a directory for the state files (--offload-dir)")
     if offload != "nvme" and offload_dir:
         raise ConfigError(f"--offload-dir {offload_dir!r} is only used with --offload nvme")
-    if pp > 1 and stage > 0:
+    if pp > 1 and stage > 1:
         raise ConfigError(
-            f"zero stage {stage} with pipeline parallelism (pp={pp}) is not supported: the "
-            "pipeline sums tied-embedding gradients after the data-parallel reduction, which "
-            "needs full gradients (stage 0); stages 2-3 would also reduce every micro-batch"
+            f"zero stage {stage} with pipeline parallelism (pp={pp}) is not supported (use "
+            "zero 0 or 1, as DeepSpeed does): stages 2-3 keep no full gradient, so they "
+            "reduce-scatter after every micro-batch, m times the traffic of a pipeline step, "
+            "and stage 3 would also gather each block again for every micro-batch"
         )
 
 
@@ -79,7 +80,9 @@ class ZeroEngine:
         axis: str = "dp",
         tracker: MemoryTracker | None = None,
         scaler: DynamicLossScaler | None = None,
+        isolate: Sequence[nn.Parameter] = (),
     ) -> None:
+        """`isolate`: parameters that get a flat group each (see `layout.build_groups`)."""
         check_zero_options(stage, offload, str(offload_dir) if offload_dir else None)
         self.precision = parse_precision(precision) if isinstance(precision, str) else precision
         if stage == 3 and not hasattr(model, "blocks"):
@@ -91,7 +94,7 @@ class ZeroEngine:
         self.stage, self.axis, self.device = stage, axis, comm.mesh.device
         self.memory = tracker or MemoryTracker(self.device)
         n, rank = comm.mesh.size(axis), comm.mesh.axis_rank(axis)
-        self.groups = build_groups(model, stage, int(bucket_mb * 2**20), rank, n)
+        self.groups = build_groups(model, stage, int(bucket_mb * 2**20), rank, n, isolate)
         values = [flatten_values(g, self.device) for g in self.groups]
         self.params = ParamStore(
             self.groups, values, stage, self.precision.param_dtype, comm, axis, self.memory
@@ -195,7 +198,9 @@ class ZeroEngine:
         else:
             parts = [v * weight(p) for p, _, v in self.grad_pieces() if weight(p) != 0]
         norms = [torch.linalg.vector_norm(s, dtype=torch.float32) for s in parts]
-        sq = torch.linalg.vector_norm(torch.stack(norms)).pow(2) if norms else torch.zeros(())
+        if not norms:
+            return torch.zeros((), dtype=torch.float32, device=self.device)
+        sq = torch.linalg.vector_norm(torch.stack(norms)).pow(2)
         return sq / self.loss_scale**2 if self.scaler else sq
 
     def grad_norm(

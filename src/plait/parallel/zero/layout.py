@@ -12,6 +12,7 @@ group, no communication, testable on its own.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch import nn
@@ -116,17 +117,27 @@ def block_units(model: nn.Module) -> list[list[nn.Parameter]]:
 
 
 def build_groups(
-    model: nn.Module, stage: int, bucket_bytes: int, rank: int, world: int
+    model: nn.Module,
+    stage: int,
+    bucket_bytes: int,
+    rank: int,
+    world: int,
+    isolate: Sequence[nn.Parameter] = (),
 ) -> list[FlatGroup]:
     """Flat groups in the order backward completes them (so reductions launch in order).
 
     Stages 0-2: byte-capped buckets in reverse registration order (as data parallelism).
     Stage 3: one group per block (see `block_units`). Stage 0 shards nothing (one shard);
-    stages 1-3 pad each group to a multiple of `world`.
+    stages 1-3 pad each group to a multiple of `world`. Each parameter in `isolate` gets a
+    group of its own, after the others: its shard on a rank then depends only on its own
+    size, so two pipeline stages holding copies of a tied embedding shard them alike.
     """
     names = param_names(model)
-    params = [p for p in model.parameters() if p.requires_grad]
+    alone = {id(p) for p in isolate}
+    params = [p for p in model.parameters() if p.requires_grad and id(p) not in alone]
     lists = block_units(model) if stage == 3 else assign_buckets(params, bucket_bytes)
+    lists = [[p for p in group if id(p) not in alone] for group in lists]
+    lists += [[p] for p in isolate if p.requires_grad]
     shards, me = (1, 0) if stage == 0 else (world, rank)
     groups = []
     for i, group in enumerate(p for p in lists if p):
