@@ -35,6 +35,7 @@ def checkpoint_module(module: nn.Module) -> None:
         return checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
     module.forward = forward  # instance attribute: this module only, torch untouched
+    module.recomputed = True  # read by the pipeline's split backward (see split_backward.py)
 
 
 def apply_recompute(model: nn.Module, mode: str) -> list[nn.Module]:

@@ -26,6 +26,7 @@ from plait.comm import Comm
 from plait.parallel.data_parallel import DataParallel
 from plait.parallel.pipeline.actions import Action, Kind, Schedule, TimedAction, comm_batches
 from plait.parallel.pipeline.p2p import Exchange
+from plait.parallel.pipeline.split_backward import WeightWork, split_input_backward
 from plait.parallel.pipeline.stage import StagePlan, run_stage
 
 
@@ -77,6 +78,10 @@ class PipelineRuntime:
         self.actions = schedule.ranks[rank]
         self.batches = comm_batches(self.actions)
         self.chunk_params = [self._params_of(plan) for plan in plans]
+        self._recomputed = [
+            any(getattr(self.model.blocks[i], "recomputed", False) for i in plan.layers)
+            for plan in plans
+        ]
         grad_kind = Kind.W if schedule.split_backward else Kind.B
         self._final = {
             (a.microbatch, a.chunk)
@@ -130,8 +135,7 @@ class PipelineRuntime:
         if a.kind is Kind.B:
             self._backward_input(a, st)
         else:
-            out, grad = st.pending_w.pop(key)
-            torch.autograd.backward(out, grad, inputs=self.chunk_params[a.chunk])
+            self._backward_weight(a, st.pending_w.pop(key))
         if final:
             self.dp.micro_batch(is_last=False)
 
@@ -156,8 +160,19 @@ class PipelineRuntime:
             if not plan.first:
                 st.grads_in[key] = inp.grad
             return
-        # Zero-bubble split: input gradient now (the previous stage waits for it), weight
-        # gradients later in W from the same retained graph.
-        if not plan.first:
-            (st.grads_in[key],) = torch.autograd.grad(out, inp, grad, retain_graph=True)
-        st.pending_w[key] = (out, grad)
+        # Zero-bubble split: the input gradient now (the previous stage waits for it), the
+        # weight gradients in W (split_backward.py says how, and when it falls back).
+        if plan.first or self._recomputed[a.chunk]:
+            if not plan.first:
+                (st.grads_in[key],) = torch.autograd.grad(out, inp, grad, retain_graph=True)
+            st.pending_w[key] = (out, grad)
+            return
+        params = self.chunk_params[a.chunk]
+        st.grads_in[key], st.pending_w[key] = split_input_backward(out, grad, inp, params)
+
+    def _backward_weight(self, a: Action, pending: WeightWork | tuple) -> None:
+        if isinstance(pending, WeightWork):
+            pending.run()
+        else:  # the plain split: a second backward from the output, parameters only
+            out, grad = pending
+            torch.autograd.backward(out, grad, inputs=self.chunk_params[a.chunk])
