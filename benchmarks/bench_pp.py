@@ -231,7 +231,6 @@ class FixedModel(nn.Module):
         return out if targets is None else self.loss(out, targets)
 
 
-# ---------------------------------------------------------------- diagnostic runtime
 # ---------------------------------------------------------------- torch action log
 class TorchActionLog:
     """Wall-clock start/end of every compute call of this rank's torch stages, as plait

@@ -113,3 +113,13 @@ def test_asynchronous_2bw_from_the_command_line(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert "val_loss" in rows[-1]
+
+
+def test_zero_with_pipeline_and_fp16_from_the_command_line(tmp_path):
+    proc = _plait(["--out", str(tmp_path), "--dp", "1", "--pp", "2", "--microbatches", "4",
+                   "--schedule", "zb-h1", "--zero", "1", "--precision", "fp16"])  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert all(r["loss_scale"] == 2.0**16 and not r["step_skipped"] for r in rows)
+    assert rows[-1]["loss"] < rows[0]["loss"]
