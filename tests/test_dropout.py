@@ -9,8 +9,9 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from plait.models.dropout import MASK32, KeyedDropout, hash32, keep_mask, sample_keys
+from plait.models.init import init_parameters
 from plait.models.presets import get_preset
-from plait.models.transformer import Transformer, init_parameters
+from plait.models.transformer import Transformer
 
 
 def lowbias32(x: int) -> int:

@@ -10,14 +10,13 @@ import torch.nn.functional as F
 
 from plait.errors import ConfigError
 from plait.models.config import ModelConfig
+from plait.models.init import init_parameters, init_value
 from plait.models.presets import get_preset
 from plait.models.transformer import (
     Attention,
     CoreAttention,
     Transformer,
     apply_rope,
-    init_parameters,
-    init_value,
     rope_cos_sin,
 )
 

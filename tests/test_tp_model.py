@@ -19,8 +19,9 @@ from plait.errors import ConfigError
 from plait.mesh import build_mesh
 from plait.models.config import ModelConfig
 from plait.models.dropout import sample_keys
+from plait.models.init import init_parameters
 from plait.models.presets import get_preset
-from plait.models.transformer import Transformer, init_parameters
+from plait.models.transformer import Transformer
 from plait.parallel.recompute import apply_recompute
 from plait.parallel.tensor_parallel import (
     apply_tensor_parallel,

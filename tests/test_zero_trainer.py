@@ -71,3 +71,35 @@ def test_zero_option_errors(over, message):
     cfg = build_config("tiny-gpt", {"parallel": over, "train": {"seq_len": 32}})
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         cfg.validate(check_data=False)
+
+
+def _stage3_never_materializes(**kw) -> None:
+    from plait.comm import Comm
+    from plait.models.init import initial_values
+    from plait.parallel.zero import AdamW, ZeroEngine
+    from plait.train import build_model
+
+    cfg = small_config(**kw)
+    mesh = build_mesh(cfg.parallel.layout, torch.device("cpu"), 60)
+    comm, seed = Comm(mesh), cfg.train.seed
+    model = build_model(cfg.model, mesh.device, seed, materialize=False)
+    assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+    value, held = initial_values(model, seed, cfg.model), []
+
+    def spy(p: torch.nn.Parameter) -> torch.Tensor:  # bytes the model's parameters hold now
+        held.append(sum(q.untyped_storage().nbytes() for q in model.parameters()))
+        return value(p)
+
+    adamw = AdamW.from_train(cfg.train)
+    engine = ZeroEngine(model, comm, adamw, 3, initial_value=spy)
+    assert held and max(held) == 0
+    assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+    ref = ZeroEngine(build_model(cfg.model, mesh.device, seed), comm, adamw, 3)
+    for mine, theirs in zip(engine.params.shards, ref.params.shards, strict=True):
+        assert torch.equal(mine, theirs)
+    engine.close()
+    ref.close()
+
+
+def test_stage3_fills_shards_without_materializing_the_model(world2):
+    world2.run(_stage3_never_materializes, dp=2, preset="tiny-llama")

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch import nn
 
 from plait.comm import Comm
 from plait.config import Config
@@ -33,7 +34,8 @@ from plait.device import synchronize
 from plait.mesh import Mesh
 from plait.models.config import ModelConfig
 from plait.models.dropout import sample_keys
-from plait.models.transformer import Transformer, init_parameters
+from plait.models.init import init_parameters, initial_values, tie_all
+from plait.models.transformer import Transformer
 from plait.optim import build_optimizer, lr_at, scale_to_norm, set_lr
 from plait.parallel.data_parallel import DataParallel
 from plait.parallel.grad_norm import global_grad_norm
@@ -63,21 +65,42 @@ def build_model(
     device: torch.device,
     seed: int,
     parallelize: Callable[[Transformer], None] | None = None,
+    materialize: bool = True,
 ) -> Transformer:
     """Build on the meta device, parallelize, then materialize on `device` and initialize.
 
     Building on meta first means a model too large for one device is never allocated whole:
     `parallelize` (tensor-parallel sharding, pipeline stage split) shrinks it before any
     memory is touched, and each parameter (or shard) is then filled from its (seed, name)
-    generator, so the values do not depend on the layout.
+    generator, so the values do not depend on the layout. With `materialize=False` the
+    parameters are moved to `device` holding zero bytes and left uninitialized: ZeRO stage 3
+    fills its shards from `initial_values` and binds the parameters to its own buffers.
     """
     with torch.device("meta"):
         model = Transformer(cfg)
     if parallelize is not None:
         parallelize(model)
-    model.to_empty(device=device)
-    init_parameters(model, seed, cfg)
+    if materialize:
+        model.to_empty(device=device)
+        init_parameters(model, seed, cfg)
+    else:
+        _to_device_without_storage(model, device)
     return model
+
+
+def _to_device_without_storage(model: nn.Module, device: torch.device) -> None:
+    """Every parameter on `device` with zero-byte storage, one allocated at a time.
+
+    This is `Module.to_empty` (which goes through the same `_apply`) except that each new
+    tensor gives its memory back at once, so the model never exists whole."""
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(t, device=device)
+        out.untyped_storage().resize_(0)
+        return out
+
+    model._apply(empty)
+    tie_all(model)
 
 
 @dataclass
@@ -104,6 +127,7 @@ def _zero_engine(
     cfg: Config, model: Transformer, comm: Comm, pipeline: PipelineEngine | None
 ) -> ZeroEngine:
     par = cfg.parallel
+    streamed = _streams_init(cfg)
     return ZeroEngine(
         model,
         comm,
@@ -114,7 +138,13 @@ def _zero_engine(
         offload_dir=par.offload_dir,
         bucket_mb=par.bucket_mb,
         isolate=isolated_params(model, pipeline),
+        initial_value=initial_values(model, cfg.train.seed, cfg.model) if streamed else None,
     )
+
+
+def _streams_init(cfg: Config) -> bool:
+    """ZeRO stage 3 initializes shard by shard: the full model is never materialized."""
+    return cfg.parallel.uses_zero_engine and cfg.parallel.zero == 3
 
 
 class Trainer:
@@ -127,7 +157,9 @@ class Trainer:
         self.comm = Comm(mesh)
         self.corpus = corpus or load_corpus(cfg)
         self.pipeline = PipelineEngine(cfg, mesh, self.comm) if mesh.size("pp") > 1 else None
-        self.model = build_model(cfg.model, self.device, cfg.train.seed, self._parallelize)
+        self.model = build_model(
+            cfg.model, self.device, cfg.train.seed, self._parallelize, not _streams_init(cfg)
+        )
         apply_recompute(self.model, cfg.parallel.recompute)
         self.zero = (
             _zero_engine(cfg, self.model, self.comm, self.pipeline)

@@ -13,9 +13,7 @@ threaded through every forward so that masks depend on the sample, never on the 
 
 from __future__ import annotations
 
-import hashlib
 import math
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -240,115 +238,6 @@ class Transformer(nn.Module):
         if targets is None:
             return logits
         return self.loss(logits, targets)
-
-
-# ---------------------------------------------------------------- initialization
-
-RESIDUAL_OUTPUTS = frozenset({"wo", "fc2", "w_down"})
-NORMAL_WEIGHTS = frozenset({"tok", "pos", "head", "wq", "wk", "wv", "fc1", "w_gate", "w_up"})
-# Name components that wrappers insert (DDP, torch.compile, checkpoint_wrapper, FSDP).
-WRAPPER_NAMES = frozenset(
-    {"module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
-)
-
-
-def canonical_name(cfg: ModelConfig, name: str) -> str:
-    """The single-process parameter name: wrapper components dropped, tied head -> tok."""
-    name = ".".join(part for part in name.split(".") if part not in WRAPPER_NAMES)
-    if cfg.tie_embeddings and name == "head.weight":
-        return "embed.tok.weight"
-    return name
-
-
-def _seed_for(seed: int, name: str) -> int:
-    """Stable 63-bit seed from (seed, name); Python's hash() is salted per process."""
-    digest = hashlib.sha256(f"plait-init:{seed}:{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
-def init_value(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int) -> Tensor:
-    """Full fp32 initial value of parameter `name`, a pure function of (cfg, name, shape, seed).
-
-    Each parameter has its own generator, so the value does not depend on which other
-    parameters exist on a rank or in what order they are initialized: a tensor-parallel
-    shard or pipeline stage slices this and matches the single-process model exactly.
-    Weights ~ N(0, init_std), residual output projections scaled by 1/sqrt(2 n_layers)
-    (GPT-2, Radford et al., 2019), biases 0, norm weights 1.
-    """
-    name = canonical_name(cfg, name)
-    parts = name.split(".")
-    owner, leaf = (parts[-2] if len(parts) > 1 else ""), parts[-1]
-    if leaf == "bias":
-        return torch.zeros(shape)
-    if owner.endswith("norm") and leaf == "weight":
-        return torch.ones(shape)
-    if leaf != "weight" or owner not in RESIDUAL_OUTPUTS | NORMAL_WEIGHTS:
-        raise ValueError(f"init_value does not know how to initialize parameter {name!r}")
-    std = cfg.init_std
-    if owner in RESIDUAL_OUTPUTS:
-        std /= math.sqrt(2 * cfg.n_layers)
-    gen = torch.Generator().manual_seed(_seed_for(seed, name))
-    return torch.empty(shape).normal_(0.0, std, generator=gen)
-
-
-class ShardLike(Protocol):
-    """What init needs to know about a shard (plait.parallel.tp.sharding.ShardSpec has it)."""
-
-    @property
-    def global_shape(self) -> tuple[int, ...]: ...
-    @property
-    def offsets(self) -> tuple[int, ...]: ...
-    @property
-    def local_shape(self) -> tuple[int, ...]: ...
-
-
-def shard_value(
-    cfg: ModelConfig, name: str, shape: tuple[int, ...], shard: ShardLike, seed: int
-) -> Tensor:
-    """Initial value of a parameter shard: its slice of the full init_value, padding zero.
-
-    `shard` describes the local tensor (of `shape`) as a slice of the full parameter: it has
-    `global_shape`, `offsets` and `local_shape` (the extent of real data). Elements of the
-    local tensor beyond `local_shape` are padding (e.g. vocabulary rows added so that tensor
-    parallelism splits evenly) and start, and stay, zero.
-    """
-    full = init_value(cfg, name, tuple(shard.global_shape), seed)
-    region = tuple(slice(o, o + n) for o, n in zip(shard.offsets, shard.local_shape, strict=True))
-    out = torch.zeros(shape)
-    out[tuple(slice(0, n) for n in shard.local_shape)] = full[region]
-    return out
-
-
-@torch.no_grad()
-def init_parameters(model: nn.Module, seed: int, cfg: ModelConfig | None = None) -> None:
-    """Fill every parameter of `model` (any device, already materialized) from init_value.
-
-    `cfg` defaults to `model.cfg`. Tied weights are re-tied first (see tie_weights). A module
-    may carry `param_shards`, a dict from its parameter's local name to shard metadata (see
-    `shard_value`): such a parameter is a slice of a larger one (tensor parallelism) and gets
-    exactly that slice of the full value, so every layout starts from the same weights.
-    """
-    cfg = cfg if cfg is not None else getattr(model, "cfg", None)
-    if cfg is None:
-        raise ValueError("init_parameters needs cfg: the model has no .cfg attribute")
-    for module in model.modules():
-        if isinstance(module, Transformer):
-            module.tie_weights()
-    done: set[int] = set()  # a tied weight appears under two modules; fill it once
-    for prefix, module in model.named_modules():
-        shards = getattr(module, "param_shards", {})
-        for leaf, param in module.named_parameters(recurse=False):
-            name = f"{prefix}.{leaf}" if prefix else leaf
-            if id(param) in done:
-                continue
-            done.add(id(param))
-            if param.is_meta:
-                raise ValueError(f"parameter {name!r} is on the meta device; call to_empty first")
-            shape, shard = tuple(param.shape), shards.get(leaf)
-            if shard is None:
-                param.copy_(init_value(cfg, name, shape, seed))
-            else:
-                param.copy_(shard_value(cfg, name, shape, shard, seed))
 
 
 # ---------------------------------------------------------------- counting

@@ -33,7 +33,7 @@ from plait.comm import Comm
 from plait.errors import ConfigError
 from plait.memory_tracker import MemoryTracker
 from plait.parallel.zero.adamw import ElementwiseOptimizer, clip_segments
-from plait.parallel.zero.layout import build_groups
+from plait.parallel.zero.layout import FlatGroup, build_groups
 from plait.parallel.zero.nvme import NvmeStates
 from plait.parallel.zero.params import Gatherer, ParamStore, flatten_values
 from plait.parallel.zero.reducer import GradReducer
@@ -81,8 +81,11 @@ class ZeroEngine:
         tracker: MemoryTracker | None = None,
         scaler: DynamicLossScaler | None = None,
         isolate: Sequence[nn.Parameter] = (),
+        initial_value: Callable[[nn.Parameter], Tensor] | None = None,
     ) -> None:
-        """`isolate`: parameters that get a flat group each (see `layout.build_groups`)."""
+        """`isolate`: parameters that get a flat group each (see `layout.build_groups`).
+        `initial_value(p)`: p's fp32 initial value, for a model whose parameters are not
+        materialized (stage 3 then never holds more than one full group at a time)."""
         check_zero_options(stage, offload, str(offload_dir) if offload_dir else None)
         self.precision = parse_precision(precision) if isinstance(precision, str) else precision
         if stage == 3 and not hasattr(model, "blocks"):
@@ -95,7 +98,7 @@ class ZeroEngine:
         self.memory = tracker or MemoryTracker(self.device)
         n, rank = comm.mesh.size(axis), comm.mesh.axis_rank(axis)
         self.groups = build_groups(model, stage, int(bucket_mb * 2**20), rank, n, isolate)
-        values = [flatten_values(g, self.device) for g in self.groups]
+        values = [self._initial_values(g, initial_value) for g in self.groups]
         self.params = ParamStore(
             self.groups, values, stage, self.precision.param_dtype, comm, axis, self.memory
         )
@@ -120,13 +123,19 @@ class ZeroEngine:
         self._coef = 1.0
         self._found_inf: bool | None = None
 
+    def _initial_values(self, group: FlatGroup, value) -> Tensor:
+        """fp32 values of the group: all of them (stages 0-2), or this rank's shard (stage 3,
+        so only one full group exists at a time)."""
+        flat = flatten_values(group, self.device, value)
+        return flat[group.lo : group.hi].clone() if self.stage == 3 else flat
+
     def _make_states(
         self, values: list[Tensor], offload: str, directory, sub_group_mb: float
     ) -> ResidentStates | NvmeStates:
         """Master weights (from the fp32 initial values) and optimizer states, placed."""
         alias = not self.separate_master
         masters = [
-            self.params.shards[g.index] if alias else v[g.lo : g.hi]
+            self.params.shards[g.index] if alias else (v if self.stage == 3 else v[g.lo : g.hi])
             for g, v in zip(self.groups, values, strict=True)
         ]
         names = tuple(self.optimizer.state_names)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from plait.models.init import parameter_names
 from plait.parallel.buckets import assign_buckets
 
 
@@ -88,14 +89,6 @@ def padded_size(numel: int, multiple: int) -> int:
     return -(-numel // multiple) * multiple
 
 
-def param_names(model: nn.Module) -> dict[int, str]:
-    """id(parameter) -> its first name (a tied weight keeps the embedding's name)."""
-    names: dict[int, str] = {}
-    for name, p in model.named_parameters():
-        names.setdefault(id(p), name)
-    return names
-
-
 def block_units(model: nn.Module) -> list[list[nn.Parameter]]:
     """Stage 3's gather units in backward order: the last block first, the root last.
 
@@ -132,7 +125,7 @@ def build_groups(
     group of its own, after the others: its shard on a rank then depends only on its own
     size, so two pipeline stages holding copies of a tied embedding shard them alike.
     """
-    names = param_names(model)
+    names = parameter_names(model)
     alone = {id(p) for p in isolate}
     params = [p for p in model.parameters() if p.requires_grad and id(p) not in alone]
     lists = block_units(model) if stage == 3 else assign_buckets(params, bucket_bytes)

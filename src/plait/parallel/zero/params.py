@@ -13,7 +13,7 @@ before backward makes them valid again without touching autograd.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -24,11 +24,17 @@ from plait.memory_tracker import MemoryTracker
 from plait.parallel.zero.layout import FlatGroup
 
 
-def flatten_values(group: FlatGroup, device: torch.device) -> Tensor:
-    """The group's current parameter values as one fp32 padded flat tensor."""
+def flatten_values(
+    group: FlatGroup,
+    device: torch.device,
+    value: Callable[[torch.nn.Parameter], Tensor] | None = None,
+) -> Tensor:
+    """The group's parameter values as one fp32 padded flat tensor: their current values, or
+    `value(p)` for each (initial values of parameters not materialized yet)."""
     flat = torch.zeros(group.padded, dtype=torch.float32, device=device)
     for p, off in zip(group.params, group.offsets, strict=True):
-        flat[off : off + p.numel()].copy_(p.detach().reshape(-1))
+        v = p.detach() if value is None else value(p)
+        flat[off : off + p.numel()].copy_(v.reshape(-1))
     return flat
 
 
@@ -54,8 +60,8 @@ class ParamStore:
                 full = flat.to(dtype)  # the fp32 values themselves when dtype is fp32
                 shard = full[g.lo : g.hi]
                 tracker.track(f"params:{g.index}", "parameters", full)
-            else:
-                shard = flat[g.lo : g.hi].to(dtype, copy=True)
+            else:  # `flat` is only this rank's shard
+                shard = flat.to(dtype, copy=True)
                 full = torch.empty(g.padded, dtype=dtype, device=flat.device)
                 tracker.track(f"params:{g.index}", "parameters", shard)
             self.full.append(full)

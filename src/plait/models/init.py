@@ -1,0 +1,159 @@
+"""Layout-independent initialization: every parameter's initial value is a pure function of
+(config, parameter name, shape, seed), so a tensor-parallel shard, a pipeline stage or a ZeRO
+shard is filled with exactly its slice of the single-process model's weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+from torch import Tensor, nn
+
+from plait.models.config import ModelConfig
+
+RESIDUAL_OUTPUTS = frozenset({"wo", "fc2", "w_down"})
+NORMAL_WEIGHTS = frozenset({"tok", "pos", "head", "wq", "wk", "wv", "fc1", "w_gate", "w_up"})
+# Name components that wrappers insert (DDP, torch.compile, checkpoint_wrapper, FSDP).
+WRAPPER_NAMES = frozenset(
+    {"module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
+)
+
+
+def canonical_name(cfg: ModelConfig, name: str) -> str:
+    """The single-process parameter name: wrapper components dropped, tied head -> tok."""
+    name = ".".join(part for part in name.split(".") if part not in WRAPPER_NAMES)
+    if cfg.tie_embeddings and name == "head.weight":
+        return "embed.tok.weight"
+    return name
+
+
+def _seed_for(seed: int, name: str) -> int:
+    """Stable 63-bit seed from (seed, name); Python's hash() is salted per process."""
+    digest = hashlib.sha256(f"plait-init:{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def init_value(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int) -> Tensor:
+    """Full fp32 initial value of parameter `name`, a pure function of (cfg, name, shape, seed).
+
+    Each parameter has its own generator, so the value does not depend on which other
+    parameters exist on a rank or in what order they are initialized: a tensor-parallel
+    shard or pipeline stage slices this and matches the single-process model exactly.
+    Weights ~ N(0, init_std), residual output projections scaled by 1/sqrt(2 n_layers)
+    (GPT-2, Radford et al., 2019), biases 0, norm weights 1.
+    """
+    name = canonical_name(cfg, name)
+    parts = name.split(".")
+    owner, leaf = (parts[-2] if len(parts) > 1 else ""), parts[-1]
+    if leaf == "bias":
+        return torch.zeros(shape)
+    if owner.endswith("norm") and leaf == "weight":
+        return torch.ones(shape)
+    if leaf != "weight" or owner not in RESIDUAL_OUTPUTS | NORMAL_WEIGHTS:
+        raise ValueError(f"init_value does not know how to initialize parameter {name!r}")
+    std = cfg.init_std
+    if owner in RESIDUAL_OUTPUTS:
+        std /= math.sqrt(2 * cfg.n_layers)
+    gen = torch.Generator().manual_seed(_seed_for(seed, name))
+    return torch.empty(shape).normal_(0.0, std, generator=gen)
+
+
+class ShardLike(Protocol):
+    """What init needs to know about a shard (plait.parallel.tp.sharding.ShardSpec has it)."""
+
+    @property
+    def global_shape(self) -> tuple[int, ...]: ...
+    @property
+    def offsets(self) -> tuple[int, ...]: ...
+    @property
+    def local_shape(self) -> tuple[int, ...]: ...
+
+
+def shard_value(
+    cfg: ModelConfig, name: str, shape: tuple[int, ...], shard: ShardLike, seed: int
+) -> Tensor:
+    """Initial value of a parameter shard: its slice of the full init_value, padding zero.
+
+    `shard` describes the local tensor (of `shape`) as a slice of the full parameter: it has
+    `global_shape`, `offsets` and `local_shape` (the extent of real data). Elements of the
+    local tensor beyond `local_shape` are padding (e.g. vocabulary rows added so that tensor
+    parallelism splits evenly) and start, and stay, zero.
+    """
+    full = init_value(cfg, name, tuple(shard.global_shape), seed)
+    region = tuple(slice(o, o + n) for o, n in zip(shard.offsets, shard.local_shape, strict=True))
+    out = torch.zeros(shape)
+    out[tuple(slice(0, n) for n in shard.local_shape)] = full[region]
+    return out
+
+
+def initial_values(
+    model: nn.Module, seed: int, cfg: ModelConfig | None = None
+) -> Callable[[nn.Parameter], Tensor]:
+    """A function from each parameter of `model` to its fp32 initial value (on the CPU).
+
+    The value depends on the parameter's name (its first name: a tied weight keeps the
+    embedding's) and, for a tensor-parallel shard, on its module's `param_shards` entry
+    (see `shard_value`), never on the parameter's storage: `model` may still be on the meta
+    device, so a sharded engine can fill its shards one group at a time (ZeRO stage 3)
+    without the whole model ever being materialized.
+    """
+    cfg = cfg if cfg is not None else getattr(model, "cfg", None)
+    if cfg is None:
+        raise ValueError("initial values need cfg: the model has no .cfg attribute")
+    where: dict[int, tuple[str, ShardLike | None]] = {}
+    for prefix, module in model.named_modules():
+        shards = getattr(module, "param_shards", {})
+        for leaf, param in module.named_parameters(recurse=False):
+            where.setdefault(id(param), (f"{prefix}.{leaf}" if prefix else leaf, shards.get(leaf)))
+
+    def value(param: nn.Parameter) -> Tensor:
+        name, shard = where[id(param)]
+        shape = tuple(param.shape)
+        if shard is None:
+            return init_value(cfg, name, shape, seed)
+        return shard_value(cfg, name, shape, shard, seed)
+
+    return value
+
+
+def parameter_names(model: nn.Module) -> dict[int, str]:
+    """id(parameter) -> its first name in `model` (a tied weight: the embedding's)."""
+    names: dict[int, str] = {}
+    for name, p in model.named_parameters():
+        names.setdefault(id(p), name)
+    return names
+
+
+def tie_all(model: nn.Module) -> None:
+    """Re-tie shared weights (`Module.to_empty` and `_apply` untie them)."""
+    for module in model.modules():
+        if hasattr(module, "tie_weights"):
+            module.tie_weights()
+
+
+@torch.no_grad()
+def init_parameters(model: nn.Module, seed: int, cfg: ModelConfig | None = None) -> None:
+    """Fill every parameter of `model` (any device, already materialized) from init_value.
+
+    `cfg` defaults to `model.cfg`. Tied weights are re-tied first (see tie_weights). A module
+    may carry `param_shards`, a dict from its parameter's local name to shard metadata (see
+    `shard_value`): such a parameter is a slice of a larger one (tensor parallelism) and gets
+    exactly that slice of the full value, so every layout starts from the same weights.
+    """
+    tie_all(model)
+    value = initial_values(model, seed, cfg)
+    names = parameter_names(model)
+    done: set[int] = set()  # a tied weight appears under two modules; fill it once
+    for param in model.parameters():
+        if id(param) in done:
+            continue
+        done.add(id(param))
+        if param.is_meta:
+            raise ValueError(
+                f"parameter {names[id(param)]!r} is on the meta device; call to_empty first"
+            )
+        param.copy_(value(param))
