@@ -37,3 +37,6 @@ test: lint
 bench: setup
 	$(PY) benchmarks/bench_single.py
 	$(PY) benchmarks/bench_dp.py
+	$(PY) benchmarks/bench_tp.py
+	$(PY) benchmarks/bench_pp.py
+	$(PY) benchmarks/bench_zero.py

@@ -1,0 +1,388 @@
+"""The two sides of `bench_zero.py` and the two instruments that measure them.
+
+Sides: plait's `ZeroEngine` at one stage, and the PyTorch implementation compared with it
+(FSDP2 `fully_shard`, `ZeroRedundancyOptimizer` over DDP, or DDP with AdamW), each behind
+one step protocol that times its phases the same way.
+
+Instruments, used only in untimed steps because both run Python on every op:
+- `CollectiveCounter`, a TorchDispatchMode that adds up the logical bytes of every c10d
+  collective it sees, on either side. The same ruler for both, checked against plait's own
+  `CommStats` on the plait side.
+- torch's `MemTracker` (`FSDPMemTracker` for FSDP2), also for both sides. plait's flat
+  buffers exist before the tracker starts, so they are registered with their category.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable
+from contextlib import nullcontext
+from enum import Enum
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from common import max_over_ranks, median
+from plait.comm import Comm
+from plait.config import TrainConfig
+from plait.optim import build_optimizer
+from plait.parallel.zero import AdamW, ZeroEngine
+
+PHASES = ("forward", "backward", "finish", "clip", "step", "zero")
+Probe = Callable[[], None] | None
+
+
+class Side:
+    """One implementation's model, optimizer and step; timings and losses are kept here."""
+
+    name = "?"
+
+    def __init__(self, model: nn.Module, opts: Any, train_cfg: TrainConfig) -> None:
+        self.model, self.clip, self.lr = model, opts.clip, train_cfg.lr
+        self.times: list[float] = []  # seconds per recorded step, max over ranks
+        self.block_medians: list[float] = []
+        self.phases: dict[str, list[float]] = {p: [] for p in PHASES}
+        self.losses: list[float] = []  # this rank's loss, every step (warm-up included)
+
+    def run_step(self, x: Tensor, y: Tensor, probe: Probe = None) -> dict[str, float]:
+        """One optimizer step; `probe()` runs after the update, before grads are zeroed."""
+        raise NotImplementedError
+
+    def memory_tracker(self) -> MemTracker:
+        raise NotImplementedError
+
+
+class PlaitSide(Side):
+    """`ZeroEngine` at `stage`, driven exactly as `plait.train.Trainer._zero_step` does."""
+
+    def __init__(self, stage: int, model: nn.Module, comm: Comm, opts: Any, cfg: TrainConfig):
+        super().__init__(model, opts, cfg)
+        self.name, self.comm = f"plait ZeRO-{stage}", comm
+        self.engine = ZeroEngine(
+            model, comm, AdamW.from_train(cfg), stage=stage, bucket_mb=opts.bucket_mb
+        )
+        self.count_activations = False  # the engine's own activation meter, untimed steps only
+
+    def run_step(self, x: Tensor, y: Tensor, probe: Probe = None) -> dict[str, float]:
+        e, clock = self.engine, time.perf_counter
+        t0 = clock()
+        self.comm.stats.begin_step(len(self.losses))
+        e.begin_step()
+        e.micro_batch(is_last=True)
+        meter = e.memory.activations() if self.count_activations else nullcontext()
+        with meter:
+            loss = self.model(x, y)
+            t1 = clock()
+            e.scale_loss(loss).backward()
+        t2 = clock()
+        e.finish()
+        t3 = clock()
+        if self.clip > 0:
+            e.clip_grad_norm(self.clip)
+        t4 = clock()
+        e.step(self.lr)
+        t5 = clock()
+        if probe:
+            probe()
+        t5p = clock()
+        e.zero_grad()
+        t6 = clock()
+        self.losses.append(float(loss.detach()))
+        return dict(
+            forward=t1 - t0, backward=t2 - t1, finish=t3 - t2, clip=t4 - t3, step=t5 - t4,
+            zero=t6 - t5p,
+        )  # fmt: skip
+
+    def memory_tracker(self) -> MemTracker:
+        """MemTracker with the engine's buffers registered under their categories.
+
+        Parameters are views of flat buffers (stage 3: of storage resized to zero between
+        uses), so tracking the model tracks the buffers. Shards, gradient buffers and Adam
+        moments are registered through MemTracker's own (private) registration so that they
+        land in Parameter / Gradient / Optstate rather than Other. The fp32 master weight is
+        the parameter shard itself (no copy), so it is not registered twice."""
+        mt = MemTracker()
+        mt.track_external(self.model)
+        e = self.engine
+        groups = (
+            (_MemRefType.PARAM, e.params.shards),
+            (_MemRefType.GRAD, [t for t in e.grads.full if t is not None] + e.grads.shards),
+            (_MemRefType.OPT, [t for s in e.states.states for k, t in s.items() if k != "master"]),
+        )
+        for reftype, tensors in groups:
+            for t in tensors:
+                mt._update_and_maybe_create_winfos(t, reftype)
+        return mt
+
+    def comm_stats(self) -> dict[str, dict[str, int]]:
+        """plait's own accounting of the last step: op -> calls and logical bytes."""
+        out: dict[str, dict[str, int]] = {}
+        for r in self.comm.stats.records.values():
+            d = out.setdefault(r.op, {"calls": 0, "bytes": 0})
+            d["calls"] += r.calls
+            d["bytes"] += r.bytes
+        return out
+
+
+def torch_adamw(model: nn.Module, cfg: TrainConfig, foreach: bool) -> torch.optim.AdamW:
+    """plait's AdamW groups and hyper-parameters (`build_optimizer`). On CPU torch picks the
+    per-parameter loop; `foreach` asks for its multi-tensor path instead."""
+    opt = build_optimizer(model, cfg)
+    for group in opt.param_groups:
+        group["foreach"] = True if foreach else None
+    return opt
+
+
+class TorchSide(Side):
+    """A torch model (wrapped or sharded) with a torch optimizer; clip with clip_grad_norm_."""
+
+    def __init__(self, model: nn.Module, opts: Any, cfg: TrainConfig) -> None:
+        super().__init__(model, opts, cfg)
+        self.module = model  # what is called: the DDP wrapper for the DDP sides
+        self.opt: torch.optim.Optimizer | None = None
+
+    def run_step(self, x: Tensor, y: Tensor, probe: Probe = None) -> dict[str, float]:
+        clock = time.perf_counter
+        t0 = clock()
+        loss = self.module(x, y)
+        t1 = clock()
+        loss.backward()  # DDP and FSDP2 wait for their last reduction in here
+        t2 = clock()
+        if self.clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+        t3 = clock()
+        self.opt.step()
+        t4 = clock()
+        if probe:
+            probe()
+        t4p = clock()
+        self.opt.zero_grad(set_to_none=True)
+        t5 = clock()
+        self.losses.append(float(loss.detach()))
+        return dict(
+            forward=t1 - t0, backward=t2 - t1, finish=0.0, clip=t3 - t2, step=t4 - t3,
+            zero=t5 - t4p,
+        )  # fmt: skip
+
+
+class FsdpSide(TorchSide):
+    """FSDP2: each transformer block its own `fully_shard` unit, then the root."""
+
+    def __init__(
+        self, model: nn.Module, mesh: DeviceMesh, reshard: bool, opts: Any, cfg: TrainConfig
+    ) -> None:
+        super().__init__(model, opts, cfg)
+        self.name = f"FSDP2 reshard_after_forward={reshard}"
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+        if opts.fsdp_prefetch:
+            explicit_prefetch(model)
+        self.opt = torch_adamw(model, cfg, opts.foreach)  # DTensor parameters
+
+    def memory_tracker(self) -> MemTracker:
+        """FSDP2's own tracker: it knows sharded/unsharded parameters and comm buffers."""
+        return FSDPMemTracker(self.model, self.opt)
+
+
+def explicit_prefetch(model: nn.Module) -> None:
+    """Ask FSDP2 to start the next unit's all-gather when one starts, as plait's Gatherer
+    does. By default FSDP2 relies on CUDA streams running behind the CPU for overlap,
+    which a CPU device does not have."""
+    blocks = list(model.blocks)
+    model.set_modules_to_forward_prefetch(blocks[:1])
+    for i, block in enumerate(blocks):
+        block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 2])
+        block.set_modules_to_backward_prefetch(blocks[max(0, i - 1) : i])
+
+
+class DdpSide(TorchSide):
+    """DDP with torch AdamW (`zero_opt=False`) or with ZeroRedundancyOptimizer(AdamW)."""
+
+    def __init__(self, model: nn.Module, zero_opt: bool, opts: Any, cfg: TrainConfig) -> None:
+        super().__init__(model, opts, cfg)
+        self.module = DDP(
+            model, bucket_cap_mb=opts.bucket_mb, gradient_as_bucket_view=opts.ddp_grad_view
+        )
+        self.buckets: list[Tensor] = []  # set by measure_comm
+        if zero_opt:
+            self.name = "DDP + ZeroRedundancyOptimizer(AdamW)"
+            decay = [p for p in model.parameters() if p.dim() >= 2]
+            rest = [p for p in model.parameters() if p.dim() < 2]
+            self.opt = ZeroRedundancyOptimizer(
+                [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest}],
+                optimizer_class=torch.optim.AdamW,
+                lr=cfg.lr,
+                betas=(cfg.beta1, cfg.beta2),
+                eps=1e-8,
+                weight_decay=0.0,
+                foreach=True if opts.foreach else None,
+                parameters_as_bucket_view=opts.zero_bucket_view,
+            )
+        else:
+            self.name = "DDP + AdamW"
+            self.opt = torch_adamw(model, cfg, opts.foreach)
+
+    def memory_tracker(self) -> MemTracker:
+        """MemTracker with the model, the optimizer(s) and DDP's gradient buckets registered.
+
+        DDP allocates its flat buckets in C++ (no dispatched op creates them), so MemTracker
+        would first see them when backward all-reduces them, after the forward's peak. The
+        buckets were captured by `measure_comm` (the tensors DDP all-reduced) and are
+        registered here up front, as Other."""
+        mt = MemTracker()
+        inner = getattr(self.opt, "optim", None)  # ZeroRedundancyOptimizer's local AdamW
+        mt.track_external(self.model, self.opt, *([inner] if inner is not None else []))
+        mt.track_external(*self.buckets)
+        return mt
+
+
+# ---------------------------------------------------------------- instruments
+def _nbytes(x: Any) -> int:
+    """Bytes of a tensor or a (nested) list of tensors."""
+    if isinstance(x, Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, list | tuple):
+        return sum(_nbytes(t) for t in x)
+    return 0
+
+
+# op name -> (kind, index of the argument that holds the logical buffer). Logical bytes follow
+# plait.comm and the ZeRO paper: all-reduce and broadcast the buffer, all-gather the output,
+# reduce-scatter the input.
+_COLLECTIVES = {
+    "c10d::allreduce_": ("all_reduce", 0),
+    "c10d::allreduce_coalesced_": ("all_reduce", 0),
+    "c10d::broadcast_": ("broadcast", 0),
+    "c10d::_allgather_base_": ("all_gather", 0),
+    "c10d::allgather_": ("all_gather", 0),
+    "c10d::allgather_into_tensor_coalesced_": ("all_gather", 0),
+    "c10d::_reduce_scatter_base_": ("reduce_scatter", 1),
+    "c10d::reduce_scatter_": ("reduce_scatter", 1),
+    "c10d::reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
+    "_c10d_functional::all_reduce": ("all_reduce", 0),
+    "_c10d_functional::all_reduce_": ("all_reduce", 0),
+    "_c10d_functional::broadcast": ("broadcast", 0),
+    "_c10d_functional::reduce_scatter_tensor": ("reduce_scatter", 0),
+}
+
+
+_COMM_WORDS = ("reduce", "gather", "scatter", "broadcast", "all_to_all", "alltoall", "send",
+               "recv", "barrier")  # fmt: skip
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Calls and logical bytes of every collective dispatched while active.
+
+    Exact for what goes through the dispatcher (c10d ops, including those DDP's C++ reducer
+    and FSDP2 issue, and DTensor's functional collectives, which are seen after DTensor
+    desugars them). Unknown communication ops are recorded under their name with the bytes
+    of all their tensor arguments, and flagged, rather than dropped."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: dict[str, dict[str, int]] = {}
+        self.unknown: set[str] = set()
+        self.all_reduced: list[Tensor] = []  # DDP's buckets: registered with MemTracker later
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # let DTensor desugar into local ops and collectives first
+        name = func._schema.name
+        if name.startswith(("c10d::", "_c10d_functional::")) and any(
+            w in name for w in _COMM_WORDS
+        ):
+            self._record(name, args)
+        return func(*args, **(kwargs or {}))
+
+    def _record(self, name: str, args: tuple) -> None:
+        if name in _COLLECTIVES:
+            kind, arg = _COLLECTIVES[name]
+            nbytes = _nbytes(args[arg])
+            if name == "c10d::allreduce_":
+                self.all_reduced += list(args[0])
+        elif name == "_c10d_functional::all_gather_into_tensor":
+            kind, nbytes = "all_gather", _nbytes(args[0]) * int(args[1])
+        elif "barrier" in name:
+            kind, nbytes = "barrier", 0
+        else:
+            kind, nbytes = name, _nbytes(list(args))
+            self.unknown.add(name)
+        d = self.ops.setdefault(kind, {"calls": 0, "bytes": 0})
+        d["calls"] += 1
+        d["bytes"] += nbytes
+
+
+def measure_comm(side: Side, x: Tensor, y: Tensor) -> dict[str, Any]:
+    """One untimed step under the counter; plait's own CommStats of that step as well."""
+    counter = CollectiveCounter()
+    with counter:
+        side.run_step(x, y)
+    out: dict[str, Any] = {"counted": counter.ops, "unknown_ops": sorted(counter.unknown)}
+    if isinstance(side, DdpSide):
+        side.buckets = [t for t in counter.all_reduced if t.numel() > 1]  # not the clip norm
+    if isinstance(side, PlaitSide):
+        out["plait_comm_stats"] = side.comm_stats()
+    return out
+
+
+def collective_times(numel: int, reps: int = 12) -> dict[str, float]:
+    """Median ms (max over ranks) of each gloo collective alone on a Ψ-sized fp32 buffer:
+    what each stage's traffic costs on this machine without a model around it. The ops take
+    turns, so drift of the machine hits them alike; the first two rounds are dropped."""
+    world = dist.get_world_size()
+    numel -= numel % world
+    full, shard = torch.zeros(numel), torch.zeros(numel // world)
+    ops = {
+        "all_reduce": lambda: dist.all_reduce(full),
+        "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full),
+        "all_gather": lambda: dist.all_gather_into_tensor(full, shard),
+        "broadcast": lambda: dist.broadcast(full, 0),
+    }
+    times: dict[str, list[float]] = {name: [] for name in ops}
+    for _ in range(reps):
+        for name, op in ops.items():
+            dist.barrier()
+            start = time.perf_counter()
+            op()
+            times[name].append(max_over_ranks(time.perf_counter() - start))
+    return {name: median(t[2:]) * 1e3 for name, t in times.items()}
+
+
+def _plain(snapshot: dict) -> dict[str, int]:
+    """MemTracker's {device: {reftype: bytes}} for the CPU as {category name: bytes}."""
+    dev = next(iter(snapshot.values()), {})
+    return {(k.value if isinstance(k, Enum) else str(k)): int(v) for k, v in dev.items()}
+
+
+def measure_memory(side: Side, x: Tensor, y: Tensor) -> dict[str, Any]:
+    """One untimed step under torch's MemTracker: the peak (with its breakdown) and the state
+    right after the optimizer update, when parameters, gradients and moments all exist."""
+    mt = side.memory_tracker()
+    after: dict[str, int] = {}
+    if isinstance(side, PlaitSide):
+        side.count_activations = True
+    with mt, warnings.catch_warnings():
+        # plait's gradient hook runs before MemTracker's and has already moved p.grad into
+        # its bucket, so MemTracker's post-accumulate hook finds None and warns; harmless
+        # (its pre-accumulate hook saw the gradient).
+        warnings.filterwarnings("ignore", "Expected a tensor or a traceable wrapper-subclass")
+        side.run_step(x, y, probe=lambda: after.update(_plain(mt.get_tracker_snapshot())))
+    out: dict[str, Any] = {"after_step": after, "peak": _plain(mt.get_tracker_snapshot("peak"))}
+    if isinstance(side, PlaitSide):
+        side.count_activations = False
+        out["plait_tracker"] = side.engine.memory.report()
+    if isinstance(side, DdpSide):
+        out["ddp_bucket_bytes"] = sum(t.numel() * t.element_size() for t in side.buckets)
+    return out
