@@ -106,9 +106,9 @@ def test_pipeline_trace_chart_and_measured_bubble(tmp_path):
     assert "pipeline bubble (gpipe)" in proc.stderr
 
 
-def test_asynchronous_2bw_from_the_command_line(tmp_path):
+def test_asynchronous_2bw_with_tensor_parallelism_from_the_command_line(tmp_path):
     proc = _plait(["--out", str(tmp_path), "--dp", "1", "--pp", "2", "--microbatches", "2",
-                   "--schedule", "2bw"])  # fmt: skip
+                   "--schedule", "2bw", "--tp", "2", "--sequence-parallel"])  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3]

@@ -4,7 +4,8 @@
 implementation of the same rule, written here as plainly as possible: keep W(k-1) and W(k),
 take the gradient of step k's global-batch mean loss at W(k-1), clip it as the trainer does,
 and apply AdamW to W(k). Loss every step (rtol 1e-5) and parameters after 10 steps must match
-for pp in {2, 4} and pp2 x dp2, tied (GPT-2) and untied (LLaMA) embeddings.
+for pp in {2, 4}, pp2 x dp2 and pp2 x tp2 (with and without sequence parallelism), tied (GPT-2)
+and untied (LLaMA) embeddings.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from plait.parallel.pipeline.actions import Kind
 from plait.parallel.pipeline.async_2bw import TwoBWTrainer, check_two_bw, run_two_bw
 from plait.parallel.pipeline.async_2bw_points import check_cut, update_cut, update_points
 from plait.parallel.pipeline.schedules import two_bw
+from plait.parallel.tensor_parallel import full_tensor, param_shard_specs
 from plait.train import Corpus, build_model
 from reference import corpus_for, small_config
 
@@ -74,14 +76,20 @@ def delayed_reference(cfg: Config, corpus: Corpus, steps: int):
     return losses, norms, params, val
 
 
-def _parity(steps: int = 10, **kw) -> dict:
+def _parity(steps: int = 10, sequence_parallel: bool = False, **kw) -> dict:
     cfg = two_bw_config(steps=steps, **kw)
+    cfg.parallel.sequence_parallel = sequence_parallel
     corpus = corpus_for(cfg)
     mesh = build_mesh(cfg.parallel.layout, torch.device("cpu"), cfg.parallel.comm_timeout)
     trainer = TwoBWTrainer(cfg, mesh, corpus=corpus)
     results = trainer.run()
     val = trainer.evaluate()
-    params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    tp_ops = sorted({r["op"] for r in trainer.comm.stats.as_rows() if r["axis"] == "tp"})
+    specs = param_shard_specs(trainer.model)  # tp shards gathered to full tensors
+    params = {
+        n: full_tensor(p, specs[n], trainer.comm) if n in specs else p.detach().clone()
+        for n, p in trainer.model.named_parameters()
+    }
     ref_losses, ref_norms, ref_params, ref_val = delayed_reference(cfg, corpus, steps)
     assert [r.step for r in results] == list(range(steps))
     torch.testing.assert_close(
@@ -100,6 +108,7 @@ def _parity(steps: int = 10, **kw) -> dict:
         "held": trainer.max_versions_held,
         "storages": trainer.versions.storages(),
         "params": len(trainer.versions.params[0]),
+        "tp_ops": tp_ops,
     }
 
 
@@ -120,6 +129,10 @@ def test_world4_matches_delayed_reference(world4):
     out = world4.run(_parity, pp=4, accum=4, n_layers=4)
     assert [rank["held"] for rank in out] == [2, 2, 2, 1]
     world4.run(_parity, pp=2, dp=2, accum=2, steps=6)
+    out = world4.run(_parity, pp=2, tp=2, accum=4, dropout=0.1)  # tied, vocab-parallel loss
+    assert all(rank["tp_ops"] == ["all_reduce"] for rank in out), [r["tp_ops"] for r in out]
+    out = world4.run(_parity, pp=2, tp=2, accum=2, preset="tiny-llama", sequence_parallel=True)
+    assert all({"all_gather", "reduce_scatter"} <= set(r["tp_ops"]) for r in out), out
 
 
 # -- (2) it learns ---------------------------------------------------------------------------
@@ -207,7 +220,6 @@ def test_update_points_are_consistent_cuts_after_the_step():
 @pytest.mark.parametrize(
     ("over", "message"),
     [
-        (dict(tp=2, dp=1, pp=2), "2bw runs without tensor parallelism: got tp=2"),
         (dict(virtual_stages=2), "2bw does not interleave: got virtual_stages=2"),
         (dict(pp=4, accum=2), "2bw needs micro-batches m >= p .* got m=2, p=4"),
     ],

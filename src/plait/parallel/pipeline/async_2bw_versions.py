@@ -14,6 +14,11 @@ holding no memory of its own, pointed (`.data`) at the target copy's storage rig
 step. A shell has its own autograd version counter, and the target copy has no live graph
 (checked), so the in-place step can never corrupt a saved tensor of an in-flight micro-batch.
 Two copies plus moments: the paper's 2W + optimizer state, no third weight copy.
+
+Under tensor parallelism each copy holds this rank's shards; the copy shares the original's
+`Comm` (deep-copying it would copy process groups), and the update adds the tp bookkeeping of
+`tp/grads.py`: sequence-parallel partial gradients are summed over tp, and the norm sums
+shards' squares over tp while counting replicated parameters once.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from plait.models.transformer import Transformer
 from plait.optim import build_optimizer, scale_to_norm, set_lr
 from plait.parallel.pipeline.stage import tied_embedding_params
 from plait.parallel.recompute import apply_recompute
+from plait.parallel.tp.grads import grad_norm_groups, sequence_parallel_partial_params
 
 
 def weights_of(step: int) -> int:
@@ -41,8 +47,9 @@ class WeightVersions:
 
     def __init__(self, model: Transformer, cfg: Config, comm: Comm, is_last: bool) -> None:
         self.cfg, self.comm = cfg, comm
-        # Copy before recompute: its wrappers close over the module they wrap.
-        self.copies = [model, copy.deepcopy(model)]
+        # Copy before recompute: its wrappers close over the module they wrap. The copy's tp
+        # layers keep using the same Comm (memo), not a copy of its process groups.
+        self.copies = [model, copy.deepcopy(model, memo={id(comm): comm})]
         for c in self.copies:
             apply_recompute(c, cfg.parallel.recompute)
             c.train()
@@ -56,6 +63,10 @@ class WeightVersions:
         self.optimizer = build_optimizer(self.shells, cfg.train)
         tied = {id(p) for p in tied_embedding_params(model)}
         self.tied = [i for i, p in enumerate(self.params[0]) if id(p) in tied]
+        sharded = {id(p) for p in grad_norm_groups(model)[0]}
+        self.sharded = {i for i, p in enumerate(self.params[0]) if id(p) in sharded}
+        partial = {id(p) for p in sequence_parallel_partial_params(model)}
+        self.partial = [i for i, p in enumerate(self.params[0]) if id(p) in partial]
         # The last stage's copy of a tied embedding is counted once, by the first stage.
         skip = comm.mesh.size("pp_ends") > 1 and is_last
         self.norm_skip = set(self.tied[-1:]) if skip else set()
@@ -111,23 +122,29 @@ class WeightVersions:
         return float(loss), float(norm)
 
     def _reduce(self, grads: list[Tensor], loss_sum: Tensor) -> tuple[Tensor, Tensor]:
-        """dp-average the gradients, sum the tied embedding's, then one pp all-reduce of
-        (loss, squared norm) and a dp average of the loss."""
+        """dp-average the gradients, sum sequence-parallel partials over tp and the tied
+        embedding's over the pipeline ends, then one pp all-reduce of (loss, squared norm)
+        and a dp average of the loss."""
         comm, m = self.comm, self.cfg.accumulation
         if comm.mesh.size("dp") > 1:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            comm.all_reduce(flat, "dp", op="avg", tag="grad")
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
+            _all_reduce_flat(comm, grads, "dp", "avg", "grad")
+        if comm.mesh.size("tp") > 1 and self.partial:
+            _all_reduce_flat(comm, [grads[i] for i in self.partial], "tp", "sum", "tp-sp-grads")
         for i in self.tied:
             comm.all_reduce(grads[i], "pp_ends", op="sum", tag="tied_embedding")
         stats = torch.zeros(2, device=comm.mesh.device)
-        stats[0] = loss_sum / m  # nonzero on the last stage only
+        stats[0] = loss_sum / m  # nonzero on the last stage only (the same on every tp rank)
+        shard_sq = torch.zeros((), device=comm.mesh.device)
         for i, g in enumerate(grads):
-            if i not in self.norm_skip:
-                stats[1] += g.float().pow(2).sum()
+            if i in self.norm_skip:
+                continue
+            if i in self.sharded:
+                shard_sq += g.float().pow(2).sum()
+            else:
+                stats[1] += g.float().pow(2).sum()  # replicated over tp: counted once
+        if comm.mesh.size("tp") > 1:
+            comm.all_reduce(shard_sq, "tp", op="sum", tag="grad_norm")
+        stats[1] += shard_sq
         comm.all_reduce(stats, "pp", op="sum", tag="loss_and_grad_norm")
         comm.all_reduce(stats, "dp", op="avg", tag="loss")  # norms agree across dp already
         return stats[0], stats[1].sqrt()
@@ -137,3 +154,11 @@ class WeightVersions:
         ptrs = {p.untyped_storage().data_ptr() for ps in self.params for p in ps}
         ptrs |= {s.untyped_storage().data_ptr() for s in self.shells if s.numel()}
         return len(ptrs)
+
+
+def _all_reduce_flat(comm: Comm, grads: list[Tensor], axis: str, op: str, tag: str) -> None:
+    """One all-reduce of the gradients packed into a flat buffer, copied back in place."""
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    comm.all_reduce(flat, axis, op=op, tag=tag)
+    for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+        g.copy_(part.view_as(g))
