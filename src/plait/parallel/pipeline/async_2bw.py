@@ -144,6 +144,9 @@ class TwoBWTrainer:
             for k in points.get(batch.start, []):
                 results.append(self._update(k, fl, on_step))
             acts = [actions[i] for i in batch]
+            if not acts[0].is_comm:  # the received input it reads, if any (not timed)
+                a = acts[0]
+                self.exchange.wait_for(a, (a.step, a.microbatch), self.plan.first, self.plan.last)
             start = time.time()
             if acts[0].is_comm:
                 self.exchange.post(acts, [(a.step, a.microbatch) for a in acts], fl)

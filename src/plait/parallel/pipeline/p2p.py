@@ -1,26 +1,32 @@
-"""Posting a rank's pipeline sends and receives: receives before use, sends drained lazily.
+"""Posting a rank's pipeline sends and receives: receives waited for at use, sends drained lazily.
 
 Both runtimes (the synchronous schedules and asynchronous 2BW) walk their action lists in the
 batches `comm_batches` gives and hand each run of consecutive SEND/RECV actions here. The
-batch is posted at once; its receives are waited for before the next action (a compute
-action may read them), its sends are not: a rank goes on computing while they drain, and
+batch is posted at once, where the schedule puts it, which is often well before the data is
+needed (a schedule posts the receive of the next gradient before an unrelated forward, as
+Megatron's and torch's runtimes pre-post theirs). A receive is waited for only right before
+the compute action that reads it (`wait_for`), so that forward runs while the message is
+still on its way. Sends are not waited for: a rank goes on computing while they drain, and
 they are waited for when the step ends. A gloo send completes only once the peer has posted
 the matching receive, so waiting for it would idle the sender until the receiver gets there.
 
-Deadlock freedom: this is the validator's "buffered" model (sends never block), which it
-proves for every schedule, and posting order per pair of ranks is unchanged, so sends and
-receives still match by order.
+Deadlock freedom: the validator proves every schedule deadlock-free when sends never block
+and each batch's receives are waited for before the rank's next action (its "buffered"
+model). Waiting for a receive later than that only lets a rank get further before it blocks,
+posting the same operations in the same order, so no wait that completed there can stall
+here; posting order per pair of ranks is unchanged, so sends and receives still match by
+order.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
-from plait.comm import Comm, P2PHandle
+from plait.comm import Comm, Handle, P2PHandle
 from plait.parallel.pipeline.actions import Action, Kind
 
 
@@ -42,9 +48,11 @@ class Exchange:
     dtype: torch.dtype
     device: torch.device
     pending: list[tuple[P2PHandle, list[Tensor]]] = field(default_factory=list)
+    arriving: dict[tuple[Kind, Any], Handle] = field(default_factory=dict)
 
     def post(self, acts: list[Action], keys: list, bufs: Buffers) -> None:
-        """Post one batch (acts[i] keyed by keys[i]); return once its receives are in."""
+        """Post one batch (acts[i] keyed by keys[i]); its receives land in `bufs` and must be
+        waited for with `wait_for` before they are read."""
         ops, sent = [], []
         for a, key in zip(acts, keys, strict=True):
             if a.kind is Kind.SEND_F:
@@ -58,10 +66,26 @@ class Exchange:
                 continue
             ops.append(("send", sent[-1], a.peer))
         handle = self.comm.p2p(ops, axis="pp", tag="pipeline")
-        handle.receives.wait()
+        for a, key in zip(acts, keys, strict=True):
+            if a.is_recv:
+                self.arriving[(a.kind, key)] = handle.receives
         self._forget_finished()
         if sent:
             self.pending.append((handle, sent))  # the tensors live until their send is done
+
+    def wait_for(self, a: Action, key: Any, first: bool, last: bool) -> None:
+        """Before compute action `a` (keyed `key`) runs on a stage: wait for the received
+        tensor it reads, the activation of an F off the first stage or the gradient of a B
+        off the last. Waiting here, not at posting, keeps the wait out of the compute's
+        timing too: it is idle time in the trace."""
+        if a.kind is Kind.F and not first:
+            handle = self.arriving.pop((Kind.RECV_F, key), None)
+        elif a.kind is Kind.B and not last:
+            handle = self.arriving.pop((Kind.RECV_B, key), None)
+        else:
+            return
+        if handle is not None:
+            handle.wait()
 
     def _forget_finished(self) -> None:
         """Drop sends that completed (their wait() returns at once, raising any error)."""
@@ -74,7 +98,11 @@ class Exchange:
         self.pending = keep
 
     def drain(self) -> None:
-        """Wait for every send posted so far (at the end of a step)."""
+        """Wait for every receive and send posted so far (at the end of a step, or at a 2BW
+        update point), so nothing is in flight."""
+        for handle in self.arriving.values():
+            handle.wait()
+        self.arriving = {}
         for handle, _ in self.pending:
             handle.sends.wait()
         self.pending = []

@@ -2,8 +2,9 @@
 
 The runtime walks the rank's action list front to back in the batches `comm_batches` gives:
 a compute action alone, or a run of consecutive sends/receives posted together (one
-batch_isend_irecv) whose receives are waited for at once and whose sends drain while the rank
-computes on (`p2p.Exchange`; all are waited for at the end of the step). The validator proves
+batch_isend_irecv) whose receives are waited for right before the compute that reads them and
+whose sends drain while the rank computes on (`p2p.Exchange`; all are waited for at the end
+of the step). The validator proves
 every schedule deadlock-free under this execution model, so the runtime needs no logic of its
 own about ordering.
 
@@ -112,11 +113,15 @@ class PipelineRuntime:
         self.dp.micro_batch(is_last=False)
         for batch in self.batches:
             acts = [self.actions[i] for i in batch]
+            a = acts[0]
+            if not a.is_comm and a.kind is not Kind.STEP:  # its received input, if any
+                plan = self.plans[a.chunk]
+                self.exchange.wait_for(a, (a.microbatch, a.chunk), plan.first, plan.last)
             start = time.time()
-            if acts[0].is_comm:
-                self.exchange.post(acts, [(a.microbatch, a.chunk) for a in acts], st)
-            elif acts[0].kind is not Kind.STEP:
-                self._compute(acts[0], micro, st)
+            if a.is_comm:
+                self.exchange.post(acts, [(x.microbatch, x.chunk) for x in acts], st)
+            elif a.kind is not Kind.STEP:
+                self._compute(a, micro, st)
             end = time.time()
             for i, a in zip(batch, acts, strict=True):
                 self.timings.append(TimedAction(self.rank, i, a, start, end))
