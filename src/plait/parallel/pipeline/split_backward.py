@@ -90,10 +90,12 @@ class WeightWork:
     groups: list[_Group]
 
     def run(self) -> None:
-        """Weight gradients, group by group, accumulated into `.grad` (hooks fire)."""
-        for group in self.groups:
-            _run_group(group)
+        """Weight gradients, group by group, then accumulated into `.grad` by one backward
+        from the leaves (AccumulateGrad, so the data-parallel hooks fire)."""
+        used = [pair for group in self.groups for pair in _run_group(group)]
         self.groups = []
+        if used:
+            torch.autograd.backward([p for p, _ in used], [g for _, g in used])
 
 
 def split_input_backward(
@@ -152,7 +154,8 @@ def _replace_with(kept: tuple | None):
     return hook
 
 
-def _run_group(group: _Group) -> None:
+def _run_group(group: _Group) -> list[tuple[nn.Parameter, Tensor]]:
+    """(parameter, its weight gradient) for the group's parameters that got one."""
     edges, seeds = [], []
     for node in group.junctions:
         for i, g in enumerate(group.kept.get(node, ())):
@@ -160,7 +163,7 @@ def _run_group(group: _Group) -> None:
                 edges.append(GradientEdge(node, i))
                 seeds.append(g)
     if not edges:
-        return
+        return []
     clamps = []
     if len(group.junctions) > 1:  # a lower junction uses its kept gradient, not a new sum
         clamps = [
@@ -173,6 +176,4 @@ def _run_group(group: _Group) -> None:
     finally:
         for h in clamps:
             h.remove()
-    used = [(p, g) for p, g in zip(group.params, grads, strict=True) if g is not None]
-    if used:  # backward from the leaves: accumulates into .grad through AccumulateGrad
-        torch.autograd.backward([p for p, _ in used], [g for _, g in used])
+    return [(p, g) for p, g in zip(group.params, grads, strict=True) if g is not None]
