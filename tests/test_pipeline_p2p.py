@@ -54,10 +54,10 @@ def test_a_receive_is_waited_for_only_by_its_reader():
             [(0, 0), (1, 0)], st)  # fmt: skip
     assert comm.batches == [[("send", 1), ("recv", 1)]]
     assert st.grads_out[(1, 0)].shape == (2, 3)
-    ex.wait_for(Action(Kind.F, 3, 0), (3, 0), first=True, last=False)  # reads tokens only
-    ex.wait_for(Action(Kind.B, 0, 0), (0, 0), first=False, last=False)  # nothing posted for it
+    ex.wait_for(Action(Kind.F, 3, 0), (3, 0))  # reads tokens only
+    ex.wait_for(Action(Kind.B, 0, 0), (0, 0))  # nothing posted for it
     assert comm.waited == []
-    ex.wait_for(Action(Kind.B, 1, 0), (1, 0), first=False, last=False)  # reads the gradient
+    ex.wait_for(Action(Kind.B, 1, 0), (1, 0))  # reads the gradient
     assert comm.waited == ["recv0"]  # the receive, not the send
     ex.drain()
     assert comm.waited == ["recv0", "send0"]
@@ -66,9 +66,9 @@ def test_a_receive_is_waited_for_only_by_its_reader():
 def test_forward_waits_for_its_activation_and_the_last_stage_backward_for_nothing():
     ex, comm, st = _exchange()
     ex.post([Action(Kind.RECV_F, 0, 1, peer=0)], [(0, 1)], st)
-    ex.wait_for(Action(Kind.B, 0, 1), (0, 1), first=False, last=True)  # the loss: no receive
+    ex.wait_for(Action(Kind.B, 0, 1), (0, 1))  # the loss: no receive
     assert comm.waited == []
-    ex.wait_for(Action(Kind.F, 0, 1), (0, 1), first=False, last=True)
+    ex.wait_for(Action(Kind.F, 0, 1), (0, 1))
     assert comm.waited == ["recv0"]
 
 

@@ -145,8 +145,7 @@ class TwoBWTrainer:
                 results.append(self._update(k, fl, on_step))
             acts = [actions[i] for i in batch]
             if not acts[0].is_comm:  # the received input it reads, if any (not timed)
-                a = acts[0]
-                self.exchange.wait_for(a, (a.step, a.microbatch), self.plan.first, self.plan.last)
+                self.exchange.wait_for(acts[0], (acts[0].step, acts[0].microbatch))
             start = time.time()
             if acts[0].is_comm:
                 self.exchange.post(acts, [(a.step, a.microbatch) for a in acts], fl)

@@ -126,10 +126,8 @@ class WeightVersions:
         embedding's over the pipeline ends, then one pp all-reduce of (loss, squared norm)
         and a dp average of the loss."""
         comm, m = self.comm, self.cfg.accumulation
-        if comm.mesh.size("dp") > 1:
-            _all_reduce_flat(comm, grads, "dp", "avg", "grad")
-        if comm.mesh.size("tp") > 1 and self.partial:
-            _all_reduce_flat(comm, [grads[i] for i in self.partial], "tp", "sum", "tp-sp-grads")
+        comm.all_reduce_flat(grads, "dp", op="avg", tag="grad")
+        comm.all_reduce_flat([grads[i] for i in self.partial], "tp", tag="tp-sp-grads")
         for i in self.tied:
             comm.all_reduce(grads[i], "pp_ends", op="sum", tag="tied_embedding")
         stats = torch.zeros(2, device=comm.mesh.device)
@@ -154,11 +152,3 @@ class WeightVersions:
         ptrs = {p.untyped_storage().data_ptr() for ps in self.params for p in ps}
         ptrs |= {s.untyped_storage().data_ptr() for s in self.shells if s.numel()}
         return len(ptrs)
-
-
-def _all_reduce_flat(comm: Comm, grads: list[Tensor], axis: str, op: str, tag: str) -> None:
-    """One all-reduce of the gradients packed into a flat buffer, copied back in place."""
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    comm.all_reduce(flat, axis, op=op, tag=tag)
-    for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
-        g.copy_(part.view_as(g))

@@ -73,17 +73,13 @@ class Exchange:
         if sent:
             self.pending.append((handle, sent))  # the tensors live until their send is done
 
-    def wait_for(self, a: Action, key: Any, first: bool, last: bool) -> None:
-        """Before compute action `a` (keyed `key`) runs on a stage: wait for the received
-        tensor it reads, the activation of an F off the first stage or the gradient of a B
-        off the last. Waiting here, not at posting, keeps the wait out of the compute's
-        timing too: it is idle time in the trace."""
-        if a.kind is Kind.F and not first:
-            handle = self.arriving.pop((Kind.RECV_F, key), None)
-        elif a.kind is Kind.B and not last:
-            handle = self.arriving.pop((Kind.RECV_B, key), None)
-        else:
-            return
+    def wait_for(self, a: Action, key: Any) -> None:
+        """Before compute action `a` (keyed `key`) runs: wait for the received tensor it
+        reads, if one was posted (an F's activation, a B's gradient; the first stage's F and
+        the last stage's B read none). Waiting here, not at posting, keeps the wait out of
+        the compute's timing too: it is idle time in the trace."""
+        recv = {Kind.F: Kind.RECV_F, Kind.B: Kind.RECV_B}.get(a.kind)
+        handle = self.arriving.pop((recv, key), None)
         if handle is not None:
             handle.wait()
 

@@ -114,9 +114,8 @@ class PipelineRuntime:
         for batch in self.batches:
             acts = [self.actions[i] for i in batch]
             a = acts[0]
-            if not a.is_comm and a.kind is not Kind.STEP:  # its received input, if any
-                plan = self.plans[a.chunk]
-                self.exchange.wait_for(a, (a.microbatch, a.chunk), plan.first, plan.last)
+            if not a.is_comm:  # the received input it reads, if any (not timed)
+                self.exchange.wait_for(a, (a.microbatch, a.chunk))
             start = time.time()
             if a.is_comm:
                 self.exchange.post(acts, [(x.microbatch, x.chunk) for x in acts], st)

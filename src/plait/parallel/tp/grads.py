@@ -54,12 +54,7 @@ def sync_sequence_parallel_grads(model: nn.Module, comm: Comm) -> None:
     bucket. One all-reduce of a flat buffer (tag "tp-sp-grads").
     """
     grads = [p.grad for p in sequence_parallel_partial_params(model) if p.grad is not None]
-    if not grads or comm.mesh.size("tp") == 1:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    comm.all_reduce(flat, "tp", tag="tp-sp-grads")
-    for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
-        g.copy_(part.view_as(g))
+    comm.all_reduce_flat(grads, "tp", tag="tp-sp-grads")
 
 
 def grad_norm_groups(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
