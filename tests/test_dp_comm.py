@@ -24,9 +24,9 @@ def _one_step_traffic(accum: int, bucket_mb: float) -> dict:
         "loss": stats.total(op="all_reduce", tag="loss"),
         "all_ops": sorted({r["op"] for r in stats.as_rows()}),
         "numel": sum(p.numel() for p in trainer.model.parameters()),
-        "padding": sum(b.padding for b in trainer.dp.buckets),
-        "buckets": len(trainer.dp.buckets),
-        "launches": list(trainer.dp.launch_log),
+        "padding": sum(g.padding for g in trainer.engine.groups),
+        "buckets": len(trainer.engine.groups),
+        "launches": list(trainer.engine.grads.launch_log),
     }
     trainer.close()
     return out
@@ -95,8 +95,8 @@ def test_collectives_and_their_accounting(world2):
     assert rows["broadcast"]["bytes"] == 4
 
 
-def _optimizer_zero_grad_is_enough() -> list[float]:
-    """The usual torch idiom (optimizer.zero_grad) must not leak gradients across steps."""
+def _zero_grad_starts_from_zero() -> list[float]:
+    """The engine's zero_grad must not leak gradients into the next step's buckets."""
     cfg = small_config(dp=2, steps=3)
     mesh = build_mesh(cfg.parallel.layout, torch.device("cpu"), 60)
     trainer = Trainer(cfg, mesh, corpus_for(cfg))
@@ -104,13 +104,13 @@ def _optimizer_zero_grad_is_enough() -> list[float]:
     norms = []
     for _ in range(3):
         trainer.model(x, y).backward()
-        trainer.dp.finish()
-        norms.append(float(torch.cat([g.flatten() for g in trainer.dp.grad_buffers()]).norm()))
-        trainer.optimizer.zero_grad()  # not dp.zero_grad(); no optimizer step: same gradient
+        trainer.engine.finish()
+        norms.append(float(torch.cat([g.flatten() for g in trainer.engine.grads.shards]).norm()))
+        trainer.engine.zero_grad()  # no optimizer step: the same gradient every time
     trainer.close()
     return norms
 
 
-def test_optimizer_zero_grad_is_enough(world2):
-    norms = world2.run(_optimizer_zero_grad_is_enough)[0]
+def test_zero_grad_starts_from_zero(world2):
+    norms = world2.run(_zero_grad_starts_from_zero)[0]
     assert norms[0] == pytest.approx(norms[1], rel=1e-6) and norms[1] == pytest.approx(norms[2])

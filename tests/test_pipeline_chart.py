@@ -8,10 +8,10 @@ from fractions import Fraction as Fr
 import pytest
 
 from plait.errors import ConfigError
-from plait.parallel.pipeline.chart import gantt_chart, trace_events, write_trace
-from plait.parallel.pipeline.schedule_cli import schedule_main
-from plait.parallel.pipeline.schedules import interleaved, zb_h1
-from plait.parallel.pipeline.simulate import Costs, simulate
+from plait.parallel.pipeline.output.chart import gantt_chart, trace_events, write_trace
+from plait.parallel.pipeline.output.schedule_cli import schedule_main
+from plait.parallel.pipeline.plan.schedules import interleaved, zb_h1
+from plait.parallel.pipeline.plan.simulate import Costs, simulate
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -11,8 +11,8 @@ from itertools import pairwise
 
 import pytest
 
-from plait.parallel.pipeline.actions import Kind, TimedAction
-from plait.parallel.pipeline.schedules import (
+from plait.parallel.pipeline.plan.actions import Kind, TimedAction
+from plait.parallel.pipeline.plan.schedules import (
     SCHEDULES,
     build_schedule,
     gpipe,
@@ -21,7 +21,7 @@ from plait.parallel.pipeline.schedules import (
     two_bw,
     zb_h1,
 )
-from plait.parallel.pipeline.simulate import Costs, measure, predicted_bubble, simulate
+from plait.parallel.pipeline.plan.simulate import Costs, measure, predicted_bubble, simulate
 from test_schedules import grid
 
 

@@ -17,16 +17,17 @@ import torch
 
 from plait.config import Config
 from plait.data import GlobalBatchSampler, eval_indices
+from plait.data.batches import Corpus
 from plait.errors import ConfigError
 from plait.mesh import build_mesh
 from plait.models.dropout import sample_keys
 from plait.optim import build_optimizer, lr_at, set_lr
-from plait.parallel.pipeline.actions import Kind
-from plait.parallel.pipeline.async_2bw import TwoBWTrainer, check_two_bw, run_two_bw
-from plait.parallel.pipeline.async_2bw_points import check_cut, update_cut, update_points
-from plait.parallel.pipeline.schedules import two_bw
-from plait.parallel.tensor_parallel import full_tensor, param_shard_specs
-from plait.train import Corpus, build_model
+from plait.parallel.pipeline.plan.actions import Kind
+from plait.parallel.pipeline.plan.schedules import two_bw
+from plait.parallel.pipeline.plan.two_bw_points import check_cut, update_cut, update_points
+from plait.parallel.tp.sharding import full_tensor, param_shard_specs
+from plait.rules import check_two_bw
+from plait.train import Trainer, build_model
 from reference import corpus_for, small_config
 
 RTOL = 1e-5
@@ -81,8 +82,8 @@ def _parity(steps: int = 10, sequence_parallel: bool = False, **kw) -> dict:
     cfg.parallel.sequence_parallel = sequence_parallel
     corpus = corpus_for(cfg)
     mesh = build_mesh(cfg.parallel.layout, torch.device("cpu"), cfg.parallel.comm_timeout)
-    trainer = TwoBWTrainer(cfg, mesh, corpus=corpus)
-    results = trainer.run()
+    trainer = Trainer(cfg, mesh, corpus)
+    results = [trainer.train_step() for _ in range(steps)]
     val = trainer.evaluate()
     tp_ops = sorted({r["op"] for r in trainer.comm.stats.as_rows() if r["axis"] == "tp"})
     specs = param_shard_specs(trainer.model)  # tp shards gathered to full tensors
@@ -105,9 +106,9 @@ def _parity(steps: int = 10, sequence_parallel: bool = False, **kw) -> dict:
     assert val == pytest.approx(ref_val, rel=RTOL)
     return {
         "losses": [r.loss for r in results],
-        "held": trainer.max_versions_held,
-        "storages": trainer.versions.storages(),
-        "params": len(trainer.versions.params[0]),
+        "held": trainer.stream.max_versions_held,
+        "storages": trainer.engine.storages(),
+        "params": len(trainer.engine.params[0]),
         "tp_ops": tp_ops,
     }
 
@@ -140,14 +141,13 @@ def _learn(steps: int) -> tuple[list[float], list[float]]:
     """Losses of every step and validation losses every 10 steps, taken mid-stream."""
     cfg = two_bw_config(pp=2, accum=4, micro=4, steps=steps, lr=3e-3, warmup_steps=3)
     mesh = build_mesh(cfg.parallel.layout, torch.device("cpu"), cfg.parallel.comm_timeout)
-    trainer = TwoBWTrainer(cfg, mesh, corpus=corpus_for(cfg))
+    trainer = Trainer(cfg, mesh, corpus_for(cfg))
+    losses: list[float] = []
     vals: list[float] = []
-
-    def validate(result) -> None:  # at an update point: collectives are safe here
-        if result.step % 10 == 0:
+    for step in range(steps):
+        losses.append(trainer.train_step().loss)
+        if step % 10 == 0:  # between steps the stream is at a consistent cut: collectives work
             vals.append(trainer.evaluate())
-
-    losses = [r.loss for r in trainer.run(on_step=validate)]
     return losses, vals
 
 
@@ -161,10 +161,11 @@ def test_loss_falls_on_real_data(world2):
 def _losses(steps: int) -> list[float]:
     cfg = two_bw_config(pp=2, accum=2, steps=steps)
     mesh = build_mesh(cfg.parallel.layout, torch.device("cpu"), cfg.parallel.comm_timeout)
-    return run_two_bw(cfg, mesh, None, corpus_for(cfg))
+    trainer = Trainer(cfg, mesh, corpus_for(cfg))
+    return [trainer.train_step().loss for _ in range(steps)]
 
 
-def test_run_two_bw_returns_the_step_losses(world2):
+def test_every_rank_reports_the_step_losses(world2):
     out = world2.run(_losses, 4)
     assert out[0] == out[1] and len(out[0]) == 4
 
@@ -177,9 +178,10 @@ def _timings(pp: int, stage_layers: str = "") -> list:
         steps=3,
     )  # fmt: skip
     mesh = build_mesh(cfg.parallel.layout, torch.device("cpu"), cfg.parallel.comm_timeout)
-    trainer = TwoBWTrainer(cfg, mesh, corpus=corpus_for(cfg))
-    trainer.run()
-    return list(trainer.timings)
+    trainer = Trainer(cfg, mesh, corpus_for(cfg))
+    for _ in range(cfg.train.steps):
+        trainer.train_step()
+    return list(trainer.stream.timings)
 
 
 def _no_flush(timings: list[list]) -> None:
@@ -232,4 +234,4 @@ def test_config_errors(over, message):
     if accum:
         cfg.train.global_batch = cfg.train.micro_batch * accum
     with pytest.raises(ConfigError, match=message):
-        check_two_bw(cfg)
+        check_two_bw(cfg.parallel.pp, cfg.accumulation, cfg.parallel.virtual_stages)

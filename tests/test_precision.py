@@ -18,7 +18,9 @@ from plait.errors import ConfigError
 from plait.mesh import build_mesh
 from plait.models.dropout import sample_keys
 from plait.optim import build_optimizer, lr_at, set_lr
-from plait.parallel.zero import AdamW, ZeroEngine
+from plait.parallel.grads import SplitRules, clip_coef
+from plait.parallel.zero.adamw import AdamW
+from plait.parallel.zero.engine import ZeroEngine
 from plait.precision import DynamicLossScaler, LossScaleError, has_inf_or_nan, parse_precision
 from plait.train import build_model
 from reference import corpus_for
@@ -136,7 +138,7 @@ def _against_emulation(precision: str, reduce: str | None, stages: list[int]) ->
         assert got["losses"] == losses, stage
         engine: ZeroEngine = got["adapter"].engine
         full = {}
-        for piece in engine.param_states():
+        for piece in engine.state_dict()["pieces"]:
             full.setdefault(piece.name, []).append(piece)
         for name, pieces in full.items():
             flat = masters[name].reshape(-1)
@@ -202,7 +204,7 @@ def _overflow(stage: int) -> dict:
         if inject and mesh.rank == 1:
             engine.grad_shards()[-1][0] = float("inf")  # this rank's shard only
         out["local_inf"] = bool(has_inf_or_nan(engine.grad_shards(), mesh.device))
-        engine.clip_grad_norm(1.0)
+        engine.clip(clip_coef(engine.grad_norm(SplitRules.of(model, mesh)), 1.0))
         stepped = engine.step(1e-3)
         engine.zero_grad()
         return stepped
@@ -210,7 +212,7 @@ def _overflow(stage: int) -> dict:
     def snapshot():
         with engine.unsharded():
             params = [p.detach().clone() for p in model.parameters()]
-        return params, engine.param_states()
+        return params, engine.state_dict()["pieces"]
 
     out: dict = {}
     out.update(first=step(False), scale_before=scaler.scale)

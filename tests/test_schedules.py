@@ -9,8 +9,8 @@ from dataclasses import replace
 import pytest
 
 from plait.errors import ConfigError
-from plait.parallel.pipeline.actions import Action, Kind, Schedule
-from plait.parallel.pipeline.schedules import (
+from plait.parallel.pipeline.plan.actions import Action, Kind, Schedule
+from plait.parallel.pipeline.plan.schedules import (
     SCHEDULES,
     build_schedule,
     gpipe,
@@ -19,7 +19,7 @@ from plait.parallel.pipeline.schedules import (
     two_bw,
     zb_h1,
 )
-from plait.parallel.pipeline.validate import ScheduleError, validate
+from plait.parallel.pipeline.plan.validate import ScheduleError, validate
 
 
 def grid(name: str):

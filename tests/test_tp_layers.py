@@ -19,23 +19,18 @@ from plait.errors import ConfigError
 from plait.mesh import build_mesh
 from plait.models.dropout import KeyedDropout
 from plait.models.presets import get_preset
-from plait.parallel.tensor_parallel import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    ShardedDropout,
-    VocabParallelCrossEntropy,
-    VocabParallelEmbedding,
-    check_tensor_parallel,
+from plait.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear, ShardedDropout
+from plait.parallel.tp.mappings import (
     copy_to_tp,
-    full_tensor,
     gather_from_sequence,
     gather_from_tp,
-    gather_logits,
     reduce_from_tp,
     reduce_scatter_to_sequence,
     scatter_to_tp,
-    split_spec,
 )
+from plait.parallel.tp.sharding import full_tensor, split_spec
+from plait.parallel.tp.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding, gather_logits
+from plait.rules import check_tensor_parallel
 from plait.topology import Layout
 
 RTOL, ATOL = 1e-5, 1e-5

@@ -22,17 +22,16 @@ from plait.models.dropout import sample_keys
 from plait.models.init import init_parameters
 from plait.models.presets import get_preset
 from plait.models.transformer import Transformer
-from plait.parallel.recompute import apply_recompute
-from plait.parallel.tensor_parallel import (
-    apply_tensor_parallel,
-    clip_tp_grad_norm_,
-    full_tensor,
-    gather_logits,
-    param_shard_specs,
+from plait.parallel.grads import (
+    SplitRules,
+    clip_coef,
+    param_grads,
     sequence_parallel_partial_params,
-    sync_sequence_parallel_grads,
-    tp_grad_norm,
 )
+from plait.parallel.recompute import apply_recompute
+from plait.parallel.tp.apply import apply_tensor_parallel
+from plait.parallel.tp.sharding import full_tensor, param_shard_specs
+from plait.parallel.tp.vocab import gather_logits
 from plait.topology import Layout
 
 RTOL = 1e-5
@@ -104,12 +103,14 @@ def _forward_backward(tp: int, preset: str, sp: bool, recompute: str, over: dict
     ref_loss.backward()
     loss = model(x, y, keys)
     loss.backward()
-    sync_sequence_parallel_grads(model, comm)
+    rules = SplitRules.of(model, comm.mesh)
+    rules.sync(param_grads(model), comm)
     torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=0)
     for name, grad in _full(model, comm, grads=True).items():
         _close(grad, ref_params[name].grad, f"grad {name}")
     ref_norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
-    torch.testing.assert_close(tp_grad_norm(model, comm), ref_norm, rtol=RTOL, atol=0)
+    norm = rules.norm(param_grads(model), comm).float()
+    torch.testing.assert_close(norm, ref_norm, rtol=RTOL, atol=0)
     ref.eval(), model.eval()  # logits without targets: vocabulary slices, gathered
     _close(gather_logits(model(x), comm, cfg.vocab_size), ref(x).detach(), "logits")
     return float(loss)
@@ -154,7 +155,7 @@ def _traffic(tp: int, preset: str, sp: bool, over: dict) -> dict:
     loss.backward()
     bwd = {(r.op, r.tag): (r.calls, r.elements, r.bytes) for r in comm.stats.records.values()}
     comm.stats.begin_step(2)
-    sync_sequence_parallel_grads(model, comm)
+    SplitRules.of(model, comm.mesh).sync(param_grads(model), comm)
     synced = sum(p.numel() for p in sequence_parallel_partial_params(model))
     sync = {(r.op, r.tag): (r.calls, r.elements) for r in comm.stats.records.values()}
     return {"fwd": fwd, "bwd": bwd, "sync": sync, "synced": synced, "layers": cfg.n_layers}
@@ -233,9 +234,15 @@ def _train(tp: int, preset: str, sp: bool, steps: int, over: dict) -> list[float
         ref_loss, loss = ref(x, y, keys), model(x, y, keys)
         ref_loss.backward()
         loss.backward()
-        sync_sequence_parallel_grads(model, comm)
+        rules = SplitRules.of(model, comm.mesh)
+        rules.sync(param_grads(model), comm)
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
-        norm = clip_tp_grad_norm_(model, comm, 0.5)
+        norm_t = rules.norm(param_grads(model), comm)
+        coef = clip_coef(norm_t, 0.5)
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(coef)
+        norm = float(norm_t)
         torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=0, msg=f"loss at step {step}")
         torch.testing.assert_close(norm, float(ref_norm), rtol=RTOL, atol=0)
         for opt in opts:

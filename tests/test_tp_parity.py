@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from plait.mesh import build_mesh
-from plait.parallel.tensor_parallel import full_tensor, param_shard_specs
+from plait.parallel.tp.sharding import full_tensor, param_shard_specs
 from plait.train import Trainer
 from reference import assert_matches_reference, corpus_for, small_config
 

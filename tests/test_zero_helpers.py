@@ -2,7 +2,7 @@
 
 `run(cfg, corpus, kind, ...)` trains on this rank exactly as the Trainer does (same
 sampler, replica share, micro-batches, dropout keys, schedule, clipping) with either the
-real stage 0 (`DataParallel` + torch.optim.AdamW, the reference) or a `ZeroEngine`, and
+plain reference (per-parameter all-reduce + torch.optim.AdamW) or a `ZeroEngine`, and
 records loss, gradient norm and this rank's gradients every step, and the final parameters.
 """
 
@@ -15,10 +15,11 @@ from plait.config import Config
 from plait.data import GlobalBatchSampler, replica_share, split_micro
 from plait.mesh import build_mesh
 from plait.models.dropout import sample_keys
-from plait.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
-from plait.parallel.data_parallel import DataParallel
+from plait.optim import build_optimizer, lr_at, set_lr
+from plait.parallel.grads import SplitRules, clip_coef
 from plait.parallel.recompute import apply_recompute
-from plait.parallel.zero import AdamW, ZeroEngine
+from plait.parallel.zero.adamw import AdamW
+from plait.parallel.zero.engine import ZeroEngine
 from plait.train import build_model
 from reference import small_config
 
@@ -43,36 +44,49 @@ def zero_config(
 
 
 class DPAdapter:
-    """The reference: DataParallel + torch AdamW + plait.optim.clip_grad_norm."""
+    """The reference: every `p.grad` all-reduced on its own (no buckets, no engine), torch
+    AdamW and torch's clip_grad_norm_. Each gradient is divided by dp before the sum, as the
+    engine's buckets are, so the two agree bitwise."""
 
     def __init__(self, model, comm: Comm, cfg: Config) -> None:
-        self.model, self.cfg = model, cfg
-        self.dp = DataParallel(model, comm, cfg.parallel.bucket_mb)
+        self.model, self.comm, self.cfg = model, comm, cfg
         self.opt = build_optimizer(model, cfg.train)
         self.names = {id(p): n for n, p in model.named_parameters()}
 
     def micro_batch(self, is_last: bool) -> None:
-        self.dp.micro_batch(is_last)
+        pass
 
     def scale_loss(self, loss):
         return loss
 
     def finish(self) -> dict[str, torch.Tensor]:
-        self.dp.finish()
-        return {self.names[id(p)]: p.grad.detach().reshape(-1).clone() for p in self.dp.params}
+        n = self.comm.mesh.size("dp")
+        for p in self.model.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            p.grad.div_(n)
+            self.comm.all_reduce(p.grad, "dp", op="sum", tag="grad")
+        return {
+            self.names[id(p)]: p.grad.detach().reshape(-1).clone() for p in self.model.parameters()
+        }
 
     def clip_and_step(self, lr: float) -> float:
-        norm = clip_grad_norm(self.dp.grad_buffers(), self.cfg.train.grad_clip)
+        params = list(self.model.parameters())
+        clip = self.cfg.train.grad_clip
+        if clip > 0:
+            norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
+        else:
+            norm = float(torch.nn.utils.get_total_norm([p.grad for p in params]))
         set_lr(self.opt, lr)
         self.opt.step()
-        self.dp.zero_grad()
+        self.opt.zero_grad(set_to_none=True)
         return norm
 
     def params(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in self.model.named_parameters()}
 
     def close(self) -> None:
-        self.dp.remove_hooks()
+        pass
 
 
 class EngineAdapter:
@@ -83,6 +97,7 @@ class EngineAdapter:
         bucket_mb = engine.pop("bucket_mb", cfg.parallel.bucket_mb)
         opt = AdamW.from_train(cfg.train)
         self.engine = ZeroEngine(model, comm, opt, bucket_mb=bucket_mb, **engine)
+        self.rules = SplitRules.of(model, comm.mesh)
 
     def micro_batch(self, is_last: bool) -> None:
         self.engine.micro_batch(is_last)
@@ -102,10 +117,11 @@ class EngineAdapter:
         return out
 
     def clip_and_step(self, lr: float) -> float:
-        norm = self.engine.clip_grad_norm(self.cfg.train.grad_clip)
+        norm = self.engine.grad_norm(self.rules)
+        self.engine.clip(clip_coef(norm, self.cfg.train.grad_clip))
         self.engine.step(lr)
         self.engine.zero_grad()
-        return norm
+        return float(norm)
 
     def params(self) -> dict[str, torch.Tensor]:
         with self.engine.unsharded():

@@ -25,8 +25,9 @@ import pytest
 import torch
 
 from plait.config import TrainConfig
-from plait.parallel.zero import AdamW, assemble
+from plait.parallel.zero.adamw import AdamW
 from plait.parallel.zero.layout import FlatGroup, padded_size
+from plait.parallel.zero.state_dict import assemble
 from reference import corpus_for
 from test_zero_helpers import run, zero_config
 
@@ -140,7 +141,7 @@ def _parity(stages: list[int], exact: bool, clip: float, **kw) -> dict:
         out[stage] = {
             "padding": sum(g.padding for g in engine.groups),
             "groups": len(engine.groups),
-            "elements": sum(p.length for p in engine.param_states()),
+            "elements": sum(p.length for p in engine.state_dict()["pieces"]),
         }
         got["adapter"].close()
     out["numel"] = sum(p.numel() for p in ref["params"].values())
@@ -200,9 +201,9 @@ def _states(stage: int, bucket_mb: float, load: dict | None = None) -> dict:
     got = run(cfg, corpus, "zero", stage=stage, bucket_mb=bucket_mb, steps=0 if load else 4)
     engine = got["adapter"].engine
     if load is not None:
-        engine.load_param_states(load, step=4)
+        engine.load_state_dict({"params": load, "step": 4})
         out["params"] = got["adapter"].params()
-    out["pieces"] = engine.param_states()
+    out["pieces"] = engine.state_dict()["pieces"]
     got["adapter"].close()
     return out
 
@@ -243,13 +244,15 @@ def _offload(stage: int, precision: str, directory: str) -> dict:
         ),
     }
     base = runs["none"]
-    base_states = base["adapter"].engine.param_states()
+    base_states = base["adapter"].engine.state_dict()["pieces"]
     for kind in ("cpu", "nvme"):
         got = runs[kind]
         assert got["losses"] == base["losses"] and got["norms"] == base["norms"], kind
         for name, value in base["params"].items():
             assert torch.equal(got["params"][name], value), (kind, name)
-        for mine, theirs in zip(got["adapter"].engine.param_states(), base_states, strict=True):
+        for mine, theirs in zip(
+            got["adapter"].engine.state_dict()["pieces"], base_states, strict=True
+        ):
             for key, value in theirs.tensors.items():
                 assert torch.equal(mine.tensors[key], value), (kind, mine.name, key)
     engine = runs["nvme"]["adapter"].engine

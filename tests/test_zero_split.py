@@ -17,7 +17,7 @@ import torch
 from plait.config import build_config
 from plait.errors import ConfigError
 from plait.mesh import build_mesh
-from plait.parallel.tensor_parallel import full_tensor, param_shard_specs
+from plait.parallel.tp.sharding import full_tensor, param_shard_specs
 from plait.train import Trainer
 from reference import assert_matches_reference, corpus_for, reference_run, small_config
 

@@ -106,7 +106,7 @@ def _presets() -> int:
 def _schedule(args: argparse.Namespace, err: Console) -> int:
     from pathlib import Path
 
-    from plait.parallel.pipeline.schedule_cli import schedule_main
+    from plait.parallel.pipeline.output.schedule_cli import schedule_main
 
     out = Path(args.out) if args.out else None
     try:

@@ -13,10 +13,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from plait.data import corpus_bytes_available
 from plait.errors import ConfigError
 from plait.models.config import ModelConfig
 from plait.models.presets import get_preset
-from plait.parallel.recompute import RECOMPUTE_MODES
+from plait.rules import (
+    check_pipeline,
+    check_recompute,
+    check_tensor_parallel,
+    check_zero,
+)
 from plait.topology import Layout
 
 try:  # Python 3.11+
@@ -73,11 +79,6 @@ class ParallelConfig:
     @property
     def layout(self) -> Layout:
         return Layout(dp=self.dp, pp=self.pp, tp=self.tp)
-
-    @property
-    def uses_zero_engine(self) -> bool:
-        """Sharding, mixed precision or offload: the ZeRO engine replaces DataParallel."""
-        return self.zero > 0 or self.precision != "fp32" or self.offload != "none"
 
     def stage_layer_counts(self) -> list[int] | None:
         """`stage_layers` as numbers, or None for an even split."""
@@ -263,10 +264,7 @@ def validate_config(cfg: Config, check_data: bool = True) -> None:
         raise ConfigError(
             f"seq_len {t.seq_len} exceeds the model's max_seq_len {cfg.model.max_seq_len}"
         )
-    if par.recompute not in RECOMPUTE_MODES:
-        raise ConfigError(
-            f"recompute must be one of {', '.join(RECOMPUTE_MODES)}; got {par.recompute!r}"
-        )
+    check_recompute(par.recompute)
     if t.lr <= 0 or t.min_lr < 0 or t.min_lr > t.lr:
         raise ConfigError(f"need 0 <= min_lr <= lr and lr > 0; got lr={t.lr}, min_lr={t.min_lr}")
     if t.warmup_steps < 0 or t.grad_clip < 0 or t.eval_every < 0:
@@ -278,13 +276,24 @@ def validate_config(cfg: Config, check_data: bool = True) -> None:
         raise ConfigError(
             f"bucket_mb and comm_timeout must be > 0; got {par.bucket_mb}, {par.comm_timeout}"
         )
-    _validate_pipeline(cfg)
-    from plait.parallel.tp.apply import check_tensor_parallel  # pure
-
-    if par.sequence_parallel and par.tp == 1:
-        raise ConfigError("sequence_parallel needs tp > 1")
+    check_pipeline(
+        cfg.model.n_layers,
+        par.pp,
+        par.schedule,
+        par.virtual_stages,
+        cfg.accumulation,
+        par.stage_layer_counts(),
+    )
     check_tensor_parallel(cfg.model, par.tp, par.sequence_parallel, t.seq_len)
-    _validate_zero(cfg)
+    check_zero(
+        par.zero,
+        par.offload,
+        par.offload_dir,
+        par.pp,
+        par.precision,
+        par.reduce_dtype,
+        par.schedule,
+    )
     if t.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"device must be auto, cpu or cuda; got {t.device!r}")
     if cfg.model.vocab_size < 256:
@@ -297,42 +306,7 @@ def validate_config(cfg: Config, check_data: bool = True) -> None:
         _validate_corpus(cfg)
 
 
-def _validate_pipeline(cfg: Config) -> None:
-    """Schedule, micro-batch count and stage split are checked without starting anything."""
-    from plait.parallel.pipeline.schedules import build_schedule  # pure, no processes
-    from plait.parallel.pipeline.stage import split_layers
-
-    par = cfg.parallel
-    if par.pp == 1:
-        if par.virtual_stages != 1:
-            raise ConfigError(f"virtual_stages={par.virtual_stages} needs pp > 1")
-        return
-    if par.schedule == "2bw":
-        from plait.parallel.pipeline.async_2bw import check_two_bw  # pure checks
-
-        check_two_bw(cfg)
-    build_schedule(par.schedule, par.pp, cfg.accumulation, par.virtual_stages)
-    split_layers(cfg.model.n_layers, par.pp * par.virtual_stages, par.stage_layer_counts())
-
-
-def _validate_zero(cfg: Config) -> None:
-    from plait.parallel.zero import check_zero_options  # pure checks
-    from plait.precision import parse_precision
-
-    par = cfg.parallel
-    check_zero_options(par.zero, par.offload, par.offload_dir, par.pp)
-    parse_precision(par.precision, par.reduce_dtype)
-    if par.uses_zero_engine and par.pp > 1 and par.schedule == "2bw":
-        raise ConfigError(
-            f"schedule 2bw keeps its own two weight versions and optimizer; it does not run "
-            f"on the ZeRO engine (got zero={par.zero}, precision={par.precision}, "
-            f"offload={par.offload}; use zero=0, fp32 and no offload)"
-        )
-
-
 def _validate_corpus(cfg: Config) -> None:
-    from plait.data import corpus_bytes_available  # local: keeps config import light
-
     t = cfg.train
     available = corpus_bytes_available(cfg.data.path, cfg.data.max_bytes)
     val_tokens = int(available * cfg.data.val_fraction)  # the same arithmetic as split_tokens

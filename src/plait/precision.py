@@ -43,10 +43,6 @@ class Precision:
     reduce_dtype: torch.dtype  # gradient buffers and their collectives
 
     @property
-    def master_dtype(self) -> torch.dtype:
-        return torch.float32
-
-    @property
     def needs_master(self) -> bool:
         """A separate fp32 copy exists only when the parameters are not fp32 themselves."""
         return self.param_dtype != torch.float32
@@ -54,11 +50,6 @@ class Precision:
     @property
     def needs_scaler(self) -> bool:
         return self.name == "fp16"
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """'bfloat16' for torch.bfloat16: the spelling CommStats records use."""
-    return str(dtype).removeprefix("torch.")
 
 
 def parse_precision(name: str, reduce_dtype: str | None = None) -> Precision:

@@ -6,16 +6,20 @@ Every rank executes the same code; only rank 0 shows progress and writes files.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from rich.console import Console
 
 from plait.config import Config
+from plait.data.batches import Corpus
 from plait.device import peak_flops
 from plait.mesh import Mesh
 from plait.models.transformer import count_parameters, matmul_flops_per_token
+from plait.parallel.pipeline.output.report import report
+from plait.step import StepResult
 from plait.telemetry import MetricsLog, RunSummary, make_progress, summary_table
-from plait.train import Corpus, StepResult, Trainer, injected_fault
+from plait.train import Trainer, is_two_bw
 
 
 def _row(r: StepResult, trainer: Trainer, flops_per_token: int, peak: float | None) -> dict:
@@ -33,7 +37,7 @@ def _row(r: StepResult, trainer: Trainer, flops_per_token: int, peak: float | No
     }
     if peak:
         row["mfu"] = flops / (peak * trainer.mesh.world_size)
-    if getattr(trainer, "zero", None):  # ZeRO engine: what this rank holds, and fp16's scale
+    if trainer.zero:  # ZeRO engine: what this rank holds, and fp16's scale
         row["model_state_bytes"] = trainer.zero.memory.model_state_bytes()
         row["loss_scale"] = trainer.zero.loss_scale
         row["step_skipped"] = trainer.zero.last_step_skipped
@@ -43,19 +47,13 @@ def _row(r: StepResult, trainer: Trainer, flops_per_token: int, peak: float | No
 def _trace(trainer: Trainer, out: Path, lead: bool) -> dict | None:
     """The last step's pipeline timeline: every pp rank's actions, drawn and measured."""
     timings = trainer.pipeline.gather_timings()  # collective over the pp axis
-    return trainer.pipeline.report(timings, out) if lead else None
+    return report(trainer.pipeline.schedule, timings, out) if lead else None
 
 
 def run(cfg: Config, mesh: Mesh, corpus: Corpus | None = None) -> RunSummary:
     """Train `cfg` on this rank; returns the summary (identical numbers on every rank)."""
     t = cfg.train
-    two_bw = cfg.parallel.pp > 1 and cfg.parallel.schedule == "2bw"
-    if two_bw:  # asynchronous: one stream of steps, no flush (imported here: it uses train.py)
-        from plait.parallel.pipeline.async_2bw import TwoBWTrainer
-
-        trainer = TwoBWTrainer(cfg, mesh, corpus=corpus)
-    else:
-        trainer = Trainer(cfg, mesh, corpus)
+    trainer = Trainer(cfg, mesh, corpus)
     lead = mesh.is_logging_rank
     console = Console(stderr=True)
     log = MetricsLog(Path(t.out), t.tensorboard) if lead else None
@@ -94,28 +92,33 @@ def run(cfg: Config, mesh: Mesh, corpus: Corpus | None = None) -> RunSummary:
             val = f" val {summary.val_loss:.3f}" if summary.val_loss is not None else ""
             info = f"loss {result.loss:.3f}{val} {row['tokens_per_s']:,.0f} tok/s"
             progress.update(task, advance=1, info=info)
-        if two_bw:
-            injected_fault(mesh.rank, done)
 
     try:
         if progress:
             progress.start()
-        if two_bw:
-            trainer.run(on_step=record)
-        else:
-            for _ in range(t.steps):
-                injected_fault(mesh.rank, trainer.step)
-                record(trainer.train_step())
-        if t.trace and getattr(trainer, "pipeline", None):
+        for _ in range(t.steps):
+            injected_fault(mesh.rank, trainer.step)
+            record(trainer.train_step())
+        if t.trace and trainer.pipeline and not is_two_bw(cfg):  # 2BW: one stream, no step
             summary.pipeline = _trace(trainer, Path(t.out), lead)
     finally:
         if progress:
             progress.stop()
         if log:
             log.close()
-        if not two_bw:
-            trainer.close()
+        trainer.close()
     if lead:
         Path(t.out, "summary.json").write_text(json.dumps(summary.as_dict(), indent=2))
         console.print(summary_table(summary))
     return summary
+
+
+def injected_fault(rank: int, step: int) -> None:
+    """Test hook: PLAIT_FAULT='RANK:STEP' makes that rank raise at that step.
+
+    It exists so the failure path (one rank dies, all stop, its traceback shown) is tested
+    end to end through the real launcher.
+    """
+    spec = os.environ.get("PLAIT_FAULT")
+    if spec and spec == f"{rank}:{step}":
+        raise RuntimeError(f"injected fault (PLAIT_FAULT={spec}) on rank {rank} at step {step}")

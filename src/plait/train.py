@@ -1,18 +1,16 @@
-"""The Trainer: build the model, parallelize it, and run the optimization loop.
+"""Build one rank's share of a training run: model, engine, runner; `step.py` runs it.
 
-Order of construction (each step a composable function on an unchanged model):
-build on the target device -> layout-independent init -> activation recomputation ->
-data-parallel gradient buckets -> optimizer. One step: every rank draws the same global
-batch from the seeded sampler, takes its replica's share, runs its micro-batches with
-gradient accumulation, reduces gradients over dp, clips by the global norm and steps.
+Order of construction, in DESIGN's order, each a composable function on an unchanged model:
+build on the meta device -> tensor parallel -> pipeline stage split -> materialize and
+initialize (layout-independent) -> activation recomputation -> optimizer engine (ZeRO stage
+0-3; stage 0 is plain data parallelism; 2BW: two weight versions). The runner that executes a
+step's micro-batches follows from the layout: plain accumulation, a pipeline schedule, or the
+asynchronous 2BW stream.
 """
 
 from __future__ import annotations
 
-import os
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -20,44 +18,24 @@ from torch import nn
 
 from plait.comm import Comm
 from plait.config import Config
-from plait.data import (
-    GlobalBatchSampler,
-    TokenWindows,
-    eval_indices,
-    load_tokens,
-    replica_share,
-    split_micro,
-    split_tokens,
-    unigram_entropy,
-)
-from plait.device import synchronize
+from plait.data import load_tokens, split_tokens, unigram_entropy
+from plait.data.batches import Corpus, StepBatches
+from plait.data.sampler import TokenWindows
 from plait.mesh import Mesh
 from plait.models.config import ModelConfig
-from plait.models.dropout import sample_keys
 from plait.models.init import init_parameters, initial_values, tie_all
 from plait.models.transformer import Transformer
-from plait.optim import build_optimizer, lr_at, scale_to_norm, set_lr
-from plait.parallel.data_parallel import DataParallel
-from plait.parallel.grad_norm import global_grad_norm
-from plait.parallel.pipeline.engine import PipelineEngine
-from plait.parallel.pipeline.runtime import MicroBatch
+from plait.parallel.grads import SplitRules, tied_embedding_params
+from plait.parallel.optimizer_engine import OptimizerEngine
+from plait.parallel.pipeline.runtime.engine import PipelineEngine
+from plait.parallel.pipeline.runtime.two_bw import TwoBWStream
+from plait.parallel.pipeline.runtime.weight_versions import WeightVersions
 from plait.parallel.recompute import apply_recompute
-from plait.parallel.tensor_parallel import apply_tensor_parallel, sync_sequence_parallel_grads
-from plait.parallel.zero import AdamW, ZeroEngine
-from plait.parallel.zero.split_model import isolated_params, norm_rules, sync_split_grads
+from plait.parallel.tp.apply import apply_tensor_parallel
+from plait.parallel.zero.adamw import AdamW
+from plait.parallel.zero.engine import ZeroEngine
 from plait.precision import parse_precision
-
-
-@dataclass
-class StepResult:
-    """What one optimizer step produced (the same on every rank)."""
-
-    step: int
-    loss: float
-    lr: float
-    grad_norm: float
-    time_s: float
-    tokens: int
+from plait.step import Accumulate, Pipelined, Runner, Step, StepResult, evaluate_loss
 
 
 def build_model(
@@ -103,15 +81,6 @@ def _to_device_without_storage(model: nn.Module, device: torch.device) -> None:
     tie_all(model)
 
 
-@dataclass
-class Corpus:
-    """Training and validation windows plus the baseline the model must beat."""
-
-    train: TokenWindows
-    val: TokenWindows
-    unigram_baseline: float
-
-
 def load_corpus(cfg: Config) -> Corpus:
     tokens = load_tokens(cfg.data.path, cfg.data.max_bytes)
     return corpus_from_tokens(tokens, cfg)
@@ -123,9 +92,16 @@ def corpus_from_tokens(tokens: np.ndarray, cfg: Config) -> Corpus:
     return Corpus(TokenWindows(train, seq), TokenWindows(val, seq), unigram_entropy(train))
 
 
-def _zero_engine(
-    cfg: Config, model: Transformer, comm: Comm, pipeline: PipelineEngine | None
-) -> ZeroEngine:
+def is_two_bw(cfg: Config) -> bool:
+    return cfg.parallel.pp > 1 and cfg.parallel.schedule == "2bw"
+
+
+def _streams_init(cfg: Config) -> bool:
+    """ZeRO stage 3 initializes shard by shard: the full model is never materialized."""
+    return cfg.parallel.zero == 3 and not is_two_bw(cfg)
+
+
+def _zero_engine(cfg: Config, model: Transformer, comm: Comm, pipelined: bool) -> ZeroEngine:
     par = cfg.parallel
     streamed = _streams_init(cfg)
     return ZeroEngine(
@@ -137,45 +113,36 @@ def _zero_engine(
         offload=par.offload,
         offload_dir=par.offload_dir,
         bucket_mb=par.bucket_mb,
-        isolate=isolated_params(model, pipeline),
+        isolate=tied_embedding_params(model) if pipelined else [],
         initial_value=initial_values(model, cfg.train.seed, cfg.model) if streamed else None,
     )
 
 
-def _streams_init(cfg: Config) -> bool:
-    """ZeRO stage 3 initializes shard by shard: the full model is never materialized."""
-    return cfg.parallel.uses_zero_engine and cfg.parallel.zero == 3
-
-
 class Trainer:
-    """One rank's share of a training run."""
+    """One rank's share of a training run: `train_step()` runs the next optimizer step."""
 
     def __init__(self, cfg: Config, mesh: Mesh, corpus: Corpus | None = None) -> None:
-        self.cfg = cfg
-        self.mesh = mesh
-        self.device = mesh.device
+        self.cfg, self.mesh = cfg, mesh
         self.comm = Comm(mesh)
         self.corpus = corpus or load_corpus(cfg)
-        self.pipeline = PipelineEngine(cfg, mesh, self.comm) if mesh.size("pp") > 1 else None
-        self.model = build_model(
-            cfg.model, self.device, cfg.train.seed, self._parallelize, not _streams_init(cfg)
-        )
-        apply_recompute(self.model, cfg.parallel.recompute)
-        self.zero = (
-            _zero_engine(cfg, self.model, self.comm, self.pipeline)
-            if cfg.parallel.uses_zero_engine
+        t, par = cfg.train, cfg.parallel
+        self.pipeline = (
+            PipelineEngine(
+                par, cfg.model, t.micro_batch, t.seq_len, cfg.accumulation, mesh, self.comm
+            )
+            if mesh.size("pp") > 1
             else None
         )
-        self.dp = None if self.zero else DataParallel(self.model, self.comm, cfg.parallel.bucket_mb)
-        if self.pipeline and self.zero:
-            dtype = self.zero.precision.param_dtype
-            self.pipeline.attach(self.model, self.zero, dtype, self.zero.scale_loss)
-        elif self.pipeline:
-            self.pipeline.attach(self.model, self.dp)
-        self.optimizer = None if self.zero else build_optimizer(self.model, cfg.train)
-        self.sampler = GlobalBatchSampler(
-            len(self.corpus.train), cfg.train.global_batch, cfg.train.seed
+        model = build_model(
+            cfg.model, mesh.device, t.seed, self._parallelize, not _streams_init(cfg)
         )
+        self.rules = SplitRules.of(model, mesh)
+        replica = (mesh.coord.dp, mesh.size("dp"))
+        self.batches = StepBatches(
+            self.corpus, t.global_batch, t.micro_batch, t.seed, replica, mesh.device
+        )
+        self.engine, runner = self._engine_and_runner(model)
+        self._step = Step(self.engine, runner, self.rules, self.comm, t)
         self.step = 0
 
     def _parallelize(self, model: Transformer) -> None:
@@ -184,126 +151,45 @@ class Trainer:
         if self.pipeline:
             self.pipeline.prune(model)
 
+    def _engine_and_runner(self, model: Transformer) -> tuple[OptimizerEngine, Runner]:
+        cfg = self.cfg
+        if is_two_bw(cfg):
+            versions = WeightVersions(model, cfg.train, self.comm, cfg.parallel.recompute)
+            self.stream = TwoBWStream(self.pipeline, versions, self.batches, cfg.train.steps)
+            return versions, self.stream
+        apply_recompute(model, cfg.parallel.recompute)
+        engine = _zero_engine(cfg, model, self.comm, self.pipeline is not None)
+        self._model = model
+        if self.pipeline is None:
+            return engine, Accumulate(model, engine, self.batches)
+        self.pipeline.attach(model, engine, engine.precision.param_dtype)
+        return engine, Pipelined(self.pipeline, self.batches)
+
+    @property
+    def model(self) -> Transformer:
+        """This rank's part of the model (2BW: its newest weight version)."""
+        if isinstance(self.engine, WeightVersions):
+            return self.engine.latest_model
+        return self._model
+
+    @property
+    def zero(self) -> ZeroEngine | None:
+        return self.engine if isinstance(self.engine, ZeroEngine) else None
+
     @property
     def tokens_per_step(self) -> int:
         return self.cfg.train.global_batch * self.cfg.train.seq_len
 
     def train_step(self) -> StepResult:
         """One optimizer step over one global batch; returns the global mean loss."""
-        t = self.cfg.train
-        start = time.perf_counter()
-        self.comm.stats.begin_step(self.step)
-        share, positions = replica_share(
-            self.sampler.next_batch(), self.mesh.coord.dp, self.mesh.size("dp")
-        )
-        keys = sample_keys(t.seed, self.step, positions)
-        micro_idx, micro_keys = split_micro(share, t.micro_batch), split_micro(keys, t.micro_batch)
-        lr = lr_at(self.step, t)
-        self.model.train()
-        if self.zero:
-            mean_loss, grad_norm = self._zero_step(micro_idx, micro_keys, lr)
-        else:
-            mean_loss, grad_norm = self._replicated_step(micro_idx, micro_keys, lr)
-        self.comm.all_reduce(mean_loss, "dp", op="avg", tag="loss")
-        synchronize(self.device)
-        elapsed = time.perf_counter() - start
+        result = self._step(self.step)
         self.step += 1
-        return StepResult(
-            self.step - 1, float(mean_loss), lr, grad_norm, elapsed, self.tokens_per_step
-        )
+        return result
 
-    def _replicated_step(self, micro_idx: list, micro_keys: list, lr: float):
-        """DataParallel (ZeRO stage 0) with torch AdamW; with or without tp and pp."""
-        t = self.cfg.train
-        set_lr(self.optimizer, lr)
-        if self.pipeline:
-            micro = [self._micro(idx, key) for idx, key in zip(micro_idx, micro_keys, strict=True)]
-            mean_loss = self.pipeline.run(micro)
-        else:
-            mean_loss = self._accumulate(micro_idx, micro_keys, self.dp)
-        self.dp.finish()
-        sync_sequence_parallel_grads(self.model, self.comm)  # no-op without it
-        if self.pipeline:
-            self.pipeline.sync_tied_grads()
-        norm = global_grad_norm(self.model, self.dp, self.comm, self.pipeline)
-        scale_to_norm(self.dp.grad_buffers(), norm, t.grad_clip)
-        grad_norm = float(norm)
-        self.optimizer.step()
-        self.dp.zero_grad()
-        return mean_loss, grad_norm
-
-    def _zero_step(self, micro_idx: list, micro_keys: list, lr: float):
-        """The ZeRO engine: sharded states, mixed precision, offload (fp16 may skip a step);
-        with or without tp and pp."""
-        engine = self.zero
-        engine.begin_step()
-        if self.pipeline:
-            micro = [self._micro(idx, key) for idx, key in zip(micro_idx, micro_keys, strict=True)]
-            mean_loss = self.pipeline.run(micro)
-        else:
-            mean_loss = self._accumulate(micro_idx, micro_keys, engine)
-        engine.finish()
-        sync_split_grads(engine, self.model, self.pipeline)
-        reduce_sq, weight = norm_rules(self.model, self.comm, self.pipeline)
-        grad_norm = engine.clip_grad_norm(self.cfg.train.grad_clip, reduce_sq, weight)
-        engine.step(lr)
-        engine.zero_grad()
-        return mean_loss, grad_norm
-
-    def _micro(self, idx: torch.Tensor, key: torch.Tensor) -> MicroBatch:
-        x, y = (v.to(self.device) for v in self.corpus.train.batch(idx))
-        return MicroBatch(x, y, key.to(self.device))
-
-    def _accumulate(
-        self, micro_idx: list, micro_keys: list, grads: DataParallel | ZeroEngine
-    ) -> torch.Tensor:
-        """Gradient accumulation without a pipeline; returns the mean micro-batch loss.
-        `grads` is told where each micro-batch falls and scales the loss (fp16)."""
-        loss_sum = torch.zeros((), device=self.device)
-        n = len(micro_idx)
-        scale = grads.scale_loss if isinstance(grads, ZeroEngine) else None
-        for i, (idx, key) in enumerate(zip(micro_idx, micro_keys, strict=True)):
-            mb = self._micro(idx, key)
-            grads.micro_batch(is_last=i == n - 1)
-            loss = self.model(mb.tokens, mb.targets, mb.keys)  # mean over its tokens
-            (scale(loss / n) if scale else loss / n).backward()
-            loss_sum += loss.detach().float()
-        return loss_sum / n
-
-    @torch.no_grad()
     def evaluate(self) -> float:
         """Mean token loss over a fixed set of validation windows, split across replicas."""
-        t = self.cfg.train
-        idx = eval_indices(len(self.corpus.val), t.eval_batches * t.global_batch)
-        mine = torch.tensor_split(idx, self.mesh.size("dp"))[self.mesh.coord.dp]
-        self.model.eval()
-        batches = []
-        for chunk in torch.split(mine, t.micro_batch):
-            x, y = (v.to(self.device) for v in self.corpus.val.batch(chunk))
-            batches.append(MicroBatch(x, y, torch.zeros(len(chunk), dtype=torch.int64)))
-        if self.pipeline:
-            totals = self.pipeline.evaluate(batches)
-        else:
-            totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # (loss sum, tokens)
-            for mb in batches:
-                totals[0] += self.model(mb.tokens, mb.targets).double() * mb.targets.numel()
-                totals[1] += mb.targets.numel()
-        self.comm.all_reduce(totals, "dp", op="sum", tag="eval")
-        return float(totals[0] / totals[1])
+        batches = self.batches.validation(self.cfg.train.eval_batches)
+        return evaluate_loss(self.model, batches, self.comm, self.pipeline)
 
     def close(self) -> None:
-        if self.zero:
-            self.zero.close()
-        else:
-            self.dp.remove_hooks()
-
-
-def injected_fault(rank: int, step: int) -> None:
-    """Test hook: PLAIT_FAULT='RANK:STEP' makes that rank raise at that step.
-
-    It exists so the failure path (one rank dies, all stop, its traceback shown) is tested
-    end to end through the real launcher.
-    """
-    spec = os.environ.get("PLAIT_FAULT")
-    if spec and spec == f"{rank}:{step}":
-        raise RuntimeError(f"injected fault (PLAIT_FAULT={spec}) on rank {rank} at step {step}")
+        self.engine.close()

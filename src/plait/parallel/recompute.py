@@ -20,9 +20,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from plait.errors import ConfigError
-
-RECOMPUTE_MODES = ("none", "full", "selective")
+from plait.rules import check_recompute
 
 
 def checkpoint_module(module: nn.Module) -> None:
@@ -40,8 +38,7 @@ def checkpoint_module(module: nn.Module) -> None:
 
 def apply_recompute(model: nn.Module, mode: str) -> list[nn.Module]:
     """Apply `mode` to every transformer block of `model`; returns the wrapped modules."""
-    if mode not in RECOMPUTE_MODES:
-        raise ConfigError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}; got {mode!r}")
+    check_recompute(mode)
     if mode == "none":
         return []
     blocks = [blk for blk in model.blocks if hasattr(blk, "attn")]  # skip other stages' blocks

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from torch import nn
 
 from plait.comm import Comm
-from plait.errors import ConfigError
 from plait.mesh import Mesh
 from plait.models.config import ModelConfig
 from plait.parallel.tp.layers import (
@@ -37,31 +36,7 @@ from plait.parallel.tp.layers import (
     ShardedDropout,
 )
 from plait.parallel.tp.vocab import ParallelEmbedding, VocabParallelCrossEntropy
-
-
-def check_tensor_parallel(
-    cfg: ModelConfig, tp: int, sequence_parallel: bool = False, seq_len: int | None = None
-) -> None:
-    """Raise ConfigError naming the values when `cfg` cannot be split `tp` ways.
-
-    Pure (no processes), so the CLI can call it before any worker starts. The vocabulary
-    needs no check: it is padded to a multiple of tp.
-    """
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise ConfigError(f"tp must be a positive integer, got {tp!r}")
-    needs = [
-        ("model.n_heads", cfg.n_heads, "query heads are split across tp ranks"),
-        ("model.n_kv_heads", cfg.kv_heads, "key/value heads are split across tp ranks"),
-        ("MLP hidden size (model.ffn_hidden)", cfg.ffn_dim, "its columns are split"),
-    ]
-    for name, value, why in needs:
-        if value % tp:
-            raise ConfigError(f"{name}={value} is not divisible by tp={tp} ({why})")
-    if sequence_parallel and seq_len is not None and seq_len % tp:
-        raise ConfigError(
-            f"train.seq_len={seq_len} is not divisible by tp={tp} "
-            "(sequence parallelism splits every sequence across tp ranks)"
-        )
+from plait.rules import check_tensor_parallel
 
 
 # ---------------------------------------------------------------- styles

@@ -13,13 +13,12 @@ same inputs the results are bitwise identical; tests check that against torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:  # plait.config may import this package: no import cycle at run time
-    from plait.config import TrainConfig
+from plait.config import TrainConfig
 
 
 class ElementwiseOptimizer(Protocol):

@@ -9,9 +9,13 @@ One step, in the order the trainer calls it:
         loss = model(...)
         engine.scale_loss(loss / n).backward()   # fp16: times the loss scale
     engine.finish()                              # reductions complete
-    norm = engine.clip_grad_norm(max_norm)       # global norm over the shards; clips
+    rules.sync(engine.grad_pieces(), comm)       # split-model sums (parallel/grads.py)
+    norm = engine.grad_norm(rules)               # global norm over the shards
+    engine.clip(clip_coef(norm, max_norm))       # folded into the step's unscaling
     stepped = engine.step(lr)                    # False: fp16 overflow, step skipped
     engine.zero_grad()
+
+`plait.step` runs exactly that; the 2BW weight versions offer the same surface.
 
 What each stage keeps per rank (Ψ parameters, N ranks; see docs/zero.md):
   stage 0: everything (plain data parallelism, with master weights when not fp32);
@@ -22,9 +26,10 @@ What each stage keeps per rank (Ψ parameters, N ranks; see docs/zero.md):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -32,35 +37,16 @@ from torch import Tensor, nn
 from plait.comm import Comm
 from plait.errors import ConfigError
 from plait.memory_tracker import MemoryTracker
+from plait.parallel.grads import SplitRules
 from plait.parallel.zero.adamw import ElementwiseOptimizer, clip_segments
 from plait.parallel.zero.layout import FlatGroup, build_groups
 from plait.parallel.zero.nvme import NvmeStates
 from plait.parallel.zero.params import Gatherer, ParamStore, flatten_values
 from plait.parallel.zero.reducer import GradReducer
-from plait.parallel.zero.state_dict import ParamShardState, export_states, import_states
-from plait.parallel.zero.states import OFFLOADS, ResidentStates
+from plait.parallel.zero.state_dict import export_states, import_states
+from plait.parallel.zero.states import ResidentStates
 from plait.precision import DynamicLossScaler, Precision, has_inf_or_nan, parse_precision
-
-STAGES = (0, 1, 2, 3)
-
-
-def check_zero_options(stage: int, offload: str, offload_dir: str | None, pp: int = 1) -> None:
-    """Reject impossible combinations with one message naming the values (before workers)."""
-    if stage not in STAGES:
-        raise ConfigError(f"zero stage must be 0, 1, 2 or 3; got {stage!r}")
-    if offload not in OFFLOADS:
-        raise ConfigError(f"offload must be one of {', '.join(OFFLOADS)}; got {offload!r}")
-    if offload == "nvme" and not offload_dir:
-        raise ConfigError("offload 'nvme' needs a directory for the state files (--offload-dir)")
-    if offload != "nvme" and offload_dir:
-        raise ConfigError(f"--offload-dir {offload_dir!r} is only used with --offload nvme")
-    if pp > 1 and stage > 1:
-        raise ConfigError(
-            f"zero stage {stage} with pipeline parallelism (pp={pp}) is not supported (use "
-            "zero 0 or 1, as DeepSpeed does): stages 2-3 keep no full gradient, so they "
-            "reduce-scatter after every micro-batch, m times the traffic of a pipeline step, "
-            "and stage 3 would also gather each block again for every micro-batch"
-        )
+from plait.rules import check_zero
 
 
 class ZeroEngine:
@@ -86,7 +72,7 @@ class ZeroEngine:
         """`isolate`: parameters that get a flat group each (see `layout.build_groups`).
         `initial_value(p)`: p's fp32 initial value, for a model whose parameters are not
         materialized (stage 3 then never holds more than one full group at a time)."""
-        check_zero_options(stage, offload, str(offload_dir) if offload_dir else None)
+        check_zero(stage, offload, str(offload_dir) if offload_dir else None)
         self.precision = parse_precision(precision) if isinstance(precision, str) else precision
         if stage == 3 and not hasattr(model, "blocks"):
             raise ConfigError("zero stage 3 gathers per block: the model needs a `blocks` list")
@@ -185,62 +171,28 @@ class ZeroEngine:
             self._found_inf = bool(flag)
         return self._found_inf
 
-    def grad_pieces(self) -> list[tuple[nn.Parameter, int, Tensor]]:
-        """(parameter, first flattened element, view of that part of its gradient) for every
-        parameter piece in this rank's shards: for per-parameter work on sharded gradients
-        (summing sequence-parallel partial gradients over tp, norms that weight parameters).
-        Values are still multiplied by the loss scale."""
+    def grad_pieces(self) -> list[tuple[nn.Parameter, Tensor]]:
+        """(parameter, view of the part of its gradient in this rank's shards) for every
+        parameter piece: what the split-model rules of `parallel/grads.py` work on. Values
+        are still multiplied by the loss scale."""
         out = []
         for g, shard in zip(self.groups, self.grads.shards, strict=True):
             for piece in g.pieces():
                 view = shard[piece.shard_offset : piece.shard_offset + piece.length]
-                out.append((g.params[piece.param], piece.start, view))
+                out.append((g.params[piece.param], view))
         return out
 
-    def grad_sq(self, weight: Callable[[nn.Parameter], float] | None = None) -> Tensor:
-        """Squared L2 norm of this rank's (unscaled) gradient shard, fp32 (padding is zero).
-
-        `weight(p)` scales each parameter's contribution, e.g. 0 for a tensor-parallel
-        replica of a parameter another tp rank already counts."""
-        if weight is None:
-            parts = self.grads.shards
-        else:
-            parts = [v * weight(p) for p, _, v in self.grad_pieces() if weight(p) != 0]
-        norms = [torch.linalg.vector_norm(s, dtype=torch.float32) for s in parts]
-        if not norms:
-            return torch.zeros((), dtype=torch.float32, device=self.device)
-        sq = torch.linalg.vector_norm(torch.stack(norms)).pow(2)
-        return sq / self.loss_scale**2 if self.scaler else sq
-
-    def grad_norm(
-        self,
-        reduce_sq: Callable[[Tensor], Tensor] | None = None,
-        weight: Callable[[nn.Parameter], float] | None = None,
-    ) -> Tensor:
-        """Global gradient norm: shard squares summed over dp (stages >= 1), then `reduce_sq`
-        (pipeline stages, tensor-parallel shards) when the model is split further."""
-        sq = self.grad_sq(weight)
-        if self.stage >= 1:
-            self.comm.all_reduce(sq, self.axis, tag="grad_norm")
-        if reduce_sq is not None:
-            sq = reduce_sq(sq)
-        return sq.sqrt()
+    def grad_norm(self, rules: SplitRules) -> Tensor:
+        """The global gradient norm (float64), unscaled: shards summed over dp from stage 1
+        on, then over the axes that split the model further (`rules`)."""
+        sharded_over = self.axis if self.stage >= 1 else None
+        return rules.norm(
+            self.grad_pieces(), self.comm, sharded_over, self.grads.shards, self.loss_scale
+        )
 
     def clip(self, coef: Tensor | float) -> None:
         """Multiply the gradients by `coef` in the coming step (folded into the unscaling)."""
         self._coef = float(coef)
-
-    def clip_grad_norm(
-        self,
-        max_norm: float,
-        reduce_sq: Callable[[Tensor], Tensor] | None = None,
-        weight: Callable[[nn.Parameter], float] | None = None,
-    ) -> float:
-        """Same rule as plait.optim.clip_grad_norm: coef = max_norm / (norm + 1e-6), <= 1."""
-        norm = self.grad_norm(reduce_sq, weight)
-        if max_norm > 0:
-            self.clip(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
-        return float(norm)
 
     @torch.no_grad()
     def step(self, lr: float) -> bool:
@@ -274,24 +226,28 @@ class ZeroEngine:
         """Context in which every parameter holds its full value (stage 3 gathers)."""
         return self.gatherer.gathered() if self.gatherer else nullcontext()
 
-    def param_states(self) -> list[ParamShardState]:
-        """This rank's optimizer state per parameter piece, padding stripped (checkpoints)."""
-        return export_states(self.groups, self.states)
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's optimizer state, layout-free: the step count, the loss scaler and the
+        state of every parameter piece it holds, by single-process name, padding stripped
+        (`state_dict.assemble` joins every rank's pieces into full per-parameter states)."""
+        return {
+            "step": self.step_count,
+            "loss_scaler": self.scaler.state_dict() if self.scaler else None,
+            "pieces": export_states(self.groups, self.states),
+        }
 
     @torch.no_grad()
-    def load_param_states(self, full: dict[str, dict[str, Tensor]], step: int) -> None:
-        """Load full per-parameter states (name -> master/exp_avg/exp_avg_sq, any layout they
-        were saved under) into this rank's shards, and the parameters from the masters."""
-        import_states(self.groups, self.states, full)
-        self.step_count = step
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load `state["params"]` (name -> master/exp_avg/exp_avg_sq, full tensors, saved
+        under any layout) into this rank's shards, and the parameters from the masters."""
+        import_states(self.groups, self.states, state["params"])
+        self.step_count = state["step"]
+        if self.scaler and state.get("loss_scaler"):
+            self.scaler.load_state_dict(state["loss_scaler"])
         for chunk in self.states.chunks():
             self.params.shards[chunk.group][chunk.start : chunk.end].copy_(chunk.tensors["master"])
         if self.stage in (1, 2):
             self.params.all_gather()
-
-    def iter_params(self) -> Iterator[nn.Parameter]:
-        for g in self.groups:
-            yield from g.params
 
     def close(self) -> None:
         """Remove hooks and offload files."""

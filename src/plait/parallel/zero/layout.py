@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from torch import nn
 
 from plait.models.init import parameter_names
-from plait.parallel.buckets import assign_buckets
 
 
 @dataclass(frozen=True)
@@ -87,6 +86,31 @@ class FlatGroup:
 
 def padded_size(numel: int, multiple: int) -> int:
     return -(-numel // multiple) * multiple
+
+
+def assign_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
+    """Group parameters, in reverse order, into runs of at most `bucket_bytes` each.
+
+    Reverse registration order approximates the order in which backward produces the
+    gradients (the last layer's first), so the first bucket fills first and its reduction
+    overlaps the rest of backward.
+
+    A parameter larger than the cap gets a bucket of its own: never split, so each gradient
+    stays one view (as torch DDP does).
+    """
+    groups: list[list[nn.Parameter]] = []
+    current: list[nn.Parameter] = []
+    size = 0
+    for p in reversed(params):
+        nbytes = p.numel() * p.element_size()
+        if current and size + nbytes > bucket_bytes:
+            groups.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += nbytes
+    if current:
+        groups.append(current)
+    return groups
 
 
 def block_units(model: nn.Module) -> list[list[nn.Parameter]]:

@@ -65,7 +65,6 @@ class NvmeStates:
                 end = min(start + sub_group, m.numel())
                 self.layout.append((i, start, end, offset))
                 offset += len(self.names) * (end - start) * _F32
-        self.file_bytes = offset
         self.staging = {n: torch.zeros(sub_group, dtype=torch.float32) for n in self.names}
         tracker.track("nvme:staging:master", "master_weights", self.staging["master"], "host")
         for n in names:

@@ -19,8 +19,6 @@ from torch import Tensor
 from plait.device import host_empty as device_host_empty
 from plait.memory_tracker import MemoryTracker
 
-OFFLOADS = ("none", "cpu", "nvme")
-
 
 @dataclass
 class Chunk:

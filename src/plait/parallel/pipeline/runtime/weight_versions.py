@@ -16,25 +16,29 @@ step. A shell has its own autograd version counter, and the target copy has no l
 Two copies plus moments: the paper's 2W + optimizer state, no third weight copy.
 
 Under tensor parallelism each copy holds this rank's shards; the copy shares the original's
-`Comm` (deep-copying it would copy process groups), and the update adds the tp bookkeeping of
-`tp/grads.py`: sequence-parallel partial gradients are summed over tp, and the norm sums
-shards' squares over tp while counting replicated parameters once.
+`Comm` (deep-copying it would copy process groups).
+
+`WeightVersions` is an optimizer engine (`parallel/optimizer_engine.py`): the 2BW stream
+hands it step k's sealed gradients at the update point (`take`), and the one training step
+(`plait.step`) then runs on it exactly as on the ZeRO engine: dp average (`finish`), the
+split-model gradient rules on copy 0's parameters (`grad_pieces`), the global norm, clipping
+and the update (`step`). 2BW is thereby a weight-version policy, not a second trainer.
 """
 
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from plait.comm import Comm
-from plait.config import Config
+from plait.config import TrainConfig
 from plait.models.transformer import Transformer
-from plait.optim import build_optimizer, scale_to_norm, set_lr
-from plait.parallel.pipeline.stage import tied_embedding_params
+from plait.optim import build_optimizer, set_lr
+from plait.parallel.grads import SplitRules
 from plait.parallel.recompute import apply_recompute
-from plait.parallel.tp.grads import grad_norm_groups, sequence_parallel_partial_params
 
 
 def weights_of(step: int) -> int:
@@ -45,13 +49,16 @@ def weights_of(step: int) -> int:
 class WeightVersions:
     """Two copies of this rank's stages and the optimizer that steps between them."""
 
-    def __init__(self, model: Transformer, cfg: Config, comm: Comm, is_last: bool) -> None:
-        self.cfg, self.comm = cfg, comm
+    last_step_skipped = False  # fp32 only: a step is never skipped
+    loss_scale = 1.0
+
+    def __init__(self, model: Transformer, train: TrainConfig, comm: Comm, recompute: str) -> None:
+        self.comm = comm
         # Copy before recompute: its wrappers close over the module they wrap. The copy's tp
         # layers keep using the same Comm (memo), not a copy of its process groups.
         self.copies = [model, copy.deepcopy(model, memo={id(comm): comm})]
         for c in self.copies:
-            apply_recompute(c, cfg.parallel.recompute)
+            apply_recompute(c, recompute)
             c.train()
         self.params = [list(c.parameters()) for c in self.copies]
         self.held = [0, None]  # the version each copy holds (copy 1 holds nothing yet)
@@ -60,16 +67,10 @@ class WeightVersions:
             nn.Parameter(torch.empty((0,) * p.dim(), dtype=p.dtype, device=p.device))
             for p in self.params[0]
         )
-        self.optimizer = build_optimizer(self.shells, cfg.train)
-        tied = {id(p) for p in tied_embedding_params(model)}
-        self.tied = [i for i, p in enumerate(self.params[0]) if id(p) in tied]
-        sharded = {id(p) for p in grad_norm_groups(model)[0]}
-        self.sharded = {i for i, p in enumerate(self.params[0]) if id(p) in sharded}
-        partial = {id(p) for p in sequence_parallel_partial_params(model)}
-        self.partial = [i for i, p in enumerate(self.params[0]) if id(p) in partial]
-        # The last stage's copy of a tied embedding is counted once, by the first stage.
-        skip = comm.mesh.size("pp_ends") > 1 and is_last
-        self.norm_skip = set(self.tied[-1:]) if skip else set()
+        self.optimizer = build_optimizer(self.shells, train)
+        self._grads: list[Tensor] | None = None  # the step being updated, from `take`
+        self._busy: set[int] = set()
+        self._coef = 1.0
 
     def model(self, version: int) -> Transformer:
         """The copy that holds `version` (raises if it has been overwritten or not made yet)."""
@@ -91,27 +92,50 @@ class WeightVersions:
             p.grad = None
         return grads
 
-    # -- the delayed update ----------------------------------------------------------------
-    def update(
-        self, step: int, grads: list[Tensor], loss_sum: Tensor, lr: float, busy: set[int]
-    ) -> tuple[float, float]:
-        """Produce version step+1 from version step and the step's gradients.
-
-        Collective over dp, the pipeline ends and pp: call it on every rank at the same update
-        point (a consistent cut, see async_2bw_points). `busy`: versions in-flight micro-batches
-        use. Returns (global mean loss of the step, gradient norm before clipping).
-        """
+    def take(self, step: int, grads: list[Tensor], busy: set[int]) -> None:
+        """The stream, at step `step`'s update point: its sealed gradients, and the versions
+        in-flight micro-batches still use (the update must not overwrite one of them)."""
         if step != self.latest:
             raise RuntimeError(f"update of step {step} but the latest version is {self.latest}")
-        target = (step + 1) % 2
-        if self.held[target] in busy:
+        self._grads, self._busy = grads, busy
+
+    # -- the optimizer-engine surface ------------------------------------------------------
+    def begin_step(self) -> None:
+        pass
+
+    def micro_batch(self, is_last: bool) -> None:
+        pass  # the stream accumulates on the copy each micro-batch ran with
+
+    def scale_loss(self, loss: Tensor) -> Tensor:
+        return loss
+
+    def finish(self) -> None:
+        """Average the step's gradients over dp (one flat all-reduce)."""
+        self.comm.all_reduce_flat(self._grads, "dp", op="avg", tag="grad")
+        self._coef = 1.0
+
+    def grad_pieces(self) -> list[tuple[nn.Parameter, Tensor]]:
+        """Keyed by copy 0's parameters: the split rules were found on that copy."""
+        return list(zip(self.params[0], self._grads, strict=True))
+
+    def grad_norm(self, rules: SplitRules) -> Tensor:
+        return rules.norm(self.grad_pieces(), self.comm)
+
+    def clip(self, coef: float) -> None:
+        self._coef = float(coef)
+
+    def step(self, lr: float) -> bool:
+        """Produce version k+1 from version k and step k's gradients: W(k) is copied into the
+        copy that held W(k-1) (free by then), and one AdamW step updates it there."""
+        step, target = self.latest, (self.latest + 1) % 2
+        if self.held[target] in self._busy:
             raise RuntimeError(f"version {self.held[target]} is still in use: cannot replace it")
-        loss, norm = self._reduce(grads, loss_sum)
-        scale_to_norm(grads, norm, self.cfg.train.grad_clip)
         with torch.no_grad():
+            for g in self._grads:
+                g.mul_(self._coef)
             for dst, src in zip(self.params[target], self.params[step % 2], strict=True):
                 dst.copy_(src)
-        for shell, dst, g in zip(self.shells, self.params[target], grads, strict=True):
+        for shell, dst, g in zip(self.shells, self.params[target], self._grads, strict=True):
             shell.data = dst.data  # same storage, the shell's own version counter
             shell.grad = g
         set_lr(self.optimizer, lr)
@@ -119,33 +143,22 @@ class WeightVersions:
         for shell in self.shells:
             shell.grad = None
         self.held[target], self.latest = step + 1, step + 1
-        return float(loss), float(norm)
+        return True
 
-    def _reduce(self, grads: list[Tensor], loss_sum: Tensor) -> tuple[Tensor, Tensor]:
-        """dp-average the gradients, sum sequence-parallel partials over tp and the tied
-        embedding's over the pipeline ends, then one pp all-reduce of (loss, squared norm)
-        and a dp average of the loss."""
-        comm, m = self.comm, self.cfg.accumulation
-        comm.all_reduce_flat(grads, "dp", op="avg", tag="grad")
-        comm.all_reduce_flat([grads[i] for i in self.partial], "tp", tag="tp-sp-grads")
-        for i in self.tied:
-            comm.all_reduce(grads[i], "pp_ends", op="sum", tag="tied_embedding")
-        stats = torch.zeros(2, device=comm.mesh.device)
-        stats[0] = loss_sum / m  # nonzero on the last stage only (the same on every tp rank)
-        shard_sq = torch.zeros((), device=comm.mesh.device)
-        for i, g in enumerate(grads):
-            if i in self.norm_skip:
-                continue
-            if i in self.sharded:
-                shard_sq += g.float().pow(2).sum()
-            else:
-                stats[1] += g.float().pow(2).sum()  # replicated over tp: counted once
-        if comm.mesh.size("tp") > 1:
-            comm.all_reduce(shard_sq, "tp", op="sum", tag="grad_norm")
-        stats[1] += shard_sq
-        comm.all_reduce(stats, "pp", op="sum", tag="loss_and_grad_norm")
-        comm.all_reduce(stats, "dp", op="avg", tag="loss")  # norms agree across dp already
-        return stats[0], stats[1].sqrt()
+    def zero_grad(self) -> None:
+        self._grads = None  # sealed gradients were taken off the copies already
+
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer's state and which version each copy holds (names: copy 0's)."""
+        return {"optimizer": self.optimizer.state_dict(), "held": list(self.held)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.held = list(state["held"])
+        self.latest = max(v for v in self.held if v is not None)
+
+    def close(self) -> None:
+        pass
 
     def storages(self) -> int:
         """Distinct parameter storages on this rank (shells alias the copies): measured memory."""

@@ -17,27 +17,19 @@ action that produces their last micro-batch's gradients (B, or W where the backw
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
 from plait.comm import Comm
-from plait.parallel.data_parallel import DataParallel
-from plait.parallel.pipeline.actions import Action, Kind, Schedule, TimedAction, comm_batches
-from plait.parallel.pipeline.p2p import Exchange
-from plait.parallel.pipeline.split_backward import WeightWork, split_input_backward
-from plait.parallel.pipeline.stage import StagePlan, run_stage
-
-
-@dataclass
-class MicroBatch:
-    """One micro-batch as every stage sees it (tokens used by stage 0, targets by the last)."""
-
-    tokens: Tensor  # (b, s)
-    targets: Tensor  # (b, s)
-    keys: Tensor  # (b,) dropout keys
+from plait.data.batches import MicroBatch
+from plait.parallel.optimizer_engine import OptimizerEngine
+from plait.parallel.pipeline.plan.actions import Action, Kind, Schedule, TimedAction, comm_batches
+from plait.parallel.pipeline.plan.stages import StagePlan
+from plait.parallel.pipeline.runtime.p2p import Exchange
+from plait.parallel.pipeline.runtime.split_backward import WeightWork, split_input_backward
+from plait.parallel.pipeline.runtime.stage import run_stage
 
 
 @dataclass
@@ -62,19 +54,17 @@ class PipelineRuntime:
         model: nn.Module,
         plans: list[StagePlan],
         comm: Comm,
-        dp: DataParallel,
+        engine: OptimizerEngine,
         activation_shape: tuple[int, ...],
         activation_dtype: torch.dtype = torch.float32,
-        scale_loss: Callable[[Tensor], Tensor] | None = None,
     ) -> None:
         self.schedule = schedule
         self.rank = rank
         self.model = model
         self.plans = plans
         self.comm = comm
-        self.dp = dp
+        self.engine = engine
         self.activation_shape = activation_shape
-        self.scale_loss = scale_loss
         self.exchange = Exchange(comm, activation_shape, activation_dtype, comm.mesh.device)
         self.actions = schedule.ranks[rank]
         self.batches = comm_batches(self.actions)
@@ -110,7 +100,7 @@ class PipelineRuntime:
         across processes) land in `self.timings`."""
         st = _StepState(loss_sum=torch.zeros((), device=micro[0].tokens.device))
         self.timings = []
-        self.dp.micro_batch(is_last=False)
+        self.engine.micro_batch(is_last=False)
         for batch in self.batches:
             acts = [self.actions[i] for i in batch]
             a = acts[0]
@@ -135,13 +125,13 @@ class PipelineRuntime:
             return
         final = key in self._final
         if final:
-            self.dp.micro_batch(is_last=True)  # this action completes the chunk's gradients
+            self.engine.micro_batch(is_last=True)  # this action completes the chunk's gradients
         if a.kind is Kind.B:
             self._backward_input(a, st)
         else:
             self._backward_weight(a, st.pending_w.pop(key))
         if final:
-            self.dp.micro_batch(is_last=False)
+            self.engine.micro_batch(is_last=False)
 
     def _forward(self, a: Action, mb: MicroBatch, st: _StepState) -> None:
         plan, key = self.plans[a.chunk], (a.microbatch, a.chunk)
@@ -151,8 +141,7 @@ class PipelineRuntime:
         if plan.last:
             st.loss_sum += out.detach()
             out = out / self.schedule.m  # the step's loss is the mean over micro-batches
-            if self.scale_loss is not None:  # fp16: backward runs on the scaled loss
-                out = self.scale_loss(out)
+            out = self.engine.scale_loss(out)  # fp16: backward runs on the scaled loss
         st.outputs[key] = out
 
     def _backward_input(self, a: Action, st: _StepState) -> None:

@@ -21,7 +21,7 @@ from dataclasses import replace
 from types import MappingProxyType
 
 from plait.errors import ConfigError
-from plait.parallel.pipeline.actions import Action, Kind, Message, Schedule
+from plait.parallel.pipeline.plan.actions import Action, Kind, Message, Schedule
 
 Builder = Callable[..., Schedule]
 

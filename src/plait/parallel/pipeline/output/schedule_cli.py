@@ -12,10 +12,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from plait.parallel.pipeline.actions import Schedule
-from plait.parallel.pipeline.chart import gantt_chart, write_trace
-from plait.parallel.pipeline.schedules import build_schedule
-from plait.parallel.pipeline.simulate import Costs, Simulation, predicted_bubble, simulate
+from plait.parallel.pipeline.output.chart import gantt_chart, write_trace
+from plait.parallel.pipeline.plan.actions import Schedule
+from plait.parallel.pipeline.plan.schedules import build_schedule
+from plait.parallel.pipeline.plan.simulate import Costs, Simulation, predicted_bubble, simulate
 
 US_PER_UNIT = 1000.0
 """Trace time scale: one unit (a stage's forward) is drawn as 1 ms."""

@@ -1,0 +1,174 @@
+"""One home for the gradient rules of a split model, and for the exact global gradient norm.
+
+Tensor and pipeline parallelism split the model so that, after the data-parallel reduction,
+three things still separate a rank's gradients from the single process's. Every gradient
+owner (the ZeRO engine at any stage, the 2BW weight versions, a bare tp model in a test)
+hands its gradients here as pieces, `(parameter, view of its gradient or of part of it)`,
+and this module applies the rules:
+
+1. Sequence parallelism: a parameter replicated over tp (norm gains, row-parallel biases)
+   sees on each tp rank only its sequence shard's gradient; the true gradient is the sum
+   over tp (Korthikanti et al., 2022). Layers mark them in `tp_partial_grads`.
+2. Tied embeddings under pipeline parallelism: the first and last stage each hold a copy of
+   the embedding matrix; their gradients are summed over the pipeline ends ('pp_ends').
+3. The global norm counts every parameter once: tp shards (`param_shards`) are summed over
+   tp, tp-replicated parameters are counted on tp rank 0 only, pipeline stages are summed
+   over pp, and the last stage's tied copy is skipped (the first stage counts the matrix).
+
+Both sums are linear, so they commute with the data-parallel average and work on dp shards
+(ZeRO stage >= 1) as on full gradients: the tp ranks of one dp rank lay their flat groups
+out identically, and each tied copy sits alone in its group, so the pieces line up.
+
+The norm is exact in the sense that it does not depend on how gradients are chunked into
+buckets or shards: each part is normed in float32 over chunks of at most `NORM_CHUNK`
+elements (one float32 reduction over a 25 MiB bucket drifts by 1e-5 relative or more;
+over 1024 elements the error is ~1e-9) and the squares are summed
+in float64, so a 25 MiB bucket, a tiny bucket and a dp shard all give the same norm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from plait.comm import Comm
+from plait.mesh import Mesh
+
+GradPieces = Sequence[tuple[nn.Parameter, Tensor]]
+"""(parameter, view of its gradient, or of the part of it this rank holds)."""
+
+NORM_CHUNK = 1024
+"""Elements per float32 partial norm; the partial squares are summed in float64."""
+
+
+def _owned(model: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Parameter]]:
+    """(module, local name, parameter) for every unique parameter of `model`."""
+    seen: set[int] = set()
+    for module in model.modules():
+        for leaf, param in module.named_parameters(recurse=False):
+            if id(param) not in seen:
+                seen.add(id(param))
+                yield module, leaf, param
+
+
+def sequence_parallel_partial_params(model: nn.Module) -> list[nn.Parameter]:
+    """Replicated parameters whose gradient each tp rank sees only for its sequence shard
+    (empty without sequence parallelism), in module order: the same on every tp rank."""
+    return [p for m, leaf, p in _owned(model) if leaf in getattr(m, "tp_partial_grads", ())]
+
+
+def tp_replicated_params(model: nn.Module) -> list[nn.Parameter]:
+    """Parameters every tp rank holds whole (not a `param_shards` entry)."""
+    return [p for m, leaf, p in _owned(model) if leaf not in getattr(m, "param_shards", {})]
+
+
+def tied_embedding_params(model: nn.Module) -> list[nn.Parameter]:
+    """The copies of a tied embedding this rank holds as separate parameters: the token
+    embedding (first stage) and the head (last stage); one parameter when both ends are
+    this rank's, none when untied or neither end is here."""
+    if not getattr(getattr(model, "cfg", None), "tie_embeddings", False):
+        return []
+    found = []
+    if hasattr(model.embed, "tok"):
+        found.append(model.embed.tok.weight)
+    if hasattr(model.head, "weight") and all(model.head.weight is not p for p in found):
+        found.append(model.head.weight)
+    return found
+
+
+def param_grads(model: nn.Module) -> list[tuple[nn.Parameter, Tensor]]:
+    """The pieces of a model whose gradients live in `p.grad` (no sharded owner)."""
+    return [(p, p.grad) for _, _, p in _owned(model) if p.grad is not None]
+
+
+@dataclass(frozen=True)
+class SplitRules:
+    """Which of this rank's parameters each rule touches, found once from the split model."""
+
+    partial: frozenset[int]  # ids: sequence-parallel partial gradients (summed over tp)
+    tied: frozenset[int]  # ids: tied embedding copies (summed over the pipeline ends)
+    uncounted: frozenset[int]  # ids: another rank counts them in the global norm
+    tp: int
+    pp: int
+
+    @classmethod
+    def of(cls, model: nn.Module, mesh: Mesh) -> SplitRules:
+        tp, pp = mesh.size("tp"), mesh.size("pp")
+        tied = tied_embedding_params(model) if pp > 1 else []
+        uncounted: set[int] = set()
+        if tp > 1 and mesh.axis_rank("tp") != 0:
+            uncounted |= {id(p) for p in tp_replicated_params(model)}
+        if tied and mesh.axis_rank("pp") == pp - 1 and mesh.size("pp_ends") > 1:
+            uncounted.add(id(tied[-1]))  # the last stage's copy: the first stage counts it
+        partial = sequence_parallel_partial_params(model) if tp > 1 else []
+        return cls(
+            frozenset(id(p) for p in partial),
+            frozenset(id(p) for p in tied),
+            frozenset(uncounted),
+            tp,
+            pp,
+        )
+
+    @torch.no_grad()
+    def sync(self, pieces: GradPieces, comm: Comm) -> None:
+        """Rules 1 and 2: sum partial gradients over tp and tied copies over the pipeline
+        ends, in place (one flat all-reduce each; nothing when the model is not split)."""
+        if self.partial:
+            partial = [v for p, v in pieces if id(p) in self.partial]
+            comm.all_reduce_flat(partial, "tp", tag="tp-sp-grads")
+        if self.tied:
+            tied = [v for p, v in pieces if id(p) in self.tied]
+            comm.all_reduce_flat(tied, "pp_ends", tag="tied_embedding")
+
+    @torch.no_grad()
+    def norm(
+        self,
+        pieces: GradPieces,
+        comm: Comm,
+        sharded_over: str | None = None,
+        buffers: Sequence[Tensor] | None = None,
+        scale: float = 1.0,
+    ) -> Tensor:
+        """Rule 3: the global L2 norm of the whole model's gradient, float64, on every rank.
+
+        `sharded_over`: the axis over which the pieces are disjoint shards (ZeRO stage >= 1:
+        'dp'); `buffers`: flat buffers holding exactly the pieces, normed whole when no piece
+        is skipped (fewer kernels; zero padding adds nothing); `scale`: the gradients' loss
+        scale (fp16), divided out of the result."""
+        if buffers is not None and not self.uncounted:
+            parts = list(buffers)
+        else:
+            parts = [v for p, v in pieces if id(p) not in self.uncounted]
+        sq = squared_norm(parts, comm.mesh.device)
+        for axis in (sharded_over, "tp" if self.tp > 1 else None, "pp" if self.pp > 1 else None):
+            if axis is not None:
+                comm.all_reduce(sq, axis, tag="grad_norm")
+        return sq.sqrt() / scale
+
+
+def squared_norm(parts: Sequence[Tensor], device: torch.device) -> Tensor:
+    """Sum of squares of `parts` as a float64 scalar, independent of how they are chunked."""
+    norms = []
+    for t in parts:
+        flat = t.reshape(-1)
+        dtype = torch.promote_types(flat.dtype, torch.float32)  # 16-bit grads: norm in fp32
+        whole = flat.numel() // NORM_CHUNK * NORM_CHUNK
+        if whole:
+            rows = flat[:whole].view(-1, NORM_CHUNK)
+            norms.append(torch.linalg.vector_norm(rows, dim=1, dtype=dtype))
+        if whole < flat.numel():
+            tail = torch.linalg.vector_norm(flat[whole:], dtype=dtype)
+            norms.append(tail.reshape(1))
+    if not norms:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return torch.cat(norms).double().square().sum()
+
+
+def clip_coef(norm: Tensor, max_norm: float) -> float:
+    """torch.nn.utils.clip_grad_norm_'s rule: max_norm / (norm + 1e-6), at most 1; 0 = off."""
+    if max_norm <= 0:
+        return 1.0
+    return float(torch.clamp(max_norm / (norm.float() + 1e-6), max=1.0))

@@ -1,0 +1,66 @@
+"""The optimizer-engine surface: what owns a rank's gradients and optimizer state.
+
+One training step (`plait.step`) is the same for every layout; what differs between plain
+data parallelism, ZeRO stages 1-3 with mixed precision and offload, and PipeDream-2BW is the
+object behind this surface:
+
+- `zero.engine.ZeroEngine` (stage 0 is plain data parallelism: one bucketed reduction path);
+- `pipeline.runtime.weight_versions.WeightVersions` (2BW: two weight versions, the update
+  one step late; its stream hands it each step's gradients at a consistent cut).
+
+The runners call `micro_batch` and `scale_loss` while they run the micro-batches; the step
+calls the rest in the order listed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from torch import Tensor, nn
+
+from plait.parallel.grads import SplitRules
+
+
+class OptimizerEngine(Protocol):
+    """A rank's gradients and optimizer state, behind the calls of one step."""
+
+    last_step_skipped: bool  # fp16: the last step overflowed and changed nothing
+
+    @property
+    def loss_scale(self) -> float: ...
+
+    def begin_step(self) -> None:
+        """A step starts (memory peaks, bookkeeping)."""
+
+    def micro_batch(self, is_last: bool) -> None:
+        """Before each micro-batch's backward: whether it completes the step's gradients."""
+
+    def scale_loss(self, loss: Tensor) -> Tensor:
+        """The loss to call backward on (times the loss scale under fp16)."""
+
+    def finish(self) -> None:
+        """Every data-parallel reduction complete."""
+
+    def grad_pieces(self) -> list[tuple[nn.Parameter, Tensor]]:
+        """(parameter, view of the gradient this rank holds of it), for `SplitRules.sync`."""
+
+    def grad_norm(self, rules: SplitRules) -> Tensor:
+        """The global gradient norm, unscaled, the same on every rank."""
+
+    def clip(self, coef: float) -> None:
+        """Multiply the gradients by `coef` in the coming step."""
+
+    def step(self, lr: float) -> bool:
+        """Update the parameters; False when the step was skipped (fp16 overflow)."""
+
+    def zero_grad(self) -> None:
+        """Start the next step from zero gradients."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's optimizer state under layout-free (single-process) names."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a state saved under any layout."""
+
+    def close(self) -> None:
+        """Remove hooks, files and other resources."""

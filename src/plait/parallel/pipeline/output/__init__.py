@@ -1,0 +1,1 @@
+"""What a pipeline shows: Gantt charts, Chrome traces, the `plait schedule` command."""

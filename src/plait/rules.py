@@ -1,0 +1,110 @@
+"""Which options combine: the composition rules of layouts, ZeRO, precision and schedules.
+
+Pure (no process, no model, no engine): `config.py` calls these before any worker starts,
+and the engines call the ones that guard their own arguments, so each rule is written once
+and a wrong combination fails with one message naming the values, wherever it comes from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from plait.errors import ConfigError
+from plait.models.config import ModelConfig
+from plait.parallel.pipeline.plan.schedules import build_schedule, two_bw
+from plait.parallel.pipeline.plan.stages import split_layers
+from plait.precision import parse_precision
+
+RECOMPUTE_MODES = ("none", "full", "selective")
+ZERO_STAGES = (0, 1, 2, 3)
+OFFLOADS = ("none", "cpu", "nvme")
+
+
+def check_recompute(mode: str) -> None:
+    if mode not in RECOMPUTE_MODES:
+        raise ConfigError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}; got {mode!r}")
+
+
+def check_tensor_parallel(
+    cfg: ModelConfig, tp: int, sequence_parallel: bool = False, seq_len: int | None = None
+) -> None:
+    """`cfg` splits `tp` ways: heads and MLP columns divide, and sequences under SP. The
+    vocabulary needs no check: it is padded to a multiple of tp."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ConfigError(f"tp must be a positive integer, got {tp!r}")
+    if sequence_parallel and tp == 1:
+        raise ConfigError("sequence_parallel needs tp > 1")
+    needs = [
+        ("model.n_heads", cfg.n_heads, "query heads are split across tp ranks"),
+        ("model.n_kv_heads", cfg.kv_heads, "key/value heads are split across tp ranks"),
+        ("MLP hidden size (model.ffn_hidden)", cfg.ffn_dim, "its columns are split"),
+    ]
+    for name, value, why in needs:
+        if value % tp:
+            raise ConfigError(f"{name}={value} is not divisible by tp={tp} ({why})")
+    if sequence_parallel and seq_len is not None and seq_len % tp:
+        raise ConfigError(
+            f"train.seq_len={seq_len} is not divisible by tp={tp} "
+            "(sequence parallelism splits every sequence across tp ranks)"
+        )
+
+
+def check_pipeline(
+    n_layers: int,
+    pp: int,
+    schedule: str,
+    virtual_stages: int,
+    microbatches: int,
+    stage_layers: Sequence[int] | None = None,
+) -> None:
+    """The schedule exists for (pp, microbatches, virtual stages) and the layers split."""
+    if pp == 1:
+        if virtual_stages != 1:
+            raise ConfigError(f"virtual_stages={virtual_stages} needs pp > 1")
+        return
+    if schedule == "2bw":
+        check_two_bw(pp, microbatches, virtual_stages)
+    build_schedule(schedule, pp, microbatches, virtual_stages)
+    split_layers(n_layers, pp * virtual_stages, stage_layers)
+
+
+def check_two_bw(pp: int, microbatches: int, virtual_stages: int) -> None:
+    """PipeDream-2BW streams one non-interleaved schedule (m >= p)."""
+    if virtual_stages != 1:
+        raise ConfigError(f"schedule 2bw does not interleave: got virtual_stages={virtual_stages}")
+    two_bw(pp, microbatches, 1)
+
+
+def check_zero(
+    stage: int,
+    offload: str,
+    offload_dir: str | None,
+    pp: int = 1,
+    precision: str = "fp32",
+    reduce_dtype: str | None = None,
+    schedule: str = "1f1b",
+) -> None:
+    """A ZeRO stage, offload and precision that exist and combine with the pipeline."""
+    if stage not in ZERO_STAGES:
+        raise ConfigError(f"zero stage must be 0, 1, 2 or 3; got {stage!r}")
+    if offload not in OFFLOADS:
+        raise ConfigError(f"offload must be one of {', '.join(OFFLOADS)}; got {offload!r}")
+    if offload == "nvme" and not offload_dir:
+        raise ConfigError("offload 'nvme' needs a directory for the state files (--offload-dir)")
+    if offload != "nvme" and offload_dir:
+        raise ConfigError(f"--offload-dir {offload_dir!r} is only used with --offload nvme")
+    parse_precision(precision, reduce_dtype)
+    if pp > 1 and stage > 1:
+        raise ConfigError(
+            f"zero stage {stage} with pipeline parallelism (pp={pp}) is not supported (use "
+            "zero 0 or 1, as DeepSpeed does): stages 2-3 keep no full gradient, so they "
+            "reduce-scatter after every micro-batch, m times the traffic of a pipeline step, "
+            "and stage 3 would also gather each block again for every micro-batch"
+        )
+    sharded_or_mixed = stage > 0 or precision != "fp32" or offload != "none"
+    if pp > 1 and schedule == "2bw" and sharded_or_mixed:
+        raise ConfigError(
+            f"schedule 2bw keeps its own two weight versions and optimizer; it does not run "
+            f"on the ZeRO engine (got zero={stage}, precision={precision}, "
+            f"offload={offload}; use zero=0, fp32 and no offload)"
+        )

@@ -1,0 +1,140 @@
+"""One training step, the same for every layout.
+
+    draw the global batch, run the micro-batches     (a runner: accumulation, a pipeline
+                                                      schedule, or the 2BW stream)
+    finish the data-parallel reduction                engine.finish()
+    apply the split-model gradient rules              rules.sync(...)  (parallel/grads.py)
+    clip by the global norm                           engine.grad_norm(rules), engine.clip(...)
+    step                                              engine.step(lr), engine.zero_grad()
+
+What differs between plain data parallelism, ZeRO 1-3 with mixed precision and offload, and
+PipeDream-2BW is only the optimizer engine (`parallel/optimizer_engine.py`) and the runner;
+`train.py` chooses them, this file runs them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor, nn
+
+from plait.comm import Comm
+from plait.config import TrainConfig
+from plait.data.batches import MicroBatch, StepBatches
+from plait.device import synchronize
+from plait.optim import lr_at
+from plait.parallel.grads import SplitRules, clip_coef
+from plait.parallel.optimizer_engine import OptimizerEngine
+from plait.parallel.pipeline.runtime.engine import PipelineEngine
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step produced (the same on every rank)."""
+
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    time_s: float
+    tokens: int
+
+
+class Runner(Protocol):
+    """Runs step k's micro-batches (forward and backward) into the engine's gradients."""
+
+    def run(self, step: int) -> Tensor:
+        """This replica's mean loss of the step, the same on every pp and tp rank."""
+
+
+class Accumulate:
+    """No pipeline: the micro-batches one after the other, gradients accumulated."""
+
+    def __init__(self, model: nn.Module, engine: OptimizerEngine, batches: StepBatches) -> None:
+        self.model, self.engine, self.batches = model, engine, batches
+
+    def run(self, step: int) -> Tensor:
+        micro = self.batches.draw(step)
+        n = len(micro)
+        loss_sum = torch.zeros((), device=self.batches.device)
+        for i, mb in enumerate(micro):
+            self.engine.micro_batch(is_last=i == n - 1)  # communicate after the last only
+            loss = self.model(mb.tokens, mb.targets, mb.keys)  # mean over its tokens
+            self.engine.scale_loss(loss / n).backward()
+            loss_sum += loss.detach().float()
+        return loss_sum / n
+
+
+class Pipelined:
+    """A synchronous pipeline schedule over the step's micro-batches."""
+
+    def __init__(self, pipeline: PipelineEngine, batches: StepBatches) -> None:
+        self.pipeline, self.batches = pipeline, batches
+
+    def run(self, step: int) -> Tensor:
+        return self.pipeline.run(self.batches.draw(step))
+
+
+class Step:
+    """The loop body: one optimizer step over one global batch, returning the global loss."""
+
+    def __init__(
+        self,
+        engine: OptimizerEngine,
+        runner: Runner,
+        rules: SplitRules,
+        comm: Comm,
+        train: TrainConfig,
+    ) -> None:
+        self.engine, self.runner, self.rules, self.comm, self.train = (
+            engine,
+            runner,
+            rules,
+            comm,
+            train,
+        )
+
+    def __call__(self, step: int) -> StepResult:
+        start = time.perf_counter()
+        self.comm.stats.begin_step(step)
+        engine, lr = self.engine, lr_at(step, self.train)
+        engine.begin_step()
+        loss = self.runner.run(step)
+        engine.finish()
+        self.rules.sync(engine.grad_pieces(), self.comm)
+        norm = engine.grad_norm(self.rules)
+        engine.clip(clip_coef(norm, self.train.grad_clip))
+        engine.step(lr)
+        engine.zero_grad()
+        self.comm.all_reduce(loss, "dp", op="avg", tag="loss")
+        synchronize(self.comm.mesh.device)
+        tokens = self.train.global_batch * self.train.seq_len
+        elapsed = time.perf_counter() - start
+        return StepResult(step, float(loss), lr, float(norm), elapsed, tokens)
+
+
+@torch.no_grad()
+def evaluate_loss(
+    model: nn.Module,
+    batches: list[MicroBatch],
+    comm: Comm,
+    pipeline: PipelineEngine | None,
+) -> float:
+    """Mean token loss over this replica's validation micro-batches, averaged over replicas."""
+    was_training = model.training
+    model.eval()
+    try:
+        if pipeline is not None:
+            totals = pipeline.evaluate(model, batches)
+        else:
+            totals = torch.zeros(2, dtype=torch.float64, device=comm.mesh.device)  # sum, tokens
+            for mb in batches:
+                totals[0] += model(mb.tokens, mb.targets).double() * mb.targets.numel()
+                totals[1] += mb.targets.numel()
+    finally:
+        model.train(was_training)
+    comm.all_reduce(totals, "dp", op="sum", tag="eval")
+    return float(totals[0] / totals[1])
