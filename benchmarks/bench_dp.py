@@ -27,24 +27,26 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (
-    TIME_COLUMNS,
     Side,
     alternate,
     cycled_step,
-    ddp_bucket_sizes,
     loss_diffs,
     machine,
-    machine_line,
-    markdown_table,
     max_over_ranks,
     pair_ratios,
-    phase_table,
-    publish,
-    ratio_line,
     spawn,
     step_figures,
     synthetic_batches,
     threads_for,
+)
+from output import (
+    TIME_COLUMNS,
+    ddp_bucket_sizes,
+    machine_line,
+    markdown_table,
+    phase_table,
+    publish,
+    ratio_line,
     time_cells,
 )
 from plait.comm import Comm

@@ -66,17 +66,8 @@ from torch.distributed.pipelining import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import plait
-from common import (
-    describe_machine_md,
-    machine,
-    markdown_table,
-    median,
-    paired_ratio,
-    save_json,
-    spawn,
-    summarize,
-    threads_for,
-)
+from common import machine, median, paired_ratio, spawn, summarize, threads_for
+from output import describe_machine_md, markdown_table, save_json
 from plait.comm import Comm
 from plait.config import build_config
 from plait.data import GlobalBatchSampler, load_tokens

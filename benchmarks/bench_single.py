@@ -30,21 +30,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (
-    TIME_COLUMNS,
     Side,
     alternate,
     loss_diffs,
     machine,
-    machine_line,
-    markdown_table,
     pair_ratios,
-    publish,
-    ratio_line,
     summarize,
     synthetic_batches,
-    time_cells,
     usable_cores,
 )
+from output import TIME_COLUMNS, machine_line, markdown_table, publish, ratio_line, time_cells
 from plait.comm import Comm
 from plait.config import Config, TrainConfig, build_config
 from plait.data import GlobalBatchSampler, load_tokens, split_micro

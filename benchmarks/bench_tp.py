@@ -53,22 +53,24 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (
-    TIME_COLUMNS,
     alternate,
     cycled_step,
     loss_diffs,
     machine,
-    machine_line,
-    markdown_table,
     max_over_ranks,
     pair_ratios,
-    phase_table,
-    publish,
-    ratio_line,
     spawn,
     step_figures,
     synthetic_batches,
     threads_for,
+)
+from output import (
+    TIME_COLUMNS,
+    machine_line,
+    markdown_table,
+    phase_table,
+    publish,
+    ratio_line,
     time_cells,
 )
 from plait.comm import Comm

@@ -35,20 +35,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (
     alternate,
     cycled_step,
-    describe_machine_md,
     gather_objects,
     loss_diffs,
     machine,
-    markdown_table,
     max_over_ranks,
     pair_ratios,
-    phase_table,
-    publish,
     spawn,
     summarize,
     synthetic_batches,
     threads_for,
 )
+from output import describe_machine_md, markdown_table, phase_table, publish
 from plait.comm import Comm
 from plait.config import TrainConfig
 from plait.memory_tracker import zero_comm_elements, zero_model_state_bytes
