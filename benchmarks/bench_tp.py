@@ -66,6 +66,7 @@ from common import (
 )
 from output import (
     TIME_COLUMNS,
+    comparison_cells,
     machine_line,
     markdown_table,
     phase_table,
@@ -215,11 +216,7 @@ def summary_table(paths: list[str]) -> str:
             [
                 Path(path).stem,
                 setup,
-                p["median_ms"],
-                d["median_ms"],
-                f"**{r['ratio_of_medians']:.3f}**",
-                r["paired_block_ratio"],
-                f"{p['min_ms']:.1f} / {d['min_ms']:.1f}",
+                *comparison_cells(r, p, d),
                 f"{cm['plait']['bytes']:,} / {cm['dtensor']['bytes']:,}",
                 f"{cm['plait']['calls']} / {cm['dtensor']['calls']}",
                 f"{r['first_loss']['plait']:.6f} / {r['first_loss']['dtensor']:.6f}",

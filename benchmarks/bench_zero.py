@@ -45,7 +45,7 @@ from common import (
     synthetic_batches,
     threads_for,
 )
-from output import describe_machine_md, markdown_table, phase_table, publish
+from output import comparison_cells, describe_machine_md, markdown_table, phase_table, publish
 from plait.comm import Comm
 from plait.config import TrainConfig
 from plait.memory_tracker import zero_comm_elements, zero_model_state_bytes
@@ -218,11 +218,7 @@ def time_rows(res: dict) -> list[list]:
         rows.append(
             [
                 f"ZeRO-{s} vs {TORCH_NAMES[int(s)]}",
-                a["median_ms"],
-                b["median_ms"],
-                f"**{p['ratio_of_medians']:.3f}**",
-                p["paired_block_ratio"],
-                f"{a['min_ms']:.1f} / {b['min_ms']:.1f}",
+                *comparison_cells(p, a, b),
                 a["steps"],
                 f"{p['loss_diff']['first_step']:.1e}",
                 f"{p['loss_diff']['max_all_steps']:.1e}",

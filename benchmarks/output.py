@@ -55,6 +55,18 @@ def time_cells(s: dict[str, Any]) -> list[Any]:
     return [s["median_ms"], s["min_ms"], s["p25_ms"], s["p75_ms"], s["steps"]]
 
 
+def comparison_cells(r: dict[str, Any], a: dict[str, Any], b: dict[str, Any]) -> list[Any]:
+    """The cells every summary row starts with: both medians, the ratio (bold), the paired
+    per-round ratio and both minima; `r` holds the ratios, `a` and `b` the two sides."""
+    return [
+        a["median_ms"],
+        b["median_ms"],
+        f"**{r['ratio_of_medians']:.3f}**",
+        r["paired_block_ratio"],
+        f"{a['min_ms']:.1f} / {b['min_ms']:.1f}",
+    ]
+
+
 def ratio_line(res: dict[str, Any], peer: str, target: float) -> str:
     """The verdict: plait/peer by median step against the target, and the paired ratio."""
     ratio = res["ratio_of_medians"]

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from output import ddp_bucket_sizes, describe_machine_md, markdown_table
+from output import comparison_cells, ddp_bucket_sizes, describe_machine_md, markdown_table
 
 
 def dp_row(name: str, r: dict) -> list:
@@ -25,11 +25,7 @@ def dp_row(name: str, r: dict) -> list:
     return [
         name,
         setup,
-        p["median_ms"],
-        d["median_ms"],
-        f"**{r['ratio_of_medians']:.3f}**",
-        r["paired_block_ratio"],
-        f"{p['min_ms']:.1f} / {d['min_ms']:.1f}",
+        *comparison_cells(r, p, d),
         f"{p['buckets']} / {len(ddp_bucket_sizes(d))}",
         p["grad_allreduce_bytes_per_step"],
         f"{r['max_loss_diff']:.1e}",
@@ -45,11 +41,7 @@ def single_row(name: str, r: dict) -> list:
         c["plait"],
         setup,
         c["threads"],
-        p["median_ms"],
-        q["median_ms"],
-        f"**{r['ratio_of_medians']:.3f}**",
-        r["paired_block_ratio"],
-        f"{p['min_ms']:.1f} / {q['min_ms']:.1f}",
+        *comparison_cells(r, p, q),
         f"{r['max_loss_diff']:.1e}",
     ]
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import time
 import warnings
 from collections import defaultdict
-from itertools import pairwise
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
@@ -163,11 +162,6 @@ def _mark(counter: CollectiveBytes | None, phase: str) -> None:
         counter.phase = phase
 
 
-def _phase_times(*clock: float) -> dict[str, float]:
-    """PHASES' durations from the clock reads that bound them (one more read than phases)."""
-    return {ph: b - a for ph, (a, b) in zip(PHASES, pairwise(clock), strict=True)}
-
-
 class PlaitSide(Side):
     def __init__(self, model, comm: Comm, opts, train_cfg: TrainConfig) -> None:
         super().__init__("plait", model, opts, train_cfg)
@@ -202,7 +196,14 @@ class PlaitSide(Side):
             "rows": self.comm.stats.as_rows(),
         }
         self.step += 1
-        return _phase_times(t0, t1, t2, t3, t4, t5, t6)
+        return dict(
+            forward=t1 - t0,
+            backward=t2 - t1,
+            sync=t3 - t2,
+            clip=t4 - t3,
+            optim=t5 - t4,
+            zero=t6 - t5,
+        )
 
 
 class DTensorSide(Side):
@@ -238,7 +239,14 @@ class DTensorSide(Side):
         self.opt.zero_grad(set_to_none=True)
         t6 = clock()
         self.losses.append(float(loss.detach().to_local()))
-        return _phase_times(t0, t1, t2, t3, t4, t5, t6)
+        return dict(
+            forward=t1 - t0,
+            backward=t2 - t1,
+            sync=t3 - t2,
+            clip=t4 - t3,
+            optim=t5 - t4,
+            zero=t6 - t5,
+        )
 
     def _clip(self) -> None:
         """clip_grad_norm_ over DTensor and plain parameters (it rejects the mix)."""
