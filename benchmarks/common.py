@@ -195,6 +195,7 @@ class Side:
         return [t * 1e3 for t in self.times]
 
     def phase_medians_ms(self) -> dict[str, float]:
+        """Median of each phase over the recorded steps, in ms (this rank's clock)."""
         return {k: median(v) * 1e3 for k, v in self.phases.items()}
 
 

@@ -48,7 +48,7 @@ TORCH_SCHEDULE = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
     "interleaved": ScheduleInterleaved1F1B,
-    "zb-h1": ScheduleInterleavedZeroBubble,  # with one stage per rank: ZB-H1 (checked below)
+    "zb-h1": ScheduleInterleavedZeroBubble,  # one stage per rank: ZB-H1 (same_compute_order)
 }
 MULTI = {"interleaved", "zb-h1"}  # torch classes that take a list of stages
 
