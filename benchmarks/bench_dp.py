@@ -23,21 +23,31 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (
-    describe_machine_md,
+    Side,
+    alternate,
+    cycled_step,
+    loss_diffs,
     machine,
-    markdown_table,
     max_over_ranks,
-    median,
-    paired_ratio,
-    save_json,
+    pair_ratios,
     spawn,
-    summarize,
+    step_figures,
+    synthetic_batches,
     threads_for,
+)
+from output import (
+    TIME_COLUMNS,
+    ddp_bucket_sizes,
+    machine_line,
+    markdown_table,
+    phase_table,
+    publish,
+    ratio_line,
+    time_cells,
 )
 from plait.comm import Comm
 from plait.config import TrainConfig
@@ -55,9 +65,7 @@ def make_batches(opts: argparse.Namespace, rank: int, world: int, vocab: int) ->
     """`opts.pool` steps of `opts.accum` micro-batches (x, y) for this rank."""
     b, s, n = opts.micro_batch, opts.seq_len, opts.pool * opts.accum
     if opts.data == "synthetic":
-        g = torch.Generator().manual_seed(1000 * opts.seed + rank)
-        toks = torch.randint(0, vocab, (n, b, s + 1), generator=g)
-        micro = [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in toks]
+        micro = synthetic_batches(1000 * opts.seed + rank, n, b, s, vocab)
     else:  # real text: the default corpus (the Python standard library's sources)
         from plait.data import TokenWindows, load_tokens
 
@@ -71,23 +79,11 @@ def make_batches(opts: argparse.Namespace, rank: int, world: int, vocab: int) ->
     return [micro[i * opts.accum : (i + 1) * opts.accum] for i in range(opts.pool)]
 
 
-class Side:
-    """One implementation's replica, optimizer and step, with per-phase timings."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.times: list[float] = []  # max over ranks, seconds, measured steps only
-        self.block_medians: list[float] = []
-        self.phases: dict[str, list[float]] = {p: [] for p in PHASES}
-        self.losses: list[float] = []
-
-    def run_step(self, micro: list) -> dict[str, float]:
-        raise NotImplementedError
-
-
 class PlaitSide(Side):
+    """plait's DataParallel replica, optimizer and step, with per-phase timings."""
+
     def __init__(self, model, comm: Comm, opts, train_cfg: TrainConfig) -> None:
-        super().__init__("plait")
+        super().__init__("plait", PHASES)
         self.model, self.comm, self.clip = model, comm, opts.clip
         self.dp = DataParallel(model, comm, opts.bucket_mb)
         self.opt = build_optimizer(model, train_cfg)
@@ -128,10 +124,22 @@ class PlaitSide(Side):
         self.losses.append(loss_sum / n)
         return ph
 
+    def comm_figures(self) -> dict:
+        """Gradient all-reduce traffic of the last step and the bucket layout, for the JSON."""
+        return {
+            "grad_allreduce_bytes_per_step": self.grad_bytes[-1],
+            "grad_allreduce_calls_per_step": self.grad_calls[-1],
+            "buckets": len(self.dp.buckets),
+            "launch_log_last_step": self.dp.launch_log,
+            "bucket_numels": [b.buffer.numel() for b in self.dp.buckets],
+        }
+
 
 class DDPSide(Side):
+    """The DDP replica with the same optimizer and step, timed by the same phases."""
+
     def __init__(self, model, opts, train_cfg: TrainConfig) -> None:
-        super().__init__("ddp")
+        super().__init__("ddp", PHASES)
         self.module, self.clip = model, opts.clip
         self.ddp = DDP(
             model, bucket_cap_mb=opts.bucket_mb, gradient_as_bucket_view=opts.ddp_grad_view
@@ -172,23 +180,6 @@ class DDPSide(Side):
         return {"bucket_sizes": sizes, "rebuilt_bucket_sizes": data.get("rebuilt_bucket_sizes")}
 
 
-def run_block(side: Side, batches: list, steps: int, record: bool) -> None:
-    block = []
-    for _ in range(steps):
-        micro = batches[len(side.losses) % len(batches)]
-        start = time.perf_counter()
-        ph = side.run_step(micro)
-        elapsed = time.perf_counter() - start
-        step_max = max_over_ranks(elapsed)  # outside the timed region; also a barrier
-        if record:
-            side.times.append(step_max)
-            block.append(step_max)
-            for k, v in ph.items():
-                side.phases[k].append(v)
-    if record:
-        side.block_medians.append(median(block))
-
-
 def worker(rank: int, world: int, opts: argparse.Namespace) -> dict:
     device = torch.device("cpu")
     cfg = get_preset(opts.model)
@@ -198,109 +189,47 @@ def worker(rank: int, world: int, opts: argparse.Namespace) -> dict:
     plait_side = PlaitSide(build_model(cfg, device, opts.seed), comm, opts, train_cfg)
     ddp_side = DDPSide(build_model(cfg, device, opts.seed), opts, train_cfg)
     batches = make_batches(opts, rank, world, cfg.vocab_size)
-
-    for side in (plait_side, ddp_side):
-        run_block(side, batches, opts.warmup, record=False)
-    for r in range(opts.rounds):
-        order = (plait_side, ddp_side) if r % 2 == 0 else (ddp_side, plait_side)
-        for side in order:
-            run_block(side, batches, opts.steps, record=True)
-
-    n = min(len(plait_side.losses), len(ddp_side.losses))
-    diffs = [abs(a - b) for a, b in zip(plait_side.losses[:n], ddp_side.losses[:n], strict=True)]
-    diff_t = torch.tensor([max(diffs)], dtype=torch.float64)
-    dist.all_reduce(diff_t, op=dist.ReduceOp.MAX)
+    step = cycled_step(batches, unpack=False)  # a batch is the step's list of micro-batches
+    alternate(
+        [(plait_side, ddp_side)], step, warmup=opts.warmup, rounds=opts.rounds, steps=opts.steps
+    )
+    max_diff = max_over_ranks(max(loss_diffs(plait_side, ddp_side)))
     params = sum(p.numel() for p in plait_side.dp.params)
     return {
         "machine": machine(),
         "config": {**vars(opts), "threads_per_rank": threads_for(world), "params": params},
-        "plait": {
-            **summarize(plait_side.times),
-            "phases_median_ms": {k: median(v) * 1e3 for k, v in plait_side.phases.items()},
-            "times_ms": [t * 1e3 for t in plait_side.times],
-            "grad_allreduce_bytes_per_step": plait_side.grad_bytes[-1],
-            "grad_allreduce_calls_per_step": plait_side.grad_calls[-1],
-            "buckets": len(plait_side.dp.buckets),
-            "launch_log_last_step": plait_side.dp.launch_log,
-            "bucket_numels": [b.buffer.numel() for b in plait_side.dp.buckets],
-        },
-        "ddp": {
-            **summarize(ddp_side.times),
-            "phases_median_ms": {k: median(v) * 1e3 for k, v in ddp_side.phases.items()},
-            "times_ms": [t * 1e3 for t in ddp_side.times],
-            **ddp_side.bucket_info(),
-        },
-        "ratio_of_medians": median(plait_side.times) / median(ddp_side.times),
-        "paired_block_ratio": paired_ratio(plait_side.block_medians, ddp_side.block_medians),
-        "block_ratios": [
-            a / b for a, b in zip(plait_side.block_medians, ddp_side.block_medians, strict=True)
-        ],
-        "max_loss_diff": float(diff_t.item()),
+        "plait": {**step_figures(plait_side), **plait_side.comm_figures()},
+        "ddp": {**step_figures(ddp_side), **ddp_side.bucket_info()},
+        **pair_ratios(plait_side, ddp_side, per_block=True),
+        "max_loss_diff": max_diff,
         "final_loss": {"plait": plait_side.losses[-1], "ddp": ddp_side.losses[-1]},
     }
 
 
 def report(res: dict, target: float) -> str:
+    """The markdown printed at the end of a run (the JSON holds everything else)."""
     p, d, c = res["plait"], res["ddp"], res["config"]
-    ratio = res["ratio_of_medians"]
-    verdict = "meets" if ratio <= target else "misses"
+    rows = [
+        ["plait", *time_cells(p), p["buckets"], p["grad_allreduce_bytes_per_step"]],
+        ["DDP", *time_cells(d), _ddp_buckets(d), _ddp_bytes(d)],
+    ]
     lines = [
         f"### plait DataParallel vs DDP: {c['model']} ({c['params']:,} params), world "
         f"{c['world']}, micro-batch {c['micro_batch']} x seq {c['seq_len']} x accum "
         f"{c['accum']}, {c['data']} data, bucket {c['bucket_mb']} MiB",
         "",
-        f"Machine: {describe_machine_md(res['machine'])}; {c['threads_per_rank']} thread(s)/rank",
+        machine_line(res, c["threads_per_rank"]),
         "",
-        markdown_table(
-            [
-                "impl",
-                "median step ms",
-                "min ms",
-                "p25 ms",
-                "p75 ms",
-                "steps",
-                "buckets",
-                "grad bytes/step",
-            ],
-            [
-                [
-                    "plait",
-                    p["median_ms"],
-                    p["min_ms"],
-                    p["p25_ms"],
-                    p["p75_ms"],
-                    p["steps"],
-                    p["buckets"],
-                    p["grad_allreduce_bytes_per_step"],
-                ],
-                [
-                    "DDP",
-                    d["median_ms"],
-                    d["min_ms"],
-                    d["p25_ms"],
-                    d["p75_ms"],
-                    d["steps"],
-                    _ddp_buckets(d),
-                    _ddp_bytes(d),
-                ],
-            ],
-        ),
+        markdown_table(["impl", *TIME_COLUMNS, "buckets", "grad bytes/step"], rows),
         "",
-        f"ratio plait/DDP (median step): **{ratio:.3f}** ({verdict} target <= {target}); "
-        f"median of per-round ratios {res['paired_block_ratio']:.3f}; "
-        f"max |loss diff| plait vs DDP {res['max_loss_diff']:.2e}",
+        ratio_line(res, "DDP", target)
+        + f"; max |loss diff| plait vs DDP {res['max_loss_diff']:.2e}",
         "",
         f"plait bucket launches in its last step: {_launches(p)}",
         "",
         "Median per-phase time on rank 0 (ms):",
         "",
-        markdown_table(
-            ["impl", *PHASES],
-            [
-                [n, *(s["phases_median_ms"][k] for k in PHASES)]
-                for n, s in (("plait", p), ("DDP", d))
-            ],
-        ),
+        phase_table("impl", PHASES, (("plait", p), ("DDP", d))),
     ]
     return "\n".join(lines)
 
@@ -311,19 +240,13 @@ def _launches(p: dict) -> str:
     return f"{during} of {len(log)} during backward (overlapped), {len(log) - during} in finish()"
 
 
-def _ddp_sizes(d: dict) -> list[int]:
-    """DDP's bucket sizes in bytes from its logging data (rebuilt after the first step)."""
-    sizes = d.get("rebuilt_bucket_sizes") or d.get("bucket_sizes") or ""
-    return [int(x) for x in str(sizes).split(",") if x.strip()]
-
-
 def _ddp_buckets(d: dict) -> int | str:
-    return len(_ddp_sizes(d)) or "?"
+    return len(ddp_bucket_sizes(d)) or "?"
 
 
 def _ddp_bytes(d: dict) -> int | str:
     """DDP all-reduces each bucket once per synchronized step: the sum of bucket sizes."""
-    return sum(_ddp_sizes(d)) or "?"
+    return sum(ddp_bucket_sizes(d)) or "?"
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -353,9 +276,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     opts = parse(argv)
     res = spawn(worker, opts.world, opts)
-    res["command"] = "python " + " ".join(sys.argv)
-    print(report(res, opts.target))
-    save_json(opts.json, res)
+    publish(res, report(res, opts.target), opts.json)
 
 
 if __name__ == "__main__":

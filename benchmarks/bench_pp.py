@@ -50,693 +50,63 @@ import argparse
 import os
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
-from torch import nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import plait
-from common import (
-    describe_machine_md,
-    machine,
-    markdown_table,
-    median,
-    paired_ratio,
-    save_json,
-    spawn,
-    summarize,
-    threads_for,
+from common import alternate, machine, spawn, threads_for
+from output import command_line, comparison_cells, machine_line, markdown_table, publish
+from plait.data import load_tokens
+from plait.parallel.pipeline.actions import TimedAction
+from plait.train import corpus_from_tokens
+from pp_config import SCHEDULES, fixed_micro, make_config
+from pp_measure import p2p_latency, pipeline_step, records_from_rows, schedule_result
+from pp_sides import (
+    PlaitFixedSide,
+    PlaitTrainerSide,
+    Side,
+    TorchFixedSide,
+    TorchRealSide,
+    compute_only,
 )
-from plait.comm import Comm
-from plait.config import build_config
-from plait.data import GlobalBatchSampler, load_tokens
-from plait.mesh import build_mesh
-from plait.optim import build_optimizer, lr_at, set_lr
-from plait.parallel.data_parallel import DataParallel
-from plait.parallel.pipeline.actions import Action, Kind, TimedAction
-from plait.parallel.pipeline.runtime import MicroBatch, PipelineRuntime
-from plait.parallel.pipeline.schedules import build_schedule
-from plait.parallel.pipeline.simulate import Costs, measure, simulate
-from plait.parallel.pipeline.stage import prune_to_stages, rank_plans, tied_embedding_params
-from plait.topology import Layout
-from plait.train import Trainer, build_model, corpus_from_tokens
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
-TORCH_SCHEDULE = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved": ScheduleInterleaved1F1B,
-    "zb-h1": ScheduleInterleavedZeroBubble,  # with one stage per rank: ZB-H1 (checked below)
-}
-MULTI = {"interleaved", "zb-h1"}  # torch classes that take a list of stages
-
-
-def chunks_for(schedule: str, opts: argparse.Namespace) -> int:
-    return opts.virtual_stages if schedule == "interleaved" else 1
-
-
-# ---------------------------------------------------------------- torch stage modules
-class TorchStage(nn.Module):
-    """One global stage of a (pruned) plait model as a plain module for PipelineStage.
-
-    Holds the very submodules plait's `run_stage` would call for this stage: the embedding on
-    the first stage, the kept blocks, the final norm and head on the last (which returns
-    logits; the schedule's loss_fn applies the model's own loss)."""
-
-    def __init__(self, model: nn.Module, plan) -> None:
-        super().__init__()
-        self.first, self.last = plan.first, plan.last
-        self.embed = model.embed if plan.first else None
-        self.blocks = nn.ModuleList(model.blocks[i] for i in plan.layers)
-        self.norm = model.norm if plan.last else None
-        self.head = model.head if plan.last else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.first:
-            x = self.embed(x)  # (b, s, h)
-        for block in self.blocks:
-            x = block(x)  # (b, s, h)
-        return self.head(self.norm(x)) if self.last else x
-
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The mean token cross-entropy in fp32 that `Transformer.output` computes (used where the
-    model has no `loss` submodule)."""
-    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-
-
-# ---------------------------------------------------------------- fixed-cost stand-in model
-def burn(seconds: float, mode: str) -> None:
-    """Take `seconds` of wall time: sleep (leaves the core to gloo) and spin the last 0.3 ms for
-    precision, or spin throughout."""
-    if seconds <= 0:
-        return
-    deadline = time.perf_counter() + seconds
-    if mode == "sleep" and seconds > 3e-4:
-        time.sleep(seconds - 3e-4)
-    while time.perf_counter() < deadline:
-        pass
-
-
-class _InputPath(torch.autograd.Function):
-    """Identity; forward costs `f`, backward (the input gradient) costs `b`."""
-
-    @staticmethod
-    def forward(ctx, x, f, b, mode):
-        burn(f, mode)
-        ctx.b, ctx.mode = b, mode
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        burn(ctx.b, ctx.mode)
-        return g, None, None, None
-
-
-class _WeightPath(torch.autograd.Function):
-    """Broadcasts a scalar weight to `ref`'s shape; backward (the weight gradient) costs `w`."""
-
-    @staticmethod
-    def forward(ctx, weight, ref, w, mode):
-        ctx.w, ctx.mode = w, mode
-        return weight.expand(ref.shape).clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        burn(ctx.w, ctx.mode)
-        return g.sum(), None, None, None
-
-
-class FixedBlock(nn.Module):
-    """x -> InputPath(x) + WeightPath(weight): F, B and W each take a fixed time. The input path
-    does not lead to the weight, so a weight-only backward (ZB's W) of a one-block stage runs
-    only the weight path, and an input-only backward (ZB's B) only the input path."""
-
-    def __init__(self, f: float, b: float, w: float, mode: str) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(()))
-        self.f, self.b, self.w, self.mode = f, b, w, mode
-
-    def forward(self, x: torch.Tensor, keys: torch.Tensor | None = None) -> torch.Tensor:
-        y = _InputPath.apply(x, self.f, self.b, self.mode)
-        return y + _WeightPath.apply(self.weight, x.detach(), self.w, self.mode)
-
-
-class FixedEmbed(nn.Module):
-    """Tokens (b, s) -> activations (b, s, h) at no cost. Its scalar weight stands for the
-    embedding matrix: stage 0's backward reaches a weight through the block's input path, as
-    in the real model (where stage 0's gradient work lands in W under plait's ZB-H1)."""
-
-    def __init__(self, d_model: int) -> None:
-        super().__init__()
-        self.d_model = d_model
-        self.scale = nn.Parameter(torch.ones(()))
-
-    def forward(self, tokens: torch.Tensor, keys: torch.Tensor | None = None) -> torch.Tensor:
-        x = tokens.unsqueeze(-1).expand(*tokens.shape, self.d_model).float() * 1e-3
-        return x * self.scale
-
-
-class MeanLoss(nn.Module):
-    def forward(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return out.float().mean()
-
-
-class FixedModel(nn.Module):
-    """The attributes plait's `run_stage`/`prune_to_stages` use: embed, blocks, norm, head,
-    loss and output(x, targets)."""
-
-    def __init__(self, n_layers: int, d_model: int, block_cost: float, mode: str) -> None:
-        super().__init__()
-        self.embed = FixedEmbed(d_model)
-        self.blocks = nn.ModuleList(
-            FixedBlock(block_cost, block_cost, block_cost, mode) for _ in range(n_layers)
-        )
-        self.norm = nn.Identity()
-        self.head = nn.Identity()
-        self.loss = MeanLoss()
-
-    def output(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        out = self.head(self.norm(x))
-        return out if targets is None else self.loss(out, targets)
-
-
-# ---------------------------------------------------------------- torch action log
-class TorchActionLog:
-    """Wall-clock start/end of every compute call of this rank's torch stages, as plait
-    TimedAction records (chunk = the stage's local index), so `measure` applies unchanged."""
-
-    def __init__(self, stages: list[PipelineStage], rank: int, p: int) -> None:
-        self.rank = rank
-        self.records: list[TimedAction] = []
-        for stage in stages:
-            chunk = stage.stage_index // p
-            self._wrap(stage, "forward_one_chunk", Kind.F, chunk)
-            self._wrap(stage, "backward_one_chunk", Kind.B, chunk)
-            self._wrap(stage, "backward_weight_one_chunk", Kind.W, chunk)
-
-    def _wrap(self, stage: PipelineStage, name: str, kind: Kind, chunk: int) -> None:
-        inner = getattr(stage, name)
-        log = self.records
-
-        def timed(mb, *args, **kwargs):
-            start = time.time()
-            out = inner(mb, *args, **kwargs)
-            log.append(
-                TimedAction(self.rank, len(log), Action(kind, mb, chunk), start, time.time())
-            )
-            return out
-
-        setattr(stage, name, timed)
-
-    def reset(self) -> None:
-        self.records.clear()
-
-
-# ---------------------------------------------------------------- sides
-class Side:
-    def __init__(self, name: str, schedule: str) -> None:
-        self.name, self.schedule = name, schedule
-        self.times: list[float] = []  # step seconds, max over ranks (recorded steps)
-        self.pipe_times: list[float] = []  # the pipeline part of the step, max over ranks
-        self.block_medians: list[float] = []
-        self.losses: list[float] = []
-        self.bubbles: list[float] = []
-        self.kind_sums: dict[str, float] = defaultdict(float)  # this rank, recorded steps
-        self.kind_counts: dict[str, int] = defaultdict(int)
-        self.last_timings: list[TimedAction] = []  # this rank, last step
-        self.compute_order: list[str] = []  # this rank, first step
-
-    def step(self) -> float:
-        """One step; returns the seconds of its pipeline part (this rank)."""
-        raise NotImplementedError
-
-    def timings(self) -> list[TimedAction]:
-        """This rank's compute (and, for plait, communication) records of the last step."""
-        raise NotImplementedError
-
-
-def _compute_only(timings: list[TimedAction]) -> list[TimedAction]:
-    return [t for t in timings if t.action.is_compute]
-
-
-class PlaitTrainerSide(Side):
-    """plait as a user runs it: Trainer.train_step() with parallel.pp = world."""
-
-    def __init__(self, schedule: str, opts, corpus, world: int) -> None:
-        super().__init__("plait", schedule)
-        self.cfg = make_config(schedule, opts, world)
-        mesh = build_mesh(self.cfg.parallel.layout, torch.device("cpu"))
-        self.trainer = Trainer(self.cfg, mesh, corpus)
-        engine = self.trainer.pipeline
-        run = engine.run
-
-        def timed_run(micro):  # the pipeline part: runtime + loss all-reduce
-            start = time.perf_counter()
-            out = run(micro)
-            self._pipe = time.perf_counter() - start
-            return out
-
-        engine.run = timed_run
-        self._pipe = 0.0
-
-    def step(self) -> float:
-        res = self.trainer.train_step()
-        self.losses.append(res.loss)
-        return self._pipe
-
-    def timings(self) -> list[TimedAction]:
-        return self.trainer.pipeline.runtime.timings
-
-
-class TorchRealSide(Side):
-    """torch.distributed.pipelining over the same pruned model, plus the Trainer's step work."""
-
-    def __init__(self, schedule: str, opts, corpus, world: int, rank: int, groups) -> None:
-        super().__init__("torch", schedule)
-        cfg = make_config(schedule, opts, world)
-        self.cfg, self.corpus, self.rank, self.p = cfg, corpus, rank, world
-        v = chunks_for(schedule, opts)
-        plans = rank_plans(cfg.model.n_layers, world, v, rank, cfg.parallel.stage_layer_counts())
-        self.model = build_model(
-            cfg.model, torch.device("cpu"), cfg.train.seed, lambda m: prune_to_stages(m, plans)
-        )
-        self.pp_group, self.ends_group = groups
-        m = cfg.accumulation
-        self.stages = [
-            PipelineStage(
-                TorchStage(self.model, plan),
-                plan.stage,
-                world * v,
-                torch.device("cpu"),
-                group=self.pp_group,
-            )
-            for plan in plans
-        ]
-        loss = getattr(self.model, "loss", None) or lm_loss
-
-        def loss_fn(logits, targets):  # plait's rule: each micro-batch's mean loss / m
-            return loss(logits, targets) / m
-
-        cls = TORCH_SCHEDULE[schedule]
-        stages = self.stages if schedule in MULTI else self.stages[0]
-        self.sched = cls(stages, m, loss_fn=loss_fn, scale_grads=False)
-        self.log = TorchActionLog(self.stages, rank, world)
-        self.is_last = any(plan.last for plan in plans)
-        self.opt = build_optimizer(self.model, cfg.train)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.tied = tied_embedding_params(self.model)
-        self.sampler = GlobalBatchSampler(len(corpus.train), cfg.train.global_batch, cfg.train.seed)
-        self.step_i = 0
-
-    def step(self) -> float:
-        t = self.cfg.train
-        x, y = self.corpus.train.batch(self.sampler.next_batch())
-        set_lr(self.opt, lr_at(self.step_i, t))
-        self.log.reset()
-        losses: list[torch.Tensor] = []
-        start = time.perf_counter()
-        self.sched.step(x, target=y, losses=losses)
-        pipe = time.perf_counter() - start
-        mean_loss = torch.stack(losses).sum().detach() if losses else torch.zeros(())
-        for p in self.tied:  # Megatron's embedding group: first and last stage sum the copies
-            dist.all_reduce(p.grad, group=self.ends_group)
-        grads = [p.grad for p in self.params if p.grad is not None]
-        sq = torch.stack(torch._foreach_norm(grads)).pow(2).sum()
-        if self.is_last and self.tied and self.p > 1:
-            sq -= self.tied[-1].grad.pow(2).sum()  # the first stage counts the shared matrix
-        dist.all_reduce(sq, group=self.pp_group)
-        if t.grad_clip > 0:
-            coef = torch.clamp(t.grad_clip / (sq.sqrt() + 1e-6), max=1.0)
-            torch._foreach_mul_(grads, coef)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        dist.all_reduce(mean_loss, group=self.pp_group)  # only the last stage is nonzero
-        self.losses.append(float(mean_loss))
-        self.step_i += 1
-        return pipe
-
-    def timings(self) -> list[TimedAction]:
-        return list(self.log.records)
-
-
-class PlaitFixedSide(Side):
-    """plait's PipelineRuntime over the fixed-cost stand-in (no optimizer)."""
-
-    def __init__(self, schedule: str, opts, world: int, rank: int, micro) -> None:
-        super().__init__("plait", schedule)
-        v = chunks_for(schedule, opts)
-        n_layers = world * v * opts.layers_per_stage
-        self.sched = build_schedule(schedule, world, opts.microbatches, v)
-        plans = rank_plans(n_layers, world, v, rank)
-        cost = opts.fixed_cost / 1e3 / (v * opts.layers_per_stage)
-        self.model = FixedModel(n_layers, opts.d_model, cost, opts.cost_mode)
-        prune_to_stages(self.model, plans)
-        mesh = build_mesh(Layout(pp=world), torch.device("cpu"))
-        comm = Comm(mesh)
-        self.dp = DataParallel(self.model, comm, 25.0)
-        shape = (opts.micro_batch, opts.seq_len, opts.d_model)
-        self.runtime = PipelineRuntime(self.sched, rank, self.model, plans, comm, self.dp, shape)
-        self.micro = micro
-
-    def step(self) -> float:
-        start = time.perf_counter()
-        loss = self.runtime.run(self.micro)
-        self.dp.finish()
-        self.dp.zero_grad()
-        self.losses.append(float(loss))
-        return time.perf_counter() - start
-
-    def timings(self) -> list[TimedAction]:
-        return self.runtime.timings
-
-
-class TorchFixedSide(Side):
-    """torch.distributed.pipelining over the same fixed-cost stand-in stages (no optimizer)."""
-
-    def __init__(self, schedule: str, opts, world: int, rank: int, micro, group) -> None:
-        super().__init__("torch", schedule)
-        v = chunks_for(schedule, opts)
-        n_layers = world * v * opts.layers_per_stage
-        m = opts.microbatches
-        plans = rank_plans(n_layers, world, v, rank)
-        cost = opts.fixed_cost / 1e3 / (v * opts.layers_per_stage)
-        self.model = FixedModel(n_layers, opts.d_model, cost, opts.cost_mode)
-        prune_to_stages(self.model, plans)
-        self.stages = [
-            PipelineStage(
-                TorchStage(self.model, plan),
-                plan.stage,
-                world * v,
-                torch.device("cpu"),
-                group=group,
-            )
-            for plan in plans
-        ]
-        loss = self.model.loss
-
-        def loss_fn(out, targets):
-            return loss(out, targets) / m
-
-        cls = TORCH_SCHEDULE[schedule]
-        stages = self.stages if schedule in MULTI else self.stages[0]
-        self.sched = cls(stages, m, loss_fn=loss_fn, scale_grads=False)
-        self.log = TorchActionLog(self.stages, rank, world)
-        self.group = group
-        self.x = torch.cat([mb.tokens for mb in micro])
-        self.y = torch.cat([mb.targets for mb in micro])
-
-    def step(self) -> float:
-        self.log.reset()
-        losses: list[torch.Tensor] = []
-        start = time.perf_counter()
-        self.sched.step(self.x, target=self.y, losses=losses)
-        for p in self.model.parameters():
-            p.grad = None
-        elapsed = time.perf_counter() - start
-        self.losses.append(float(sum(float(v.detach()) for v in losses)) if losses else 0.0)
-        return elapsed
-
-    def timings(self) -> list[TimedAction]:
-        return list(self.log.records)
-
-
-# ---------------------------------------------------------------- config and data
-def make_config(schedule: str, opts, world: int):
-    m = opts.microbatches
-    train = {
-        "steps": 10_000,  # only sets the lr schedule's length
-        "micro_batch": opts.micro_batch,
-        "global_batch": opts.micro_batch * m,
-        "seq_len": opts.seq_len,
-        "lr": opts.lr,
-        "warmup_steps": 10,
-        "eval_every": 0,
-        "progress": False,
-        "grad_clip": opts.clip,
-        "seed": opts.seed,
-        "out": "/tmp/plait-bench-pp-unused",
-    }
-    over = {
-        "model": {"dropout": 0.0, "n_layers": opts.n_layers},
-        "parallel": {
-            "pp": world,
-            "schedule": schedule,
-            "virtual_stages": chunks_for(schedule, opts),
-            "bucket_mb": opts.bucket_mb,
-        },
-        "data": {"max_bytes": opts.max_bytes},
-        "train": train,
-    }
-    cfg = build_config(opts.model, over)
-    cfg.validate(check_data=False)
-    return cfg
-
-
-def fixed_micro(opts) -> list[MicroBatch]:
-    g = torch.Generator().manual_seed(opts.seed)
-    b, s = opts.micro_batch, opts.seq_len
-    return [
-        MicroBatch(
-            torch.randint(0, 256, (b, s), generator=g),
-            torch.randint(0, 256, (b, s), generator=g),
-            torch.zeros(b, dtype=torch.int64),
-        )
-        for _ in range(opts.microbatches)
-    ]
-
-
-# ---------------------------------------------------------------- measuring
-def gather(obj):
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def run_block(side: Side, steps: int, record: bool) -> None:
-    block = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        pipe = side.step()
-        elapsed = time.perf_counter() - start
-        mine = side.timings()
-        if not side.compute_order:
-            side.compute_order = [f"{t.action.kind.value}{t.action.microbatch}.{t.action.chunk}"
-                                  for t in _compute_only(mine)]  # fmt: skip
-        # Outside the timed region: max over ranks, and each rank's compute extent and busy
-        # time for the measured bubble (one all-reduce each; also a barrier).
-        compute = _compute_only(mine)
-        t = torch.tensor([elapsed, pipe], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        ext = torch.tensor(
-            [-min(c.start for c in compute), max(c.end for c in compute)], dtype=torch.float64
-        )
-        busy = torch.tensor([sum(c.duration for c in compute)], dtype=torch.float64)
-        dist.all_reduce(ext, op=dist.ReduceOp.MAX)
-        dist.all_reduce(busy)
-        if record:
-            makespan = float(ext[0] + ext[1])
-            p = dist.get_world_size()
-            side.times.append(float(t[0]))
-            side.pipe_times.append(float(t[1]))
-            side.bubbles.append(1.0 - float(busy) / (p * makespan))
-            block.append(float(t[0]))
-            for kind, total, n in _kind_totals(mine):
-                side.kind_sums[kind] += total
-                side.kind_counts[kind] += n
-            side.last_timings = list(mine)
-    if record:
-        side.block_medians.append(median(block))
-
-
-def _kind_totals(timings: list[TimedAction]):
-    """(key, total seconds, count): key 'F.c' / 'B.c' / 'W.c' for compute on chunk c, and
-    'comm' for communication batches (a batch's actions share one start/end: counted once)."""
-    sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    seen = set()
-    for t in timings:
-        if t.action.is_compute:
-            key = f"{t.action.kind.value}.{t.action.chunk}"
-        elif t.action.is_comm:
-            if (t.start, t.end) in seen:
-                continue
-            seen.add((t.start, t.end))
-            key = "comm"
-        else:
-            continue
-        sums[key][0] += t.duration
-        sums[key][1] += 1
-    return [(k, v[0], v[1]) for k, v in sums.items()]
-
-
-def side_result(side: Side, rank_stats: list[dict]) -> dict:
-    """Summary of one side; mean action durations per rank (all chunks) from every rank's
-    totals over the recorded steps."""
-    means = {}
-    for r, st in enumerate(rank_stats):
-        by_kind: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-        for key, total in st["sums"].items():
-            if key != "comm":
-                by_kind[key.split(".")[0]][0] += total
-                by_kind[key.split(".")[0]][1] += st["counts"][key]
-        means[f"rank{r}"] = {k: v[0] / v[1] * 1e3 for k, v in sorted(by_kind.items()) if v[1]}
-        comm = st["sums"].get("comm", 0.0) / max(1, st["steps"])
-        means[f"rank{r}"]["comm_ms_per_step"] = comm * 1e3
-    return {
-        **summarize(side.times),
-        "pipeline_median_ms": median(side.pipe_times) * 1e3,
-        "times_ms": [t * 1e3 for t in side.times],
-        "bubble_median": median(side.bubbles),
-        "bubbles": side.bubbles,
-        "mean_action_ms": means,
-    }
-
-
-def stage_costs(rank_stats: list[dict], p: int, v: int, split: bool) -> Costs:
-    """Mean measured F, B, W of every global stage (chunk·p + rank) over the recorded steps,
-    as simulator costs. Where the backward is not split, B ran the whole backward: it is split
-    evenly (as PipelineEngine.report does), which leaves b + w, the simulated B, unchanged."""
-    costs = {k: [0.0] * (p * v) for k in "FBW"}
-    for r, st in enumerate(rank_stats):
-        for key, total in st["sums"].items():
-            if key != "comm":
-                kind, chunk = key.split(".")
-                costs[kind][int(chunk) * p + r] = total / st["counts"][key]
-    f, b, w = costs["F"], costs["B"], costs["W"]
-    if not split:
-        b, w = [x / 2 for x in b], [x / 2 for x in b]
-    return Costs(f=f, b=b, w=w)
-
-
-def p2p_latency(shape: tuple[int, ...], rounds: int = 30) -> float:
-    """One-way time of one activation-sized message between ranks 0 and 1 (half the median
-    ping-pong), seconds; the other ranks idle."""
-    t = torch.zeros(shape)
-    rank, times = dist.get_rank(), []
-    dist.barrier()
-    for _ in range(rounds):
-        start = time.perf_counter()
-        if rank == 0:
-            dist.send(t, 1)
-            dist.recv(t, 1)
-        elif rank == 1:
-            dist.recv(t, 0)
-            dist.send(t, 0)
-        times.append(time.perf_counter() - start)
-    out = torch.tensor([median(times) / 2 if rank == 0 else 0.0], dtype=torch.float64)
-    dist.all_reduce(out, op=dist.ReduceOp.MAX)
-    return float(out)
 
 
 # ---------------------------------------------------------------- worker
-def worker(rank: int, world: int, opts: argparse.Namespace) -> dict:
-    fixed = opts.fixed_cost > 0
-    schedules = opts.schedules
+def build_pairs(opts: argparse.Namespace, world: int, rank: int) -> list[tuple[Side, Side]]:
+    """(plait, torch) per schedule, for the fixed-cost stand-in or the real model."""
     pp_group = dist.new_group(list(range(world)))
     ends_group = dist.new_group([0, world - 1])
-    width = opts.d_model if fixed else None
-    pairs = []
-    if fixed:
+    if opts.fixed_cost > 0:
         micro = fixed_micro(opts)
-        for name in schedules:
-            pairs.append(
-                (
-                    PlaitFixedSide(name, opts, world, rank, micro),
-                    TorchFixedSide(name, opts, world, rank, micro, pp_group),
-                )
+        return [
+            (
+                PlaitFixedSide(name, opts, world, rank, micro),
+                TorchFixedSide(name, opts, world, rank, micro, pp_group),
             )
-    else:
-        cfg0 = make_config(schedules[0], opts, world)
-        corpus = corpus_from_tokens(load_tokens(None, cfg0.data.max_bytes), cfg0)
-        for name in schedules:
-            pairs.append(
-                (
-                    PlaitTrainerSide(name, opts, corpus, world),
-                    TorchRealSide(name, opts, corpus, world, rank, (pp_group, ends_group)),
-                )
-            )
-
-    if width is None:
-        width = pairs[0][0].cfg.model.d_model
-    latency = p2p_latency((opts.micro_batch, opts.seq_len, width))
-    for pair in pairs:
-        for side in pair:
-            run_block(side, opts.warmup, record=False)
-    for r in range(opts.rounds):
-        for plait_side, torch_side in pairs:
-            order = (plait_side, torch_side) if r % 2 == 0 else (torch_side, plait_side)
-            for side in order:
-                run_block(side, opts.steps, record=True)
-
-    results = {}
-    for plait_side, torch_side in pairs:
-        name = plait_side.schedule
-        entry = {}
-        for side in (plait_side, torch_side):
-            stats = gather(
-                {"sums": dict(side.kind_sums), "counts": dict(side.kind_counts),
-                 "steps": len(side.times)}
-            )  # fmt: skip
-            if side is plait_side:
-                plait_stats = stats
-            entry[side.name] = side_result(side, stats)
-            entry[side.name]["last_step_timings"] = [
-                [t.rank, t.index, str(t.action), t.action.kind.value, t.start, t.end]
-                for rows in gather(side.last_timings)
-                for t in rows
-            ]
-            entry[side.name]["compute_order"] = gather(side.compute_order)
-        n = min(len(plait_side.losses), len(torch_side.losses))
-        diffs = [
-            abs(a - b) for a, b in zip(plait_side.losses[:n], torch_side.losses[:n], strict=True)
+            for name in opts.schedules
         ]
-        entry["loss_first_step"] = {"plait": plait_side.losses[0], "torch": torch_side.losses[0]}
-        entry["loss_diff_first_step"] = diffs[0]
-        entry["loss_diff_max"] = max(diffs)
-        entry["same_compute_order"] = (
-            entry["plait"]["compute_order"] == entry["torch"]["compute_order"]
+    cfg0 = make_config(opts.schedules[0], opts, world)
+    corpus = corpus_from_tokens(load_tokens(None, cfg0.data.max_bytes), cfg0)
+    return [
+        (
+            PlaitTrainerSide(name, opts, corpus, world),
+            TorchRealSide(name, opts, corpus, world, rank, (pp_group, ends_group)),
         )
-        entry["ratio_of_medians"] = median(plait_side.times) / median(torch_side.times)
-        entry["paired_block_ratio"] = paired_ratio(
-            plait_side.block_medians, torch_side.block_medians
-        )
-        entry["pipeline_ratio_of_medians"] = median(plait_side.pipe_times) / median(
-            torch_side.pipe_times
-        )
-        v = chunks_for(name, opts)
-        sched = build_schedule(name, world, opts.microbatches, v)
-        entry["v"] = v
-        plait_all = _records(entry["plait"]["last_step_timings"])
-        measured_costs = stage_costs(plait_stats, world, v, sched.split_backward)
-        entry["simulated_bubble_measured_costs"] = float(
-            simulate(sched, measured_costs).bubble_fraction
-        )
-        entry["plait_stage_costs_ms"] = {
-            k: [x * 1e3 for x in getattr(measured_costs, k)] for k in ("f", "b", "w")
-        }
-        entry["simulated_bubble_measured_costs_latency"] = float(
-            simulate(
-                sched, Costs(measured_costs.f, measured_costs.b, measured_costs.w, latency)
-            ).bubble_fraction
-        )
-        if fixed:
-            c = opts.fixed_cost / 1e3 / v
-            sim = simulate(sched, Costs(f=c, b=c, w=c))
-            entry["simulated_bubble"] = float(sim.bubble_fraction)
-            entry["ideal_makespan_ms"] = float(sim.makespan) * 1e3
-        # plait's own measure() over all its records of the last step (communication too)
-        entry["plait_measure_last_step"] = float(measure(plait_all, world)[2])
-        results[name] = entry
+        for name in opts.schedules
+    ]
+
+
+def worker(rank: int, world: int, opts: argparse.Namespace) -> dict:
+    """One rank: every schedule's pair, timed in alternating blocks, then each schedule's
+    results (the schedules take turns inside a round)."""
+    fixed = opts.fixed_cost > 0
+    pairs = build_pairs(opts, world, rank)
+    width = opts.d_model if fixed else pairs[0][0].cfg.model.d_model
+    latency = p2p_latency((opts.micro_batch, opts.seq_len, width))
+    alternate(pairs, pipeline_step, warmup=opts.warmup, rounds=opts.rounds, steps=opts.steps)
+    results = {a.schedule: schedule_result(a, b, opts, world, latency) for a, b in pairs}
     return {
         "machine": machine(),
         "mode": "fixed-cost" if fixed else "real",
@@ -746,128 +116,124 @@ def worker(rank: int, world: int, opts: argparse.Namespace) -> dict:
     }
 
 
-def _records(rows) -> list[TimedAction]:
-    """TimedAction records back from the JSON rows (micro-batch and chunk for compute)."""
-    out = []
-    for rank, index, text, kind, start, end in rows:
-        if kind in ("F", "B", "W"):
-            mb, chunk = text[len(kind) :].split(".")[:2]
-            action = Action(Kind(kind), int(mb), int(chunk))
-        else:
-            action = Action(Kind(kind))
-        out.append(TimedAction(rank, index, action, start, end))
-    return out
-
-
 # ---------------------------------------------------------------- report and charts
-def report(res: dict) -> str:
-    c, fixed = res["config"], res["mode"] == "fixed-cost"
-    if fixed:
-        head = (
+TIME_HEAD = [
+    "schedule",
+    "plait median ms",
+    "torch median ms",
+    "plait/torch",
+    "per-round",
+    "min ms plait / torch",
+    "pipeline part ms plait / torch",
+    "|Δloss| step 1",
+    "same compute order",
+]
+BUBBLE_HEAD = [
+    "schedule",
+    "simulated bubble (nominal costs)",
+    "simulated (plait's measured F/B/W)",
+    "same + p2p latency",
+    "plait measured",
+    "plait − nominal (points)",
+    "torch measured",
+    "ideal makespan ms",
+]
+COST_HEAD = ["schedule", "side", "rank", "F", "B", "W", "p2p ms/step"]
+
+
+def _head(res: dict) -> str:
+    """The title line: the mode and the pipeline's shape."""
+    c = res["config"]
+    if res["mode"] == "fixed-cost":
+        return (
             f"### Fixed-cost stages: forward {c['fixed_cost']} ms per stage (÷ v per chunk), "
             f"backward 2× (B = W), {c['cost_mode']}; p={c['world']}, m={c['microbatches']}, "
             f"{c['layers_per_stage']} block(s) per stage, activations "
             f"{c['micro_batch']}×{c['seq_len']}×{c['d_model']} fp32"
         )
-    else:
-        head = (
-            f"### {c['model']} ({c['n_layers']} layers), p={c['world']}, m={c['microbatches']} "
-            f"micro-batches of {c['micro_batch']}×{c['seq_len']} tokens, AdamW, clip {c['clip']}"
-        )
-    rows, bubble_rows, cost_rows = [], [], []
-    for name, e in res["schedules"].items():
-        p, t = e["plait"], e["torch"]
-        rows.append(
-            [
-                name + (f" (v={e['v']})" if e["v"] > 1 else ""),
-                p["median_ms"],
-                t["median_ms"],
-                f"**{e['ratio_of_medians']:.3f}**",
-                e["paired_block_ratio"],
-                f"{p['min_ms']:.1f} / {t['min_ms']:.1f}",
-                f"{p['pipeline_median_ms']:.1f} / {t['pipeline_median_ms']:.1f}",
-                f"{e['loss_diff_first_step']:.1e}",
-                "yes" if e["same_compute_order"] else "NO",
-            ]
-        )
-        sim = e.get("simulated_bubble")
-        bubble_rows.append(
-            [
-                name,
-                f"{sim:.1%}" if sim is not None else "-",
-                f"{e['simulated_bubble_measured_costs']:.1%}",
-                f"{e['simulated_bubble_measured_costs_latency']:.1%}",
-                f"{p['bubble_median']:.1%}",
-                f"{(p['bubble_median'] - sim) * 100:+.1f}" if sim is not None else "-",
-                f"{t['bubble_median']:.1%}",
-                f"{e['ideal_makespan_ms']:.1f}" if fixed else "-",
-            ]
-        )
-        for side, s in (("plait", p), ("torch", t)):
-            for r, means in s["mean_action_ms"].items():
-                cost_rows.append(
-                    [
-                        name,
-                        side,
-                        r,
-                        *(f"{means[k]:.2f}" if k in means else "-" for k in ("F", "B", "W")),
-                        f"{means['comm_ms_per_step']:.2f}" if side == "plait" else "-",
-                    ]
-                )
+    return (
+        f"### {c['model']} ({c['n_layers']} layers), p={c['world']}, m={c['microbatches']} "
+        f"micro-batches of {c['micro_batch']}×{c['seq_len']} tokens, AdamW, clip {c['clip']}"
+    )
+
+
+def _time_row(name: str, e: dict) -> list:
+    p, t = e["plait"], e["torch"]
+    return [
+        name + (f" (v={e['v']})" if e["v"] > 1 else ""),
+        *comparison_cells(e, p, t),
+        f"{p['pipeline_median_ms']:.1f} / {t['pipeline_median_ms']:.1f}",
+        f"{e['loss_diff_first_step']:.1e}",
+        "yes" if e["same_compute_order"] else "NO",
+    ]
+
+
+def _bubble_row(name: str, e: dict, fixed: bool) -> list:
+    p, t = e["plait"], e["torch"]
+    sim = e.get("simulated_bubble")
+    return [
+        name,
+        f"{sim:.1%}" if sim is not None else "-",
+        f"{e['simulated_bubble_measured_costs']:.1%}",
+        f"{e['simulated_bubble_measured_costs_latency']:.1%}",
+        f"{p['bubble_median']:.1%}",
+        f"{(p['bubble_median'] - sim) * 100:+.1f}" if sim is not None else "-",
+        f"{t['bubble_median']:.1%}",
+        f"{e['ideal_makespan_ms']:.1f}" if fixed else "-",
+    ]
+
+
+def _cost_rows(name: str, e: dict) -> list[list]:
+    rows = []
+    for side in ("plait", "torch"):
+        for r, means in e[side]["mean_action_ms"].items():
+            rows.append(
+                [
+                    name,
+                    side,
+                    r,
+                    *(f"{means[k]:.2f}" if k in means else "-" for k in ("F", "B", "W")),
+                    f"{means['comm_ms_per_step']:.2f}" if side == "plait" else "-",
+                ]
+            )
+    return rows
+
+
+def report(res: dict) -> str:
+    """The markdown printed at the end of a run (the JSON holds everything else)."""
+    c, fixed = res["config"], res["mode"] == "fixed-cost"
+    schedules = res["schedules"].items()
     lines = [
-        head,
+        _head(res),
         "",
-        f"Machine: {describe_machine_md(res['machine'])}; {c['threads_per_rank']} thread(s)/rank;"
-        f" p2p one-way {res['p2p_one_way_ms']:.2f} ms per activation message",
+        machine_line(res, c["threads_per_rank"])
+        + f"; p2p one-way {res['p2p_one_way_ms']:.2f} ms per activation message",
         "",
-        markdown_table(
-            [
-                "schedule",
-                "plait median ms",
-                "torch median ms",
-                "plait/torch",
-                "per-round",
-                "min ms plait / torch",
-                "pipeline part ms plait / torch",
-                "|Δloss| step 1",
-                "same compute order",
-            ],
-            rows,
-        ),
+        markdown_table(TIME_HEAD, [_time_row(name, e) for name, e in schedules]),
         "",
-        markdown_table(
-            [
-                "schedule",
-                "simulated bubble (nominal costs)",
-                "simulated (plait's measured F/B/W)",
-                "same + p2p latency",
-                "plait measured",
-                "plait − nominal (points)",
-                "torch measured",
-                "ideal makespan ms",
-            ],
-            bubble_rows,
-        ),
+        markdown_table(BUBBLE_HEAD, [_bubble_row(name, e, fixed) for name, e in schedules]),
         "",
         "Mean duration of one action (ms) and plait's time inside p2p batches per step:",
         "",
-        markdown_table(["schedule", "side", "rank", "F", "B", "W", "p2p ms/step"], cost_rows),
+        markdown_table(COST_HEAD, [row for name, e in schedules for row in _cost_rows(name, e)]),
     ]
     return "\n".join(lines)
 
 
 def charts(res: dict, prefix: str) -> list[str]:
     """Measured Gantt chart of plait's last step per schedule, and a bubble bar chart."""
-    from matplotlib.figure import Figure
+    return [*_gantt_charts(res, prefix), _bubble_chart(res, prefix)]
 
+
+def _gantt_charts(res: dict, prefix: str) -> list[str]:
+    """plait's compute records of its last step, per schedule, in ms."""
     from plait.parallel.pipeline.chart import gantt_chart
 
     paths = []
-    names = list(res["schedules"])
     for name, e in res["schedules"].items():
         recs = [
             TimedAction(t.rank, t.index, t.action, t.start * 1e3, t.end * 1e3)
-            for t in _compute_only(_records(e["plait"]["last_step_timings"]))
+            for t in compute_only(records_from_rows(e["plait"]["last_step_timings"]))
         ]
         sim = e.get("simulated_bubble")
         title = f"plait {name}, measured bubble {e['plait']['bubble_median']:.1%}"
@@ -876,6 +242,14 @@ def charts(res: dict, prefix: str) -> list[str]:
         path = f"{prefix}_{name}.png"
         gantt_chart(recs, Path(path), title=title, time_unit="ms")
         paths.append(path)
+    return paths
+
+
+def _bubble_chart(res: dict, prefix: str) -> str:
+    """Measured bubbles of both sides (and the simulated one, fixed-cost) per schedule."""
+    from matplotlib.figure import Figure
+
+    names = list(res["schedules"])
     fig = Figure(figsize=(6.4, 3.0), dpi=100)
     ax = fig.subplots()
     xs = range(len(names))
@@ -895,8 +269,7 @@ def charts(res: dict, prefix: str) -> list[str]:
     fig.tight_layout()
     path = f"{prefix}_bubble.png"
     fig.savefig(path)
-    paths.append(path)
-    return paths
+    return path
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -938,14 +311,12 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     res = spawn(worker, opts.world, opts)
     env = f"PYTHONPATH={os.environ['PYTHONPATH']} " if os.environ.get("PYTHONPATH") else ""
-    res["command"] = env + "python " + " ".join(sys.argv)
+    res["command"] = env + command_line()
     res["plait_module"] = plait.__file__  # which plait was measured (see PYTHONPATH)
     res["wall_s"] = time.perf_counter() - start
     if opts.charts:
         res["charts"] = charts(res, opts.charts)
-    print(report(res))
-    print(f"\nwall {res['wall_s']:.0f} s")
-    save_json(opts.json, res)
+    publish(res, report(res) + f"\n\nwall {res['wall_s']:.0f} s", opts.json)
 
 
 if __name__ == "__main__":

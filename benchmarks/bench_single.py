@@ -30,15 +30,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (
-    describe_machine_md,
+    Side,
+    alternate,
+    loss_diffs,
     machine,
-    markdown_table,
-    median,
-    paired_ratio,
-    save_json,
+    pair_ratios,
     summarize,
+    synthetic_batches,
     usable_cores,
 )
+from output import TIME_COLUMNS, machine_line, markdown_table, publish, ratio_line, time_cells
 from plait.comm import Comm
 from plait.config import Config, TrainConfig, build_config
 from plait.data import GlobalBatchSampler, load_tokens, split_micro
@@ -49,23 +50,21 @@ from plait.parallel.data_parallel import DataParallel
 from plait.train import Trainer, build_model, corpus_from_tokens
 
 
-class Side:
-    def __init__(self, name: str, step: Callable[[], float]) -> None:
-        self.name, self.step = name, step
-        self.times: list[float] = []
-        self.block_medians: list[float] = []
-        self.losses: list[float] = []
+class FnSide(Side):
+    """A side whose whole step (data, model, update) is one callable returning the loss."""
 
-    def block(self, steps: int, record: bool) -> None:
-        times = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            loss = self.step()
-            times.append(time.perf_counter() - start)
-            self.losses.append(loss)
-        if record:
-            self.times += times
-            self.block_medians.append(median(times))
+    def __init__(self, name: str, step: Callable[[], float]) -> None:
+        super().__init__(name)
+        self.step = step
+
+
+def timed_step(side: FnSide) -> tuple[float, dict]:
+    """Wall seconds of one step (one process: no max over ranks); the loss is kept."""
+    start = time.perf_counter()
+    loss = side.step()
+    elapsed = time.perf_counter() - start
+    side.losses.append(loss)
+    return elapsed, {}
 
 
 def plain_step_fn(model, opt, clip: float, next_micro: Callable[[], list]) -> Callable[[], float]:
@@ -127,9 +126,7 @@ def cycler(batches: list) -> Callable[[], list]:
 def fixed_batches(opts: argparse.Namespace, vocab: int) -> list:
     b, s, n = opts.micro_batch, opts.seq_len, opts.pool * opts.accum
     if opts.data == "synthetic":
-        g = torch.Generator().manual_seed(opts.seed)
-        toks = torch.randint(0, vocab, (n, b, s + 1), generator=g)
-        micro = [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in toks]
+        micro = synthetic_batches(opts.seed, n, b, s, vocab)
     else:
         from plait.data import TokenWindows
 
@@ -140,7 +137,7 @@ def fixed_batches(opts: argparse.Namespace, vocab: int) -> list:
     return [micro[i * opts.accum : (i + 1) * opts.accum] for i in range(opts.pool)]
 
 
-def build_sides(opts: argparse.Namespace) -> tuple[Side, Side, dict]:
+def build_sides(opts: argparse.Namespace) -> tuple[FnSide, FnSide, dict]:
     device = torch.device("cpu")
     extra: dict = {}
     if opts.plait == "dp":
@@ -174,7 +171,7 @@ def build_sides(opts: argparse.Namespace) -> tuple[Side, Side, dict]:
             return [corpus.train.batch(i) for i in idx]
 
         step_q = plain_step_fn(model_q, opt_q, full.train.grad_clip, next_micro)
-    return Side("plait", step_p), Side("plain", step_q), extra
+    return FnSide("plait", step_p), FnSide("plain", step_q), extra
 
 
 def trainer_config(opts: argparse.Namespace) -> Config:
@@ -202,69 +199,40 @@ def trainer_config(opts: argparse.Namespace) -> Config:
 def run(opts: argparse.Namespace) -> dict:
     torch.set_num_threads(opts.threads or usable_cores())
     plait_side, plain_side, extra = build_sides(opts)
-    for side in (plait_side, plain_side):
-        side.block(opts.warmup, record=False)
-    for r in range(opts.rounds):
-        for side in (plait_side, plain_side) if r % 2 == 0 else (plain_side, plait_side):
-            side.block(opts.steps, record=True)
-    diffs = [abs(a - b) for a, b in zip(plait_side.losses, plain_side.losses, strict=True)]
+    alternate(
+        [(plait_side, plain_side)],
+        timed_step,
+        warmup=opts.warmup,
+        rounds=opts.rounds,
+        steps=opts.steps,
+    )
     return {
         "machine": machine(),
         "config": {**vars(opts), "threads": torch.get_num_threads()},
-        "plait": {
-            **summarize(plait_side.times),
-            **extra,
-            "times_ms": [t * 1e3 for t in plait_side.times],
-        },
-        "plain": {**summarize(plain_side.times), "times_ms": [t * 1e3 for t in plain_side.times]},
-        "ratio_of_medians": median(plait_side.times) / median(plain_side.times),
-        "paired_block_ratio": paired_ratio(plait_side.block_medians, plain_side.block_medians),
-        "block_ratios": [
-            a / b for a, b in zip(plait_side.block_medians, plain_side.block_medians, strict=True)
-        ],
-        "max_loss_diff": max(diffs),
+        "plait": {**summarize(plait_side.times), **extra, "times_ms": plait_side.times_ms()},
+        "plain": {**summarize(plain_side.times), "times_ms": plain_side.times_ms()},
+        **pair_ratios(plait_side, plain_side, per_block=True),
+        "max_loss_diff": max(loss_diffs(plait_side, plain_side)),
     }
 
 
 def report(res: dict, target: float) -> str:
+    """The markdown printed at the end of a run (the JSON holds everything else)."""
     p, q, c = res["plait"], res["plain"], res["config"]
-    ratio = res["ratio_of_medians"]
-    verdict = "meets" if ratio <= target else "misses"
     what = "DataParallel (world of 1)" if c["plait"] == "dp" else "Trainer.train_step"
     data = c["data"] if c["plait"] == "dp" else "real"
+    rows = [[f"plait ({c['plait']})", *time_cells(p)], ["plain PyTorch", *time_cells(q)]]
     return "\n".join(
         [
             f"### single process: plait {what} vs plain PyTorch loop: {c['model']}, "
             f"micro-batch {c['micro_batch']} x seq {c['seq_len']} x accum {c['accum']}, "
             f"{data} data",
             "",
-            f"Machine: {describe_machine_md(res['machine'])}; {c['threads']} thread(s)",
+            machine_line(res, c["threads"], per_rank=False),
             "",
-            markdown_table(
-                ["impl", "median step ms", "min ms", "p25 ms", "p75 ms", "steps"],
-                [
-                    [
-                        f"plait ({c['plait']})",
-                        p["median_ms"],
-                        p["min_ms"],
-                        p["p25_ms"],
-                        p["p75_ms"],
-                        p["steps"],
-                    ],
-                    [
-                        "plain PyTorch",
-                        q["median_ms"],
-                        q["min_ms"],
-                        q["p25_ms"],
-                        q["p75_ms"],
-                        q["steps"],
-                    ],
-                ],
-            ),
+            markdown_table(["impl", *TIME_COLUMNS], rows),
             "",
-            f"ratio plait/plain (median step): **{ratio:.3f}** ({verdict} target <= {target}); "
-            f"median of per-round ratios {res['paired_block_ratio']:.3f}; "
-            f"max |loss diff| {res['max_loss_diff']:.2e}",
+            ratio_line(res, "plain", target) + f"; max |loss diff| {res['max_loss_diff']:.2e}",
         ]
     )
 
@@ -301,9 +269,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     opts = parse(argv)
     res = run(opts)
-    res["command"] = "python " + " ".join(sys.argv)
-    print(report(res, opts.target))
-    save_json(opts.json, res)
+    publish(res, report(res, opts.target), opts.json)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -34,17 +33,19 @@ from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (
-    describe_machine_md,
+    alternate,
+    cycled_step,
+    gather_objects,
+    loss_diffs,
     machine,
-    markdown_table,
     max_over_ranks,
-    median,
-    paired_ratio,
-    save_json,
+    pair_ratios,
     spawn,
     summarize,
+    synthetic_batches,
     threads_for,
 )
+from output import comparison_cells, describe_machine_md, markdown_table, phase_table, publish
 from plait.comm import Comm
 from plait.config import TrainConfig
 from plait.memory_tracker import zero_comm_elements, zero_model_state_bytes
@@ -81,9 +82,9 @@ def model_config(opts: argparse.Namespace) -> ModelConfig:
 def make_batches(opts: argparse.Namespace, rank: int, vocab: int) -> list[tuple]:
     """`opts.pool` synthetic (x, y) batches for this rank; step i uses batch i mod pool, so
     both sides of a pair see the same sequence."""
-    g = torch.Generator().manual_seed(1000 * opts.seed + rank)
-    toks = torch.randint(0, vocab, (opts.pool, opts.micro_batch, opts.seq_len + 1), generator=g)
-    return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in toks]
+    return synthetic_batches(
+        1000 * opts.seed + rank, opts.pool, opts.micro_batch, opts.seq_len, vocab
+    )
 
 
 def make_pair(stage: int, env: dict[str, Any]) -> tuple[PlaitSide, Side]:
@@ -99,37 +100,19 @@ def make_pair(stage: int, env: dict[str, Any]) -> tuple[PlaitSide, Side]:
     return plait_side, torch_side
 
 
-def run_block(side: Side, batches: list, steps: int, record: bool) -> None:
-    """`steps` steps of one side; recorded steps keep their max-over-ranks time."""
-    block = []
-    for _ in range(steps):
-        x, y = batches[len(side.losses) % len(batches)]
-        start = time.perf_counter()
-        ph = side.run_step(x, y)
-        step_max = max_over_ranks(time.perf_counter() - start)  # untimed; also a barrier
-        if record:
-            side.times.append(step_max)
-            block.append(step_max)
-            for k, v in ph.items():
-                side.phases[k].append(v)
-    if record:
-        side.block_medians.append(median(block))
-
-
-def alternate(a: Side, b: Side, batches: list, opts: argparse.Namespace) -> None:
-    """Warm-up (alternating, unrecorded), then rounds of one block each, order flipped."""
-    for _ in range(opts.warmup):
-        for side in (a, b):
-            run_block(side, batches, 1, record=False)
+def time_pair(a: Side, b: Side, batches: list, opts: argparse.Namespace) -> None:
+    """Warm-up (one step of each side at a time, unrecorded), then rounds of one block of
+    `--block` steps each, order flipped, until `--steps` steps per side are recorded."""
     rounds = -(-opts.steps // opts.block)
-    for r in range(rounds):
-        for side in (a, b) if r % 2 == 0 else (b, a):
-            run_block(side, batches, opts.block, record=True)
+    step = cycled_step(batches)
+    alternate(
+        [(a, b)], step, warmup=opts.warmup, rounds=rounds, steps=opts.block, interleave_warmup=True
+    )
 
 
-def loss_diffs(a: Side, b: Side) -> dict[str, float]:
+def loss_check(a: Side, b: Side) -> dict[str, float]:
     """First-step and largest per-step |loss difference|, max over ranks (equal work check)."""
-    diffs = [abs(p - q) for p, q in zip(a.losses, b.losses, strict=True)]
+    diffs = loss_diffs(a, b)
     return {"first_step": max_over_ranks(diffs[0]), "max_all_steps": max_over_ranks(max(diffs))}
 
 
@@ -138,8 +121,8 @@ def side_result(side: Side, comm: dict, mem: list[dict]) -> dict[str, Any]:
     return {
         "name": side.name,
         **summarize(side.times),
-        "times_ms": [t * 1e3 for t in side.times],
-        "phases_median_ms_rank0": {k: median(v) * 1e3 for k, v in side.phases.items()},
+        "times_ms": side.times_ms(),
+        "phases_median_ms_rank0": side.phase_medians_ms(),
         "comm": comm,
         "memory_per_rank": mem,
         "first_loss": side.losses[0],
@@ -150,13 +133,12 @@ def run_pair(stage: int, env: dict[str, Any]) -> dict[str, Any]:
     """Time, count bytes and measure memory of one pair; all ranks take part."""
     opts, batches = env["opts"], env["batches"]
     plait_side, torch_side = make_pair(stage, env)
-    alternate(plait_side, torch_side, batches, opts)
+    time_pair(plait_side, torch_side, batches, opts)
     x, y = batches[len(plait_side.losses) % len(batches)]
     comms = [measure_comm(s, x, y) for s in (plait_side, torch_side)]
     x, y = batches[len(plait_side.losses) % len(batches)]
     mems = [measure_memory(s, x, y) for s in (plait_side, torch_side)]
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mems)  # per rank: ZeroRedundancyOptimizer may be uneven
+    gathered = gather_objects(mems)  # per rank: ZeroRedundancyOptimizer may be uneven
     psi = sum(p.numel() for p in plait_side.model.parameters())
     out = {
         "stage": stage,
@@ -164,9 +146,8 @@ def run_pair(stage: int, env: dict[str, Any]) -> dict[str, Any]:
         "theory": theory(stage, psi, dist.get_world_size()),
         "plait": side_result(plait_side, comms[0], [g[0] for g in gathered]),
         "torch": side_result(torch_side, comms[1], [g[1] for g in gathered]),
-        "ratio_of_medians": median(plait_side.times) / median(torch_side.times),
-        "paired_block_ratio": paired_ratio(plait_side.block_medians, torch_side.block_medians),
-        "loss_diff": loss_diffs(plait_side, torch_side),
+        **pair_ratios(plait_side, torch_side),
+        "loss_diff": loss_check(plait_side, torch_side),
     }
     plait_side.engine.close()
     return out
@@ -220,6 +201,15 @@ def _mib(b: float) -> str:
     return f"{b / 2**20:.2f}"
 
 
+def _labelled_sides(res: dict) -> list[tuple[dict, str, str]]:
+    """(pair results, "plait" or "torch", row label) for both sides of every pair."""
+    return [
+        (p, key, label)
+        for s, p in res["pairs"].items()
+        for key, label in (("plait", f"plait ZeRO-{s}"), ("torch", TORCH_NAMES[int(s)]))
+    ]
+
+
 def time_rows(res: dict) -> list[list]:
     """One row per pair: medians, ratios, minima and the equal-work loss check."""
     rows = []
@@ -228,11 +218,7 @@ def time_rows(res: dict) -> list[list]:
         rows.append(
             [
                 f"ZeRO-{s} vs {TORCH_NAMES[int(s)]}",
-                a["median_ms"],
-                b["median_ms"],
-                f"**{p['ratio_of_medians']:.3f}**",
-                p["paired_block_ratio"],
-                f"{a['min_ms']:.1f} / {b['min_ms']:.1f}",
+                *comparison_cells(p, a, b),
                 a["steps"],
                 f"{p['loss_diff']['first_step']:.1e}",
                 f"{p['loss_diff']['max_all_steps']:.1e}",
@@ -244,53 +230,49 @@ def time_rows(res: dict) -> list[list]:
 def comm_rows(res: dict) -> list[list]:
     """One row per side: counted bytes by op next to plait's CommStats and the theory."""
     rows = []
-    for s, p in res["pairs"].items():
-        for key, label in (("plait", f"plait ZeRO-{s}"), ("torch", TORCH_NAMES[int(s)])):
-            c = p[key]["comm"]["counted"]
-            own = p[key]["comm"].get("plait_comm_stats")
-            ops = [
-                c.get(op, {}).get("bytes", 0)
-                for op in ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+    for p, key, label in _labelled_sides(res):
+        c = p[key]["comm"]["counted"]
+        own = p[key]["comm"].get("plait_comm_stats")
+        ops = [
+            c.get(op, {}).get("bytes", 0)
+            for op in ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+        ]
+        rows.append(
+            [
+                label,
+                *ops,
+                sum(ops),
+                sum(v["calls"] for v in c.values()),
+                sum(v["bytes"] for v in own.values()) if own else "-",
+                p["theory"]["comm_bytes_total"],
             ]
-            rows.append(
-                [
-                    label,
-                    *ops,
-                    sum(ops),
-                    sum(v["calls"] for v in c.values()),
-                    sum(v["bytes"] for v in own.values()) if own else "-",
-                    p["theory"]["comm_bytes_total"],
-                ]
-            )
+        )
     return rows
 
 
 def memory_rows(res: dict) -> list[list]:
     """Max over ranks of each figure (ZeroRedundancyOptimizer's partition is uneven)."""
     rows = []
-    for s, p in res["pairs"].items():
-        for key, label in (("plait", f"plait ZeRO-{s}"), ("torch", TORCH_NAMES[int(s)])):
-            mems = p[key]["memory_per_rank"]
-            after = [m["after_step"] for m in mems]
-            states = max(_sum(a, PARAM_KEYS + GRAD_KEYS + OPT_KEYS) for a in after)
-            other = max(
-                a.get("Total", 0) - _sum(a, PARAM_KEYS + GRAD_KEYS + OPT_KEYS) for a in after
-            )
-            own = [m["plait_tracker"] for m in mems if "plait_tracker" in m]
-            rows.append(
-                [
-                    label,
-                    _mib(max(_sum(a, PARAM_KEYS) for a in after)),
-                    _mib(max(_sum(a, GRAD_KEYS) for a in after)),
-                    _mib(max(_sum(a, OPT_KEYS) for a in after)),
-                    _mib(states),
-                    _mib(p["theory"]["model_state_bytes"]),
-                    _mib(max(o["model_states"]["device"] for o in own)) if own else "-",
-                    _mib(other),
-                    _mib(max(m["peak"].get("Total", 0) for m in mems)),
-                    _mib(max(o["peak_total"]["device"] for o in own)) if own else "-",
-                ]
-            )
+    for p, key, label in _labelled_sides(res):
+        mems = p[key]["memory_per_rank"]
+        after = [m["after_step"] for m in mems]
+        states = max(_sum(a, PARAM_KEYS + GRAD_KEYS + OPT_KEYS) for a in after)
+        other = max(a.get("Total", 0) - _sum(a, PARAM_KEYS + GRAD_KEYS + OPT_KEYS) for a in after)
+        own = [m["plait_tracker"] for m in mems if "plait_tracker" in m]
+        rows.append(
+            [
+                label,
+                _mib(max(_sum(a, PARAM_KEYS) for a in after)),
+                _mib(max(_sum(a, GRAD_KEYS) for a in after)),
+                _mib(max(_sum(a, OPT_KEYS) for a in after)),
+                _mib(states),
+                _mib(p["theory"]["model_state_bytes"]),
+                _mib(max(o["model_states"]["device"] for o in own)) if own else "-",
+                _mib(other),
+                _mib(max(m["peak"].get("Total", 0) for m in mems)),
+                _mib(max(o["peak_total"]["device"] for o in own)) if own else "-",
+            ]
+        )
     return rows
 
 
@@ -310,11 +292,7 @@ def report(res: dict) -> str:
     """The markdown printed at the end of a run (the JSON holds everything else)."""
     c, m = res["config"], res["config"]["model"]
     psi = next(iter(res["pairs"].values()))["psi"]
-    phases = [
-        [p[k]["name"], *(p[k]["phases_median_ms_rank0"][ph] for ph in PHASES)]
-        for p in res["pairs"].values()
-        for k in ("plait", "torch")
-    ]
+    sides = [(p[k]["name"], p[k]) for p in res["pairs"].values() for k in ("plait", "torch")]
     gloo = ", ".join(f"{k} {v:.2f}" for k, v in res.get("gloo_collective_ms", {}).items())
     return "\n\n".join(
         [
@@ -333,7 +311,7 @@ def report(res: dict) -> str:
             markdown_table(MEM_HEAD.split(","), memory_rows(res)),
             f"gloo alone on one Ψ-sized fp32 buffer, median ms (max over ranks): {gloo}",
             "Median per-phase time on rank 0 (ms):",
-            markdown_table(["side", *PHASES], phases),
+            phase_table("side", PHASES, sides, key="phases_median_ms_rank0"),
         ]
     )
 
@@ -372,9 +350,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     opts = parse(argv)
     res = spawn(worker, opts.world, opts)
-    res["command"] = "python " + " ".join(sys.argv)
-    print(report(res))
-    save_json(opts.out, res)
+    publish(res, report(res), opts.out)
 
 
 if __name__ == "__main__":

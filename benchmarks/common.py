@@ -1,8 +1,10 @@
-"""Shared helpers for the side-by-side benchmarks: timing, process groups, machine facts.
+"""Shared scaffolding of the side-by-side benchmarks: timing, sides and block alternation,
+process groups, collective byte counts and machine facts (`output.py` formats the results).
 
 Benchmarks are not tests: they measure, print a markdown table and optionally save JSON.
 Every benchmark alternates plait and the PyTorch reference inside one process (group), so
-slow drift of the machine (other jobs, thermal state) hits both sides alike.
+slow drift of the machine (other jobs, thermal state) hits both sides alike. That protocol
+lives here once (`Side`, `run_block`, `alternate`), so every benchmark times the same way.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import socket
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -147,29 +149,175 @@ def max_over_ranks(value: float) -> float:
     return float(t.item())
 
 
-# ---------------------------------------------------------------- output
-def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    def fmt(v: Any) -> str:
-        if isinstance(v, float):
-            return f"{v:.3f}" if abs(v) < 100 else f"{v:,.1f}"
-        if isinstance(v, int):
-            return f"{v:,}"
-        return str(v)
-
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
-    return "\n".join(lines)
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's `obj`, in rank order (all_gather_object): for figures kept per rank."""
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
-def save_json(path: str | None, payload: dict[str, Any]) -> None:
-    if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(payload, indent=2))
-        print(f"saved {path}")
+def synthetic_batches(
+    seed: int, n: int, batch: int, seq_len: int, vocab: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`n` random-token (x, y) batches of (batch, seq_len), y = x shifted by one: data that
+    costs nothing to make, so both sides of a pair can train on exactly the same batches."""
+    g = torch.Generator().manual_seed(seed)
+    toks = torch.randint(0, vocab, (n, batch, seq_len + 1), generator=g)
+    return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in toks]
 
 
-def describe_machine_md(m: dict[str, Any]) -> str:
-    return (
-        f"{m['cpu']}, {m['cores']} usable cores, {m['os']}, "
-        f"Python {m['python']}, torch {m['torch']}"
-    )
+# ---------------------------------------------------------------- sides and blocks
+# One step of a side: (its figure in seconds, what `Side.record` keeps besides).
+StepFn = Callable[[Any], tuple[float, Mapping[str, Any]]]
+
+
+class Side:
+    """What a block run keeps of one implementation under test, in every benchmark.
+
+    Subclasses add the model and the step; the block runner below needs only these lists,
+    so plait and its torch peer are recorded by the same code in every benchmark."""
+
+    def __init__(self, name: str, phases: Sequence[str] = ()) -> None:
+        self.name = name
+        self.times: list[float] = []  # seconds per recorded step (max over ranks, if several)
+        self.block_medians: list[float] = []  # one per recorded block, for paired ratios
+        self.phases: dict[str, list[float]] = {p: [] for p in phases}  # this rank, recorded
+        self.losses: list[float] = []  # this rank's loss, every step (warm-up included)
+
+    def record(self, seconds: float, extra: Mapping[str, Any]) -> None:
+        """Keep one recorded step: its figure and its per-phase times (`extra`)."""
+        self.times.append(seconds)
+        for k, v in extra.items():
+            self.phases[k].append(v)
+
+    def times_ms(self) -> list[float]:
+        """Every recorded step in ms: the JSON keeps them so others can re-derive figures."""
+        return [t * 1e3 for t in self.times]
+
+    def phase_medians_ms(self) -> dict[str, float]:
+        """Median of each phase over the recorded steps, in ms (this rank's clock)."""
+        return {k: median(v) * 1e3 for k, v in self.phases.items()}
+
+
+def run_block(side: Side, steps: int, record: bool, step: StepFn) -> None:
+    """`steps` steps of one side; recorded ones are kept, and the block's median."""
+    block = []
+    for _ in range(steps):
+        seconds, extra = step(side)
+        if record:
+            side.record(seconds, extra)
+            block.append(seconds)
+    if record:
+        side.block_medians.append(median(block))
+
+
+def warm_up(sides: Sequence[Side], steps: int, step: StepFn, interleave: bool = False) -> None:
+    """Unrecorded steps: a block of `steps` per side in turn, or (`interleave`) one step of
+    each side at a time."""
+    if not interleave:
+        for side in sides:
+            run_block(side, steps, False, step)
+        return
+    for _ in range(steps):
+        for side in sides:
+            run_block(side, 1, False, step)
+
+
+def alternate(
+    pairs: Sequence[tuple[Side, Side]],
+    step: StepFn,
+    *,
+    warmup: int,
+    rounds: int,
+    steps: int,
+    interleave_warmup: bool = False,
+) -> None:
+    """Warm-up, then `rounds` rounds of one recorded block of `steps` steps per side, pairs
+    taking turns inside a round and each pair's order flipping every round: slow drift of
+    the machine then hits both sides of a pair alike."""
+    warm_up([s for pair in pairs for s in pair], warmup, step, interleave_warmup)
+    for r in range(rounds):
+        for a, b in pairs:
+            for side in (a, b) if r % 2 == 0 else (b, a):
+                run_block(side, steps, True, step)
+
+
+def cycled_step(batches: Sequence[Any], unpack: bool = True) -> StepFn:
+    """The step of a side whose `run_step(batch)` returns its phase times. A side's step i
+    uses batch i mod pool, so both sides see the same sequence. Timed on every rank; the
+    figure is the max over ranks, taken outside the timed region (an all-reduce that also
+    lines the ranks up before the next step). `unpack`: call run_step(*batch)."""
+
+    def step(side: Any) -> tuple[float, Mapping[str, Any]]:
+        batch = batches[len(side.losses) % len(batches)]
+        args = batch if unpack else (batch,)  # before the clock: only run_step is timed
+        start = time.perf_counter()
+        phases = side.run_step(*args)
+        return max_over_ranks(time.perf_counter() - start), phases
+
+    return step
+
+
+def step_figures(side: Side) -> dict[str, Any]:
+    """A side's step-time summary, this rank's phase medians and every step time (ms)."""
+    return {
+        **summarize(side.times),
+        "phases_median_ms": side.phase_medians_ms(),
+        "times_ms": side.times_ms(),
+    }
+
+
+def pair_ratios(a: Side, b: Side, per_block: bool = False) -> dict[str, Any]:
+    """a/b by median step and by the median of per-round (paired) block ratios; with
+    `per_block`, every block ratio too."""
+    out: dict[str, Any] = {
+        "ratio_of_medians": ratio_of_medians(a.times, b.times),
+        "paired_block_ratio": paired_ratio(a.block_medians, b.block_medians),
+    }
+    if per_block:
+        pairs = zip(a.block_medians, b.block_medians, strict=True)
+        out["block_ratios"] = [x / y for x, y in pairs]
+    return out
+
+
+def loss_diffs(a: Side, b: Side) -> list[float]:
+    """|loss a - loss b| step by step over the steps both took: the check that both sides
+    did the same work."""
+    n = min(len(a.losses), len(b.losses))
+    return [abs(x - y) for x, y in zip(a.losses[:n], b.losses[:n], strict=True)]
+
+
+# ---------------------------------------------------------------- collective bytes
+# Logical bytes follow plait.comm and the ZeRO paper: all-reduce and broadcast count the
+# buffer, all-gather the output, reduce-scatter the input. Ops by name without namespace.
+_FUNCOL_GATHERS = frozenset({"all_gather_into_tensor", "all_gather_into_tensor_coalesced"})
+_INPUT_SECOND = frozenset(
+    {"_reduce_scatter_base_", "reduce_scatter_", "reduce_scatter_tensor_coalesced_"}
+)
+
+
+def tensor_bytes(x: Any) -> int:
+    """Bytes of a tensor or a (nested) list of tensors; anything else counts 0."""
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(tensor_bytes(t) for t in x)
+    return 0
+
+
+def logical_bytes(op: str, args: tuple) -> int:
+    """Logical bytes of one collective call, from its arguments; `op` is the op's name
+    without namespace (c10d `allgather_`, funcol `all_gather_into_tensor`, ...)."""
+    if op in _FUNCOL_GATHERS:
+        return tensor_bytes(args[0]) * int(args[1])  # funcol: (input, group_size, group)
+    if op in _INPUT_SECOND:
+        return tensor_bytes(args[1])  # c10d reduce-scatter: (output, input, ...)
+    return tensor_bytes(args[0])  # all-reduce, broadcast, c10d all-gather (output first), ...
+
+
+def tally(table: dict[Any, dict[str, int]], key: Hashable, calls: int, nbytes: int) -> None:
+    """Add calls and bytes under `key`: the {key: {"calls", "bytes"}} shape of every byte
+    count the benchmarks report."""
+    d = table.setdefault(key, {"calls": 0, "bytes": 0})
+    d["calls"] += calls
+    d["bytes"] += nbytes

@@ -13,12 +13,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import describe_machine_md, markdown_table
-
-
-def _ddp_sizes(d: dict) -> list[int]:
-    sizes = d.get("rebuilt_bucket_sizes") or d.get("bucket_sizes") or ""
-    return [int(x) for x in str(sizes).split(",") if x.strip()]
+from output import comparison_cells, ddp_bucket_sizes, describe_machine_md, markdown_table
 
 
 def dp_row(name: str, r: dict) -> list:
@@ -30,12 +25,8 @@ def dp_row(name: str, r: dict) -> list:
     return [
         name,
         setup,
-        p["median_ms"],
-        d["median_ms"],
-        f"**{r['ratio_of_medians']:.3f}**",
-        r["paired_block_ratio"],
-        f"{p['min_ms']:.1f} / {d['min_ms']:.1f}",
-        f"{p['buckets']} / {len(_ddp_sizes(d))}",
+        *comparison_cells(r, p, d),
+        f"{p['buckets']} / {len(ddp_bucket_sizes(d))}",
         p["grad_allreduce_bytes_per_step"],
         f"{r['max_loss_diff']:.1e}",
     ]
@@ -50,11 +41,7 @@ def single_row(name: str, r: dict) -> list:
         c["plait"],
         setup,
         c["threads"],
-        p["median_ms"],
-        q["median_ms"],
-        f"**{r['ratio_of_medians']:.3f}**",
-        r["paired_block_ratio"],
-        f"{p['min_ms']:.1f} / {q['min_ms']:.1f}",
+        *comparison_cells(r, p, q),
         f"{r['max_loss_diff']:.1e}",
     ]
 

@@ -33,7 +33,8 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from common import max_over_ranks, median
+import common
+from common import logical_bytes, max_over_ranks, median, tally, tensor_bytes
 from plait.comm import Comm
 from plait.config import TrainConfig
 from plait.optim import build_optimizer
@@ -43,17 +44,12 @@ PHASES = ("forward", "backward", "finish", "clip", "step", "zero")
 Probe = Callable[[], None] | None
 
 
-class Side:
-    """One implementation's model, optimizer and step; timings and losses are kept here."""
-
-    name = "?"
+class Side(common.Side):
+    """One implementation's model, optimizer and step; subclasses name themselves."""
 
     def __init__(self, model: nn.Module, opts: Any, train_cfg: TrainConfig) -> None:
+        super().__init__("?", PHASES)
         self.model, self.clip, self.lr = model, opts.clip, train_cfg.lr
-        self.times: list[float] = []  # seconds per recorded step, max over ranks
-        self.block_medians: list[float] = []
-        self.phases: dict[str, list[float]] = {p: [] for p in PHASES}
-        self.losses: list[float] = []  # this rank's loss, every step (warm-up included)
 
     def run_step(self, x: Tensor, y: Tensor, probe: Probe = None) -> dict[str, float]:
         """One optimizer step; `probe()` runs after the update, before grads are zeroed."""
@@ -129,9 +125,7 @@ class PlaitSide(Side):
         """plait's own accounting of the last step: op -> calls and logical bytes."""
         out: dict[str, dict[str, int]] = {}
         for r in self.comm.stats.records.values():
-            d = out.setdefault(r.op, {"calls": 0, "bytes": 0})
-            d["calls"] += r.calls
-            d["bytes"] += r.bytes
+            tally(out, r.op, r.calls, r.bytes)
         return out
 
 
@@ -249,32 +243,22 @@ class DdpSide(TorchSide):
 
 
 # ---------------------------------------------------------------- instruments
-def _nbytes(x: Any) -> int:
-    """Bytes of a tensor or a (nested) list of tensors."""
-    if isinstance(x, Tensor):
-        return x.numel() * x.element_size()
-    if isinstance(x, list | tuple):
-        return sum(_nbytes(t) for t in x)
-    return 0
-
-
-# op name -> (kind, index of the argument that holds the logical buffer). Logical bytes follow
-# plait.comm and the ZeRO paper: all-reduce and broadcast the buffer, all-gather the output,
-# reduce-scatter the input.
+# op name -> the kind it is counted under; its logical bytes are common.logical_bytes.
 _COLLECTIVES = {
-    "c10d::allreduce_": ("all_reduce", 0),
-    "c10d::allreduce_coalesced_": ("all_reduce", 0),
-    "c10d::broadcast_": ("broadcast", 0),
-    "c10d::_allgather_base_": ("all_gather", 0),
-    "c10d::allgather_": ("all_gather", 0),
-    "c10d::allgather_into_tensor_coalesced_": ("all_gather", 0),
-    "c10d::_reduce_scatter_base_": ("reduce_scatter", 1),
-    "c10d::reduce_scatter_": ("reduce_scatter", 1),
-    "c10d::reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
-    "_c10d_functional::all_reduce": ("all_reduce", 0),
-    "_c10d_functional::all_reduce_": ("all_reduce", 0),
-    "_c10d_functional::broadcast": ("broadcast", 0),
-    "_c10d_functional::reduce_scatter_tensor": ("reduce_scatter", 0),
+    "c10d::allreduce_": "all_reduce",
+    "c10d::allreduce_coalesced_": "all_reduce",
+    "c10d::broadcast_": "broadcast",
+    "c10d::_allgather_base_": "all_gather",
+    "c10d::allgather_": "all_gather",
+    "c10d::allgather_into_tensor_coalesced_": "all_gather",
+    "c10d::_reduce_scatter_base_": "reduce_scatter",
+    "c10d::reduce_scatter_": "reduce_scatter",
+    "c10d::reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "_c10d_functional::all_reduce": "all_reduce",
+    "_c10d_functional::all_reduce_": "all_reduce",
+    "_c10d_functional::broadcast": "broadcast",
+    "_c10d_functional::reduce_scatter_tensor": "reduce_scatter",
+    "_c10d_functional::all_gather_into_tensor": "all_gather",
 }
 
 
@@ -308,20 +292,15 @@ class CollectiveCounter(TorchDispatchMode):
 
     def _record(self, name: str, args: tuple) -> None:
         if name in _COLLECTIVES:
-            kind, arg = _COLLECTIVES[name]
-            nbytes = _nbytes(args[arg])
+            kind, nbytes = _COLLECTIVES[name], logical_bytes(name.split("::", 1)[1], args)
             if name == "c10d::allreduce_":
                 self.all_reduced += list(args[0])
-        elif name == "_c10d_functional::all_gather_into_tensor":
-            kind, nbytes = "all_gather", _nbytes(args[0]) * int(args[1])
         elif "barrier" in name:
             kind, nbytes = "barrier", 0
         else:
-            kind, nbytes = name, _nbytes(list(args))
+            kind, nbytes = name, tensor_bytes(list(args))
             self.unknown.add(name)
-        d = self.ops.setdefault(kind, {"calls": 0, "bytes": 0})
-        d["calls"] += 1
-        d["bytes"] += nbytes
+        tally(self.ops, kind, 1, nbytes)
 
 
 def measure_comm(side: Side, x: Tensor, y: Tensor) -> dict[str, Any]:
@@ -384,5 +363,5 @@ def measure_memory(side: Side, x: Tensor, y: Tensor) -> dict[str, Any]:
         side.count_activations = False
         out["plait_tracker"] = side.engine.memory.report()
     if isinstance(side, DdpSide):
-        out["ddp_bucket_bytes"] = sum(t.numel() * t.element_size() for t in side.buckets)
+        out["ddp_bucket_bytes"] = tensor_bytes(side.buckets)
     return out
