@@ -53,8 +53,10 @@ from plait.comm import Comm
 from plait.config import TrainConfig
 from plait.mesh import build_mesh
 from plait.models.presets import get_preset
-from plait.optim import build_optimizer, clip_grad_norm
-from plait.parallel.data_parallel import DataParallel
+from plait.optim import build_optimizer
+from plait.parallel.grads import SplitRules, clip_coef
+from plait.parallel.zero.adamw import AdamW
+from plait.parallel.zero.engine import ZeroEngine
 from plait.topology import Layout
 from plait.train import build_model
 
@@ -80,13 +82,14 @@ def make_batches(opts: argparse.Namespace, rank: int, world: int, vocab: int) ->
 
 
 class PlaitSide(Side):
-    """plait's DataParallel replica, optimizer and step, with per-phase timings."""
+    """plait's data parallelism (the ZeRO engine at stage 0) and step, with per-phase timings."""
 
     def __init__(self, model, comm: Comm, opts, train_cfg: TrainConfig) -> None:
         super().__init__("plait", PHASES)
-        self.model, self.comm, self.clip = model, comm, opts.clip
-        self.dp = DataParallel(model, comm, opts.bucket_mb)
-        self.opt = build_optimizer(model, train_cfg)
+        self.model, self.comm, self.clip, self.lr = model, comm, opts.clip, train_cfg.lr
+        optimizer = AdamW.from_train(train_cfg)
+        self.dp = ZeroEngine(model, comm, optimizer, stage=0, bucket_mb=opts.bucket_mb)
+        self.rules = SplitRules.of(model, comm.mesh)
         self.step = 0
         self.grad_bytes: list[int] = []
         self.grad_calls: list[int] = []
@@ -110,9 +113,9 @@ class PlaitSide(Side):
         self.dp.finish()
         t1 = clock()
         if self.clip > 0:  # clip 0 = off on both sides (torch's clip_grad_norm_(0) zeroes)
-            clip_grad_norm(self.dp.grad_buffers(), self.clip)
+            self.dp.clip(clip_coef(self.dp.grad_norm(self.rules), self.clip))
         t2 = clock()
-        self.opt.step()
+        self.dp.step(self.lr)
         t3 = clock()
         self.dp.zero_grad()
         t4 = clock()
@@ -129,9 +132,9 @@ class PlaitSide(Side):
         return {
             "grad_allreduce_bytes_per_step": self.grad_bytes[-1],
             "grad_allreduce_calls_per_step": self.grad_calls[-1],
-            "buckets": len(self.dp.buckets),
-            "launch_log_last_step": self.dp.launch_log,
-            "bucket_numels": [b.buffer.numel() for b in self.dp.buckets],
+            "buckets": len(self.dp.groups),
+            "launch_log_last_step": self.dp.grads.launch_log,
+            "bucket_numels": [g.padded for g in self.dp.groups],
         }
 
 
@@ -194,7 +197,7 @@ def worker(rank: int, world: int, opts: argparse.Namespace) -> dict:
         [(plait_side, ddp_side)], step, warmup=opts.warmup, rounds=opts.rounds, steps=opts.steps
     )
     max_diff = max_over_ranks(max(loss_diffs(plait_side, ddp_side)))
-    params = sum(p.numel() for p in plait_side.dp.params)
+    params = sum(p.numel() for p in plait_side.model.parameters())
     return {
         "machine": machine(),
         "config": {**vars(opts), "threads_per_rank": threads_for(world), "params": params},

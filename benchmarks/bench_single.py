@@ -1,13 +1,14 @@
 """Single-process plait vs a plain PyTorch loop: what does plait's machinery cost on one rank?
 
 Both sides train the same model (same preset and seed, so the same initial weights) on the
-same batches with the same AdamW (`plait.optim.build_optimizer`) and gradient clipping.
+same batches with the same AdamW update rule and gradient clipping.
 
-- `--plait dp` (default): plait's step protocol with `DataParallel` over a world of one
-  (gradients land in flat buckets through per-parameter hooks; the all-reduce is a no-op),
-  `plait.optim.clip_grad_norm` over the flat buffers, `dp.zero_grad()`.
+- `--plait dp` (default): plait's step protocol with the ZeRO engine at stage 0 (plain data
+  parallelism) over a world of one (gradients land in flat buckets through per-parameter
+  hooks; the all-reduce is a no-op), the global norm of `plait.parallel.grads`, the engine's
+  element-wise AdamW and `zero_grad()`.
 - `--plait trainer`: `plait.train.Trainer.train_step()` as a run executes it (sampler,
-  dropout keys, lr schedule, DataParallel, clipping, loss reduction). The plain loop then
+  dropout keys, lr schedule, the engine, clipping, loss reduction). The plain loop then
   does the same data work (same sampler, windows and lr schedule) by hand.
 
 The plain loop is model -> loss.backward() -> torch.nn.utils.clip_grad_norm_ ->
@@ -45,8 +46,10 @@ from plait.config import Config, TrainConfig, build_config
 from plait.data import GlobalBatchSampler, load_tokens, split_micro
 from plait.mesh import single_process_mesh
 from plait.models.presets import get_preset
-from plait.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
-from plait.parallel.data_parallel import DataParallel
+from plait.optim import build_optimizer, lr_at, set_lr
+from plait.parallel.grads import SplitRules, clip_coef
+from plait.parallel.zero.adamw import AdamW
+from plait.parallel.zero.engine import ZeroEngine
 from plait.train import Trainer, build_model, corpus_from_tokens
 
 
@@ -88,8 +91,8 @@ def plain_step_fn(model, opt, clip: float, next_micro: Callable[[], list]) -> Ca
 
 def plait_dp_step_fn(model, opts, train_cfg, next_micro) -> tuple[Callable[[], float], object]:
     comm = Comm(single_process_mesh())
-    dp = DataParallel(model, comm, opts.bucket_mb)
-    opt = build_optimizer(model, train_cfg)
+    dp = ZeroEngine(model, comm, AdamW.from_train(train_cfg), stage=0, bucket_mb=opts.bucket_mb)
+    rules = SplitRules.of(model, comm.mesh)
     counter = [0]
 
     def step() -> float:
@@ -103,8 +106,8 @@ def plait_dp_step_fn(model, opts, train_cfg, next_micro) -> tuple[Callable[[], f
             loss_sum += float(loss.detach())
         dp.finish()
         if opts.clip > 0:
-            clip_grad_norm(dp.grad_buffers(), opts.clip)
-        opt.step()
+            dp.clip(clip_coef(dp.grad_norm(rules), opts.clip))
+        dp.step(train_cfg.lr)
         dp.zero_grad()
         counter[0] += 1
         return loss_sum / n
@@ -149,12 +152,12 @@ def build_sides(opts: argparse.Namespace) -> tuple[FnSide, FnSide, dict]:
         model_q = build_model(cfg, device, opts.seed)
         opt_q = build_optimizer(model_q, train_cfg)
         step_q = plain_step_fn(model_q, opt_q, opts.clip, cycler(batches))
-        extra["buckets"] = len(dp.buckets)
+        extra["buckets"] = len(dp.groups)
     else:
         full = trainer_config(opts)
         corpus = corpus_from_tokens(load_tokens(opts.data_path, opts.max_bytes), full)
         trainer = Trainer(full, single_process_mesh(device), corpus)
-        extra["buckets"] = len(trainer.dp.buckets)
+        extra["buckets"] = len(trainer.engine.groups)
 
         def step_p() -> float:
             return trainer.train_step().loss
@@ -219,7 +222,7 @@ def run(opts: argparse.Namespace) -> dict:
 def report(res: dict, target: float) -> str:
     """The markdown printed at the end of a run (the JSON holds everything else)."""
     p, q, c = res["plait"], res["plain"], res["config"]
-    what = "DataParallel (world of 1)" if c["plait"] == "dp" else "Trainer.train_step"
+    what = "ZeRO engine stage 0 (world of 1)" if c["plait"] == "dp" else "Trainer.train_step"
     data = c["data"] if c["plait"] == "dp" else "real"
     rows = [[f"plait ({c['plait']})", *time_cells(p)], ["plain PyTorch", *time_cells(q)]]
     return "\n".join(

@@ -78,10 +78,8 @@ from plait.comm import Comm
 from plait.config import TrainConfig
 from plait.mesh import build_mesh
 from plait.models.presets import get_preset
-from plait.parallel.tensor_parallel import (
-    apply_tensor_parallel,
-    check_tensor_parallel,
-)
+from plait.parallel.tp.apply import apply_tensor_parallel
+from plait.rules import check_tensor_parallel
 from plait.topology import Layout
 from plait.train import build_model
 from tp_sides import (

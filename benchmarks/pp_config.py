@@ -12,7 +12,7 @@ import argparse
 import torch
 
 from plait.config import build_config
-from plait.parallel.pipeline.runtime import MicroBatch
+from plait.data.batches import MicroBatch
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 

@@ -1,6 +1,6 @@
 """How `bench_pp.py` measures a pipeline step and turns the records into its results.
 
-Measured bubble (both sides, the definition of `plait.parallel.pipeline.simulate.measure`
+Measured bubble (both sides, the definition of `plait.parallel.pipeline.plan.simulate.measure`
 applied to compute actions only): 1 − Σ_ranks compute time / (p × makespan), the makespan
 running from the first compute start to the last compute end over all ranks. The simulator
 is then run on the schedule with the nominal costs (fixed-cost mode), with plait's measured
@@ -27,9 +27,9 @@ from common import (
     ratio_of_medians,
     summarize,
 )
-from plait.parallel.pipeline.actions import Action, Kind, TimedAction
-from plait.parallel.pipeline.schedules import build_schedule
-from plait.parallel.pipeline.simulate import Costs, measure, simulate
+from plait.parallel.pipeline.plan.actions import Action, Kind, TimedAction
+from plait.parallel.pipeline.plan.schedules import build_schedule
+from plait.parallel.pipeline.plan.simulate import Costs, measure, simulate
 from pp_config import chunks_for
 from pp_sides import Side, compute_only
 

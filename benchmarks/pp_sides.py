@@ -34,11 +34,14 @@ from plait.comm import Comm
 from plait.data import GlobalBatchSampler
 from plait.mesh import build_mesh
 from plait.optim import build_optimizer, lr_at, set_lr
-from plait.parallel.data_parallel import DataParallel
-from plait.parallel.pipeline.actions import Action, Kind, TimedAction
-from plait.parallel.pipeline.runtime import PipelineRuntime
-from plait.parallel.pipeline.schedules import build_schedule
-from plait.parallel.pipeline.stage import prune_to_stages, rank_plans, tied_embedding_params
+from plait.parallel.grads import tied_embedding_params
+from plait.parallel.pipeline.plan.actions import Action, Kind, TimedAction
+from plait.parallel.pipeline.plan.schedules import build_schedule
+from plait.parallel.pipeline.plan.stages import rank_plans
+from plait.parallel.pipeline.runtime.executor import PipelineRuntime
+from plait.parallel.pipeline.runtime.stage import prune_to_stages
+from plait.parallel.zero.adamw import AdamW
+from plait.parallel.zero.engine import ZeroEngine
 from plait.topology import Layout
 from plait.train import Trainer, build_model
 from pp_config import chunks_for, make_config
@@ -281,7 +284,7 @@ class PlaitFixedSide(Side):
         self.sched = build_schedule(schedule, world, opts.microbatches, v)
         mesh = build_mesh(Layout(pp=world), torch.device("cpu"))
         comm = Comm(mesh)
-        self.dp = DataParallel(self.model, comm, 25.0)
+        self.dp = ZeroEngine(self.model, comm, AdamW(), stage=0)  # reduces, never steps
         shape = (opts.micro_batch, opts.seq_len, opts.d_model)
         self.runtime = PipelineRuntime(self.sched, rank, self.model, plans, comm, self.dp, shape)
         self.micro = micro

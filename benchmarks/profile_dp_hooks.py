@@ -24,11 +24,12 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from plait.parallel.data_parallel import DataParallel
+
 from common import machine, median, spawn
 from plait.comm import Comm
 from plait.mesh import build_mesh
 from plait.models.presets import get_preset
-from plait.parallel.data_parallel import DataParallel
 from plait.topology import Layout
 from plait.train import build_model
 

@@ -37,10 +37,7 @@ from plait.comm import Comm
 from plait.config import TrainConfig
 from plait.models.config import ModelConfig
 from plait.optim import build_optimizer
-from plait.parallel.tensor_parallel import (
-    clip_tp_grad_norm_,
-    sync_sequence_parallel_grads,
-)
+from plait.parallel.grads import SplitRules, clip_coef, param_grads
 from plait.train import build_model
 
 PHASES = ("forward", "backward", "sync", "clip", "optim", "zero")
@@ -166,6 +163,7 @@ class PlaitSide(Side):
     def __init__(self, model, comm: Comm, opts, train_cfg: TrainConfig) -> None:
         super().__init__("plait", model, opts, train_cfg)
         self.comm, self.step = comm, 0
+        self.rules = SplitRules.of(model, comm.mesh)
         self.stats_last: dict = {}
 
     def run_step(self, x, y, counter=None) -> dict[str, float]:
@@ -178,11 +176,14 @@ class PlaitSide(Side):
         loss.backward()
         t2 = clock()
         _mark(counter, "sync")
-        sync_sequence_parallel_grads(self.model, self.comm)  # no-op without SP
+        self.rules.sync(param_grads(self.model), self.comm)  # no-op without SP
         t3 = clock()
         _mark(counter, "clip")
         if self.clip > 0:  # clip 0 = off on both sides
-            clip_tp_grad_norm_(self.model, self.comm, self.clip)
+            coef = clip_coef(self.rules.norm(param_grads(self.model), self.comm), self.clip)
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
         t4 = clock()
         _mark(counter, "optim")
         self.opt.step()

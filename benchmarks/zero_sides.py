@@ -38,7 +38,9 @@ from common import logical_bytes, max_over_ranks, median, tally, tensor_bytes
 from plait.comm import Comm
 from plait.config import TrainConfig
 from plait.optim import build_optimizer
-from plait.parallel.zero import AdamW, ZeroEngine
+from plait.parallel.grads import SplitRules, clip_coef
+from plait.parallel.zero.adamw import AdamW
+from plait.parallel.zero.engine import ZeroEngine
 
 PHASES = ("forward", "backward", "finish", "clip", "step", "zero")
 Probe = Callable[[], None] | None
@@ -60,7 +62,7 @@ class Side(common.Side):
 
 
 class PlaitSide(Side):
-    """`ZeroEngine` at `stage`, driven exactly as `plait.train.Trainer._zero_step` does."""
+    """`ZeroEngine` at `stage`, driven exactly as `plait.step.Step` drives it."""
 
     def __init__(self, stage: int, model: nn.Module, comm: Comm, opts: Any, cfg: TrainConfig):
         super().__init__(model, opts, cfg)
@@ -68,6 +70,7 @@ class PlaitSide(Side):
         self.engine = ZeroEngine(
             model, comm, AdamW.from_train(cfg), stage=stage, bucket_mb=opts.bucket_mb
         )
+        self.rules = SplitRules.of(model, comm.mesh)
         self.count_activations = False  # the engine's own activation meter, untimed steps only
 
     def run_step(self, x: Tensor, y: Tensor, probe: Probe = None) -> dict[str, float]:
@@ -85,7 +88,7 @@ class PlaitSide(Side):
         e.finish()
         t3 = clock()
         if self.clip > 0:
-            e.clip_grad_norm(self.clip)
+            e.clip(clip_coef(e.grad_norm(self.rules), self.clip))
         t4 = clock()
         e.step(self.lr)
         t5 = clock()

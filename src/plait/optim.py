@@ -1,4 +1,5 @@
-"""AdamW with the usual GPT parameter groups, warmup + cosine schedule, global norm clipping."""
+"""AdamW with the usual GPT parameter groups (the 2BW versions step it) and the warmup + cosine
+learning-rate schedule every step follows. Clipping by the global norm: `parallel/grads.py`."""
 
 from __future__ import annotations
 
@@ -33,23 +34,3 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
-
-
-def clip_grad_norm(grads: list[torch.Tensor], max_norm: float) -> float:
-    """Global L2 norm of `grads` (flat buffers or per-parameter); scale them down if above.
-
-    Same rule as torch.nn.utils.clip_grad_norm_. Taking flat buffers avoids one kernel per
-    parameter. For a model split across ranks compute the norm with
-    `plait.parallel.grad_norm.global_grad_norm` and call `scale_to_norm`.
-    """
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-    scale_to_norm(grads, norm, max_norm)
-    return float(norm)
-
-
-def scale_to_norm(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:
-    """torch's clipping rule: multiply by max_norm / (norm + 1e-6), capped at 1; 0 = off."""
-    if max_norm > 0:
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef)
