@@ -19,11 +19,11 @@ Both sums are linear, so they commute with the data-parallel average and work on
 (ZeRO stage >= 1) as on full gradients: the tp ranks of one dp rank lay their flat groups
 out identically, and each tied copy sits alone in its group, so the pieces line up.
 
-The norm is exact in the sense that it does not depend on how gradients are chunked into
-buckets or shards: each part is normed in float32 over chunks of at most `NORM_CHUNK`
-elements (one float32 reduction over a 25 MiB bucket drifts by 1e-5 relative or more;
-over 1024 elements the error is ~1e-9) and the squares are summed
-in float64, so a 25 MiB bucket, a tiny bucket and a dp shard all give the same norm.
+The norm does not depend on how gradients are chunked into buckets or shards: each part is
+normed in float32 over chunks of `NORM_CHUNK` elements and the squares are summed in float64.
+One float32 reduction over a whole 25 MiB bucket drifts by 1e-5 relative or more; over 1024
+elements the error is ~1e-9, so a 25 MiB bucket, a tiny bucket and a dp shard all give the
+same norm, at the cost of the same single pass over the gradients.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Split a model into pipeline stages: which layers each (rank, chunk) runs, and pruning.
+"""Prune a model to this rank's pipeline stages (`plan/stages.py` says which) and run a stage.
 
 A rank keeps the *same* Transformer object, with the parts other ranks own replaced by an
 `Absent` placeholder. Parameter names therefore stay the single-process names
@@ -6,7 +6,8 @@ A rank keeps the *same* Transformer object, with the parts other ranks own repla
 and the optimizer work unchanged. Stage 0 adds the embedding; the last stage adds the final
 norm, the head and the loss. With tied embeddings the first and last stage each hold a copy
 of the embedding matrix; both start from the same initial value (their canonical name is the
-same) and their gradients are summed over the 'pp_ends' group, so they stay identical.
+same) and their gradients are summed over the 'pp_ends' group (`parallel/grads.py`), so they
+stay identical.
 """
 
 from __future__ import annotations
@@ -49,15 +50,3 @@ def run_stage(
     for i in plan.layers:
         x = model.blocks[i](x, keys)  # (b, s, h)
     return model.output(x, targets) if plan.last else x
-
-
-def tied_embedding_params(model: Transformer) -> list[nn.Parameter]:
-    """The copies of a tied embedding this rank holds (one per pipeline end it owns)."""
-    if not model.cfg.tie_embeddings:
-        return []
-    found = []
-    if hasattr(model.embed, "tok"):
-        found.append(model.embed.tok.weight)
-    if hasattr(model.head, "weight") and all(model.head.weight is not p for p in found):
-        found.append(model.head.weight)
-    return found
