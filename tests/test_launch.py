@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -72,6 +73,34 @@ def test_failure_on_one_rank_stops_all_with_its_traceback(tmp_path):
     assert _processes_with(marker) == []  # no orphan worker left behind
     # what rank 0 wrote before the failure is on disk, line by line
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_interrupt_stops_every_rank_with_one_line(tmp_path):
+    """SIGINT to the launcher (as Ctrl-C): exit 130, one line, no worker left, whole lines."""
+    marker = f"PLAIT_TEST_MARK_{uuid.uuid4().hex}"
+    cmd = [sys.executable, "-m", "plait.cli", "train", *TINY, "--steps", "100000"]
+    cmd += ["--out", str(tmp_path)]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, marker: "1"}, start_new_session=True,
+    )  # fmt: skip
+    metrics = tmp_path / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 90
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    assert "plait: interrupted; every rank stopped." in err
+    assert "Traceback" not in err
+    assert _processes_with(marker) == []
+    for line in metrics.read_text().splitlines():  # every line written is a whole record
+        json.loads(line)
 
 
 def test_under_torchrun_uses_its_environment(tmp_path):

@@ -137,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         err.print("[bold red]plait: a worker failed; all ranks stopped.[/]")
         err.print(str(e), markup=False, highlight=False)
         return 1
+    except KeyboardInterrupt:
+        err.print("[bold]plait: interrupted; every rank stopped.[/]")
+        return 130
     return 0
 
 

@@ -113,12 +113,30 @@ def launch(cfg: Config) -> None:
         worker(0, cfg, 1, 1, None)
         return
     with tempfile.TemporaryDirectory(prefix="plait-errors-") as error_dir:
+        ctx = mp.start_processes(
+            worker,
+            args=(cfg, world, world, free_port(), error_dir),
+            nprocs=world,
+            start_method="spawn",
+            join=False,
+        )
         try:
-            mp.start_processes(
-                worker,
-                args=(cfg, world, world, free_port(), error_dir),
-                nprocs=world,
-                start_method="spawn",
-            )
+            while not ctx.join():
+                pass
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
             raise _first_failure(error_dir, e) from None
+        except KeyboardInterrupt:  # Ctrl-C or SIGINT: stop every worker before giving up
+            _stop_all(ctx)
+            raise
+
+
+def _stop_all(ctx: mp.ProcessContext, grace_s: float = 10.0) -> None:
+    """Terminate the workers still running and wait for them, so none outlives the launcher."""
+    for p in ctx.processes:
+        if p.is_alive():
+            p.terminate()
+    for p in ctx.processes:
+        p.join(grace_s)
+        if p.is_alive():
+            p.kill()
+            p.join()
