@@ -141,6 +141,8 @@ class Trainer:
         self.batches = StepBatches(
             self.corpus, t.global_batch, t.micro_batch, t.seed, replica, mesh.device
         )
+        self._model = model
+        self.stream: TwoBWStream | None = None  # the 2BW runner, when the schedule is 2bw
         self.engine, runner = self._engine_and_runner(model)
         self._step = Step(self.engine, runner, self.rules, self.comm, t)
         self.step = 0
@@ -152,6 +154,8 @@ class Trainer:
             self.pipeline.prune(model)
 
     def _engine_and_runner(self, model: Transformer) -> tuple[OptimizerEngine, Runner]:
+        """Recompute, then the engine that owns the gradients and the runner of the
+        micro-batches, as the layout asks (docs/architecture.md has the table)."""
         cfg = self.cfg
         if is_two_bw(cfg):
             versions = WeightVersions(model, cfg.train, self.comm, cfg.parallel.recompute)
@@ -159,7 +163,6 @@ class Trainer:
             return versions, self.stream
         apply_recompute(model, cfg.parallel.recompute)
         engine = _zero_engine(cfg, model, self.comm, self.pipeline is not None)
-        self._model = model
         if self.pipeline is None:
             return engine, Accumulate(model, engine, self.batches)
         self.pipeline.attach(model, engine, engine.precision.param_dtype)
