@@ -227,3 +227,60 @@ def test_schedule_command_bad_sizes(capsys) -> None:
     argv = ["schedule", "--pp", "4", "--microbatches", "6", "--schedule", "interleaved"]
     message = error_of([*argv, "--virtual-stages", "2"], capsys)
     assert "m a multiple of p, got m=6, p=4" in message
+
+
+def _binary(path: Path) -> Path:
+    path.write_bytes(b"\x7fELF\x00\x01" * 2000)
+    return path
+
+
+BAD_INPUTS = [
+    (lambda d: ["--data", str(d)], "holds no text (empty and binary files are skipped)"),
+    (lambda d: ["--data", str(_binary(d / "code.bin"))], "is not text (it has NUL bytes"),
+    (
+        lambda d: ["--microbatches", "-1"],
+        "microbatches must be >= 1 (0 = from --micro-batch), got -1",
+    ),
+    (lambda d: ["--schedule", "gpipe"], "schedule 'gpipe' needs a pipeline (pp > 1); got pp=1"),
+    (lambda d: ["--stage-layers", "1,1"], "stage_layers [1, 1] needs a pipeline (pp > 1)"),
+]
+
+
+@pytest.mark.parametrize(("extra", "message"), BAD_INPUTS)
+def test_bad_input_is_one_line_before_workers(extra, message, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "40")  # a narrow terminal or a pipe must not wrap the line
+    folder = tmp_path / "empty"
+    folder.mkdir()
+    _binary(folder / "blob.bin")  # a folder of binaries holds no text
+    assert main(["train", *extra(folder)]) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.startswith("plait: error: ") and err.count("\n") == 1, err
+
+
+def test_cuda_asked_for_without_cuda(capsys, monkeypatch) -> None:
+    monkeypatch.setattr("plait.config.cuda_available", lambda: False)
+    err = error_of(["train", "--device", "cuda"], capsys)
+    assert "device 'cuda' was asked for, but this torch sees no CUDA device" in err
+
+
+def test_torchrun_world_must_match_before_workers(capsys, monkeypatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", "0")
+    err = error_of(["train", "--dp", "2"], capsys)
+    assert "world size 3 != dp*pp*tp = 2*1*1 = 2" in err
+
+
+def test_version(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith("plait ")
+
+
+def test_fp16_on_cpu_warns_once(capsys, monkeypatch, corpus: Path) -> None:
+    monkeypatch.setattr("plait.cli.launch", lambda cfg: None)  # validate and warn, no run
+    monkeypatch.setattr("plait.cli.cuda_available", lambda: False)
+    assert main(["train", "--precision", "fp16", "--data", str(corpus), "--seq-len", "32"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("plait: warning: fp16 on a CPU") and "bf16" in err

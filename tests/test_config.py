@@ -173,10 +173,14 @@ def test_bucket_and_timeout_must_be_positive() -> None:
     expect_error(tiny(parallel={"comm_timeout": -1.0}), "got 25.0, -1.0")
 
 
-def test_device() -> None:
+def test_device(monkeypatch) -> None:
     expect_error(tiny(train={"device": "tpu"}), "device must be auto, cpu or cuda; got 'tpu'")
-    for device in ("auto", "cpu", "cuda"):  # validation does not probe the hardware
+    monkeypatch.setattr("plait.config.cuda_available", lambda: True)
+    for device in ("auto", "cpu", "cuda"):
         validate_config(tiny(train={"device": device}), check_data=False)
+    monkeypatch.setattr("plait.config.cuda_available", lambda: False)  # asked for, not there
+    expect_error(tiny(train={"device": "cuda"}), "device 'cuda' was asked for, but this torch")
+    validate_config(tiny(train={"device": "auto"}), check_data=False)  # auto falls back
 
 
 def test_vocab_smaller_than_bytes() -> None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
+import os
 import sys
 from typing import Any
 
@@ -16,7 +18,16 @@ from rich.markup import escape
 from rich.table import Table
 
 from plait.config import SECTIONS, Config, build_config, flag_name, load_toml
+from plait.device import cuda_available
 from plait.errors import ConfigError
+from plait.launch import WorkerFailure, launch, under_torchrun
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("plait")
+    except importlib.metadata.PackageNotFoundError:  # a source tree that is not installed
+        return "unknown (not installed)"
 
 
 def _value_type(f: dataclasses.Field) -> Any:
@@ -47,6 +58,7 @@ def _add_section(parser: argparse.ArgumentParser, section: str, cls: type) -> No
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="plait", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"plait {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a model (spawns dp workers unless under torchrun)")
     train.add_argument("--config", help="TOML file with [model] [parallel] [data] [train]")
@@ -78,6 +90,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
             overrides.setdefault(section, {})[name] = value
     cfg = build_config(preset, overrides)
     cfg.validate()
+    if under_torchrun():  # every rank would otherwise fail alone, with a traceback
+        cfg.parallel.layout.check_world(int(os.environ["WORLD_SIZE"]))
     return cfg
 
 
@@ -117,11 +131,15 @@ def _schedule(args: argparse.Namespace, err: Console) -> int:
     return 0
 
 
+def _on_gpu(cfg: Config) -> bool:
+    return cfg.train.device == "cuda" or (cfg.train.device == "auto" and cuda_available())
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "presets":
         return _presets()
-    err = Console(stderr=True)
+    err = Console(stderr=True, soft_wrap=True)  # one line per message, whatever the width
     if args.command == "schedule":
         return _schedule(args, err)
     try:
@@ -129,8 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         err.print("[bold red]plait: error:[/] " + escape(str(e)), highlight=False)
         return 2
-    from plait.launch import WorkerFailure, launch
-
+    if cfg.parallel.precision == "fp16" and not _on_gpu(cfg):
+        err.print(
+            "[yellow]plait: warning:[/] fp16 on a CPU runs about 10x slower than fp32 "
+            "(torch's CPU fp16 matmul); --precision bf16 is fast here",
+            highlight=False,
+        )
     try:
         launch(cfg)
     except WorkerFailure as e:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from plait.data import corpus_bytes_available
+from plait.device import cuda_available
 from plait.errors import ConfigError
 from plait.models.config import ModelConfig
 from plait.models.presets import get_preset
@@ -194,8 +195,10 @@ def build_config(preset: str, overrides: dict[str, dict[str, Any]]) -> Config:
 def _derive_micro_batch(cfg: Config) -> None:
     """--microbatches M fixes the micro-batch size: global batch / (dp x M)."""
     m, dp, g = cfg.parallel.microbatches, cfg.parallel.dp, cfg.train.global_batch
-    if not isinstance(m, int) or isinstance(m, bool) or m <= 0:
-        return
+    if not isinstance(m, int) or isinstance(m, bool) or m == 0:
+        return  # unset (or a wrong type, which check_types names)
+    if m < 0:
+        raise ConfigError(f"microbatches must be >= 1 (0 = from --micro-batch), got {m}")
     if not isinstance(dp, int) or not isinstance(g, int) or dp < 1 or g % (dp * m):
         raise ConfigError(
             f"global batch {g} is not divisible by dp {dp} x microbatches {m} = {dp * m}"
@@ -296,6 +299,8 @@ def validate_config(cfg: Config, check_data: bool = True) -> None:
     )
     if t.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"device must be auto, cpu or cuda; got {t.device!r}")
+    if t.device == "cuda" and not cuda_available():
+        raise ConfigError("device 'cuda' was asked for, but this torch sees no CUDA device")
     if cfg.model.vocab_size < 256:
         raise ConfigError(
             f"model.vocab_size {cfg.model.vocab_size} is smaller than the byte tokenizer's 256"
@@ -309,10 +314,12 @@ def validate_config(cfg: Config, check_data: bool = True) -> None:
 def _validate_corpus(cfg: Config) -> None:
     t = cfg.train
     available = corpus_bytes_available(cfg.data.path, cfg.data.max_bytes)
-    val_tokens = int(available * cfg.data.val_fraction)  # the same arithmetic as split_tokens
-    train_windows = (available - val_tokens - 1) // t.seq_len
-    val_windows = (val_tokens - 1) // t.seq_len
     source = cfg.data.path or "the default corpus"
+    if available == 0:
+        raise ConfigError(f"corpus {source!r} holds no text (empty and binary files are skipped)")
+    val_tokens = int(available * cfg.data.val_fraction)  # the same arithmetic as split_tokens
+    train_windows = max(0, (available - val_tokens - 1) // t.seq_len)
+    val_windows = max(0, (val_tokens - 1) // t.seq_len)
     if train_windows < t.global_batch or val_windows < 1:
         raise ConfigError(
             f"corpus {source!r} has {available} bytes: {train_windows} training and "

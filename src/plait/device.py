@@ -24,6 +24,11 @@ def resolve_device(kind: str, local_rank: int) -> torch.device:
     return torch.device(kind)
 
 
+def cuda_available() -> bool:
+    """Whether a CUDA device can be used (for checks before any worker starts)."""
+    return torch.cuda.is_available()
+
+
 def backend_for(device: torch.device) -> str:
     """NCCL for GPUs, gloo for CPU."""
     return "nccl" if device.type == "cuda" else "gloo"

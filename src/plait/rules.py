@@ -61,6 +61,10 @@ def check_pipeline(
     if pp == 1:
         if virtual_stages != 1:
             raise ConfigError(f"virtual_stages={virtual_stages} needs pp > 1")
+        if schedule != "1f1b":  # the default: anything else was asked for, and would be ignored
+            raise ConfigError(f"schedule {schedule!r} needs a pipeline (pp > 1); got pp=1")
+        if stage_layers is not None:
+            raise ConfigError(f"stage_layers {list(stage_layers)} needs a pipeline (pp > 1)")
         return
     if schedule == "2bw":
         check_two_bw(pp, microbatches, virtual_stages)

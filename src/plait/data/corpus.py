@@ -92,12 +92,28 @@ def _looks_binary(head: bytes) -> bool:
     return b"\0" in head[:_BINARY_PROBE_BYTES]
 
 
+def _file_is_binary(file: Path) -> bool:
+    """True for a binary file, and for one that cannot be read (it is no text to train on)."""
+    try:
+        with open(file, "rb") as f:
+            return _looks_binary(f.read(_BINARY_PROBE_BYTES))
+    except OSError:
+        return True
+
+
 def _candidates(path: str | Path | None) -> tuple[Path, Iterator[tuple[Path, int]], bool]:
     """The resolved corpus path (None: the stdlib), files that may belong to it, and
-    whether to probe them for binary. A single file is taken as given: the user named it.
+    whether to probe them for binary (and skip those). A single file is the user's choice,
+    but one that is not text (a NUL byte in its head) is refused rather than trained on
+    as machine code.
     """
     path = default_corpus_dir() if path is None else Path(path)
     if path.is_file():
+        if _file_is_binary(path):
+            raise ConfigError(
+                f"corpus file {str(path)!r} is not text (it has NUL bytes in its first "
+                f"{_BINARY_PROBE_BYTES} bytes); give a text file or a folder of text files"
+            )
         return path, iter([(path, path.stat().st_size)]), False
     if path.is_dir():
         return path, _walk(path, py_only=_is_default_corpus(path)), True
@@ -114,17 +130,7 @@ def corpus_files(path: Path) -> list[Path]:
     the default (stdlib) folder keeps only ``*.py``, a user folder skips binary files.
     """
     _, files, probe = _candidates(path)
-    out = []
-    for file, _ in files:
-        if probe:
-            try:
-                with open(file, "rb") as f:
-                    if _looks_binary(f.read(_BINARY_PROBE_BYTES)):
-                        continue
-            except OSError:
-                continue
-        out.append(file)
-    return out
+    return [file for file, _ in files if not (probe and _file_is_binary(file))]
 
 
 def _check_max_bytes(max_bytes: int) -> None:
@@ -167,16 +173,17 @@ def load_tokens(path: str | Path | None, max_bytes: int) -> np.ndarray:
 
 
 def corpus_bytes_available(path: str | Path | None, max_bytes: int) -> int:
-    """Estimate how many bytes ``load_tokens(path, max_bytes)`` returns, from sizes only.
+    """How many bytes ``load_tokens(path, max_bytes)`` returns, from sizes and file heads.
 
-    Cheap enough to validate a config before workers start: it stats files and stops at
-    ``max_bytes``. It can overestimate (binary files in a user folder are counted), never
-    underestimate, so a check that fails here would fail for real too.
+    Cheap enough to validate a config before workers start: it stats files, reads the head
+    of each to skip binaries as ``load_tokens`` does, and stops at ``max_bytes``.
     """
     _check_max_bytes(max_bytes)
-    _, files, _ = _candidates(path)
+    _, files, probe = _candidates(path)
     total = 0
-    for _, size in files:
+    for file, size in files:
+        if probe and _file_is_binary(file):
+            continue
         total += size + (1 if total else 0)
         if total >= max_bytes:
             return max_bytes
