@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 train: setup
-	$(VENV)/bin/plait train --dp 2 --out runs/default
+	$(VENV)/bin/plait train --dp 2 --out runs/default --overwrite
 
 lint: setup
 	$(PY) -m ruff check src tests benchmarks

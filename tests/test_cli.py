@@ -9,6 +9,7 @@ import pytest
 
 from plait.cli import build_parser, config_from_args, main
 from plait.models.presets import preset_names
+from plait.outdir import prepare_out
 
 
 @pytest.fixture(autouse=True)
@@ -284,3 +285,23 @@ def test_fp16_on_cpu_warns_once(capsys, monkeypatch, corpus: Path) -> None:
     assert main(["train", "--precision", "fp16", "--data", str(corpus), "--seq-len", "32"]) == 0
     err = capsys.readouterr().err
     assert err.startswith("plait: warning: fp16 on a CPU") and "bf16" in err
+
+
+def test_output_folder_holding_a_run_is_refused_or_replaced(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "summary.json").write_text("{}")
+    (out / "tensorboard").mkdir()
+    (out / "notes.txt").write_text("mine")  # not plait's: never removed
+    err = error_of(["train", "--out", str(out)], capsys)
+    assert f"output folder '{out}' already holds a run" in err and "--overwrite" in err
+    assert (out / "summary.json").exists()
+    prepare_out(out, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+def test_output_folder_that_cannot_be_written(tmp_path: Path, capsys) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    err = error_of(["train", "--out", str(blocker / "run")], capsys)
+    assert f"output folder '{blocker / 'run'}' cannot be written" in err

@@ -11,6 +11,7 @@ import dataclasses
 import importlib.metadata
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -21,6 +22,7 @@ from plait.config import SECTIONS, Config, build_config, flag_name, load_toml
 from plait.device import cuda_available
 from plait.errors import ConfigError
 from plait.launch import WorkerFailure, launch, under_torchrun
+from plait.outdir import prepare_out
 
 
 def _version() -> str:
@@ -118,7 +120,6 @@ def _presets() -> int:
 
 
 def _schedule(args: argparse.Namespace, err: Console) -> int:
-    from pathlib import Path
 
     from plait.parallel.pipeline.output.schedule_cli import schedule_main
 
@@ -144,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         return _schedule(args, err)
     try:
         cfg = config_from_args(args)
+        if not under_torchrun() or os.environ.get("RANK") == "0":  # one rank owns the folder
+            prepare_out(Path(cfg.train.out), cfg.train.overwrite)
     except ConfigError as e:
         err.print("[bold red]plait: error:[/] " + escape(str(e)), highlight=False)
         return 2

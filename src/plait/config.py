@@ -129,6 +129,9 @@ class TrainConfig:
     eval_batches: int = field(default=4, metadata={"help": "global batches per validation"})
     seed: int = field(default=0, metadata={"help": "seed for weights, data order and dropout"})
     out: str = field(default="runs/default", metadata={"help": "output folder"})
+    overwrite: bool = field(
+        default=False, metadata={"help": "replace the run already in the output folder"}
+    )
     tensorboard: bool = field(default=False, metadata={"help": "also log to TensorBoard"})
     peak_flops: float = field(
         default=0.0, metadata={"help": "peak FLOP/s per device for MFU; 0 = known GPUs only"}

@@ -186,9 +186,8 @@ class ZeroEngine:
         """The global gradient norm (float64), unscaled: shards summed over dp from stage 1
         on, then over the axes that split the model further (`rules`)."""
         sharded_over = self.axis if self.stage >= 1 else None
-        return rules.norm(
-            self.grad_pieces(), self.comm, sharded_over, self.grads.shards, self.loss_scale
-        )
+        pieces = self.grad_pieces() if rules.uncounted else []  # else the shards are normed whole
+        return rules.norm(pieces, self.comm, sharded_over, self.grads.shards, self.loss_scale)
 
     def clip(self, coef: Tensor | float) -> None:
         """Multiply the gradients by `coef` in the coming step (folded into the unscaling)."""

@@ -68,9 +68,12 @@ class GradReducer:
                 self.full.append(None)
                 self.shards.append(shard)
         self._slot: dict[nn.Parameter, tuple[int, int]] = {}
+        self._view: dict[nn.Parameter, Tensor] = {}  # stages 0-1: p's slot in its bucket
         for g in groups:
             for p, off in zip(g.params, g.offsets, strict=True):
                 self._slot[p] = (g.index, off)
+                if stage <= 1:
+                    self._view[p] = self.full[g.index][off : off + p.numel()].view_as(p)
         self.sync = True
         self._dirty = False  # a gradient arrived since the last reset
         self._pending = [len(g.params) for g in groups]
@@ -95,11 +98,9 @@ class GradReducer:
 
     @torch.no_grad()
     def zero_grad(self) -> None:
-        for shard in self.shards:
-            shard.zero_()
-        for full in self.full:
-            if full is not None:
-                full.zero_()
+        # Stages 0-1: the shards are views of the full buckets, zeroed with them.
+        for buffer in self.full if self.stage <= 1 else self.shards:
+            buffer.zero_()
         for p in self._slot:
             p.grad = None
 
@@ -109,11 +110,15 @@ class GradReducer:
         self._hooks = []
 
     # -- internals ---------------------------------------------------------------------
-    @torch.no_grad()
     def _on_grad(self, p: nn.Parameter) -> None:
+        """Runs once per parameter per backward (autograd calls hooks without grad mode):
+        kept to a dict lookup and one add where the bucket is persistent."""
         gi, off = self._slot[p]
-        bucket = self._bucket(gi)
-        bucket[off : off + p.numel()].add_(p.grad.reshape(-1))
+        view = self._view.get(p)
+        if view is not None:
+            view.add_(p.grad)
+        else:
+            self._bucket(gi)[off : off + p.numel()].add_(p.grad.reshape(-1))
         p.grad = None  # the bucket holds it now
         self._dirty = True
         if self.sync:
