@@ -1,11 +1,13 @@
-"""plait DataParallel vs torch DistributedDataParallel: same model, world, batches, optimizer.
+"""plait data parallelism vs torch DistributedDataParallel: same model, world, batches, AdamW.
 
 One process group, two replicas of the same model per rank (same seed, so the same initial
-weights): one wrapped by plait's `DataParallel`, one by `DistributedDataParallel`, each with
-its own AdamW from `plait.optim.build_optimizer`. After warm-up, rounds alternate a block of
-K plait steps with a block of K DDP steps (the order flips every round). A step is timed on
-every rank and the per-step figure is the max over ranks, taken by an all-reduce MAX outside
-the timed region (it also lines the ranks up before the next step).
+weights): one driven by plait's data parallelism, the ZeRO engine at stage 0 (`ZeroEngine(...,
+stage=0)`: flat gradient buckets, the global norm of `plait.parallel.grads`, the engine's
+element-wise AdamW), one wrapped by `DistributedDataParallel` with torch's AdamW from
+`plait.optim.build_optimizer` (same groups and hyper-parameters). After warm-up, rounds
+alternate a block of K plait steps with a block of K DDP steps (the order flips every round).
+A step is timed on every rank and the per-step figure is the max over ranks, taken by an
+all-reduce MAX outside the timed region (it also lines the ranks up before the next step).
 
 Both sides see the same sequence of batches (batch i of a side's own step count), so their
 losses should agree step by step up to reduction order: the table reports the largest
@@ -217,7 +219,7 @@ def report(res: dict, target: float) -> str:
         ["DDP", *time_cells(d), _ddp_buckets(d), _ddp_bytes(d)],
     ]
     lines = [
-        f"### plait DataParallel vs DDP: {c['model']} ({c['params']:,} params), world "
+        f"### plait ZeRO-0 (data parallel) vs DDP: {c['model']} ({c['params']:,} params), world "
         f"{c['world']}, micro-batch {c['micro_batch']} x seq {c['seq_len']} x accum "
         f"{c['accum']}, {c['data']} data, bucket {c['bucket_mb']} MiB",
         "",

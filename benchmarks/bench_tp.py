@@ -4,8 +4,9 @@ One process group of `--world` gloo ranks, all in one tensor-parallel group (tp 
 rank builds two copies of the same preset with the same seed:
 
 - plait: `build_model(cfg, device, seed, parallelize=apply_tensor_parallel(..., sp))` on
-  `build_mesh(Layout(tp=world))`. Step: forward (vocabulary-parallel loss), backward,
-  `sync_sequence_parallel_grads`, `clip_tp_grad_norm_`, AdamW, zero_grad.
+  `build_mesh(Layout(tp=world))`. Step: forward (vocabulary-parallel loss), backward, the
+  split-model rules of `plait.parallel.grads` (`SplitRules.sync`: SP partial sums;
+  `SplitRules.norm` + `clip_coef`: the clip), AdamW, zero_grad.
 - DTensor: the plain `build_model(cfg, device, seed)` (no plait TP), parallelized with
   `parallelize_module` on `init_device_mesh("cpu", (world,))` by `dtensor_plan` below, the
   torchtitan-style plan: `ColwiseParallel` for wq/wk/wv and fc1 (w_gate/w_up),

@@ -1,13 +1,17 @@
-"""Where plait's DataParallel spends Python time per step (a diagnostic, not a comparison).
+"""Where plait's data parallelism spends Python time per step (a diagnostic, not a comparison).
 
-Subclasses `DataParallel` and `Comm` (no patching) to time, per step on each rank:
-the gradient hooks `_on_grad` (including the bucket launches they trigger), the
+plait's data parallelism is the ZeRO engine at stage 0; its gradient buckets are the
+engine's `GradReducer` (`engine.grads`). This script subclasses `GradReducer` and `Comm`
+(no patching): it builds the engine, removes the hooks of the reducer the engine made, and
+puts in its place a timed reducer built with the same arguments. It times, per step on each
+rank: the gradient hooks `_on_grad` (including the bucket launches they trigger), the
 `Comm.all_reduce` calls among them, backward and `finish()`; when each bucket was launched
 and when its parameters' gradients arrived, relative to the end of backward; and, outside
 backward (no contention with compute), the cost of an async `Comm.all_reduce` call against a
 bare async `torch.distributed.all_reduce` call on the same buffer. Timers add their own
 overhead, and launches inside backward compete with the previous bucket's gloo thread for
-the core, so the in-backward figures are upper bounds.
+the core, so the in-backward figures are upper bounds. Like the old `DataParallel` version,
+a step is backward + `finish()` + `zero_grad()` only: no norm, no optimizer step.
 
     .venv/bin/python benchmarks/profile_dp_hooks.py --micro-batch 1 --seq-len 64
 """
@@ -24,12 +28,14 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from plait.parallel.data_parallel import DataParallel
-
 from common import machine, median, spawn
 from plait.comm import Comm
+from plait.config import TrainConfig
 from plait.mesh import build_mesh
 from plait.models.presets import get_preset
+from plait.parallel.zero.adamw import AdamW
+from plait.parallel.zero.engine import ZeroEngine
+from plait.parallel.zero.reducer import GradReducer
 from plait.topology import Layout
 from plait.train import build_model
 
@@ -48,7 +54,7 @@ class TimedComm(Comm):
         return handle
 
 
-class TimedDP(DataParallel):
+class TimedReducer(GradReducer):
     hook_s = 0.0
     ready_at: dict | None = None
 
@@ -60,17 +66,36 @@ class TimedDP(DataParallel):
         self.hook_s += time.perf_counter() - start
 
 
-def bucket_timeline(dp: TimedDP, comm: TimedComm, end: float) -> list[dict]:
+def timed_engine(model, comm: TimedComm, bucket_mb: float) -> ZeroEngine:
+    """plait's data parallelism (ZeRO stage 0, fp32) with its reducer replaced by a
+    `TimedReducer` made with the arguments `ZeroEngine.__init__` gives `GradReducer`."""
+    optimizer = AdamW.from_train(TrainConfig())  # built but never stepped here
+    engine = ZeroEngine(model, comm, optimizer, stage=0, bucket_mb=bucket_mb)
+    engine.grads.remove_hooks()
+    engine.grads = TimedReducer(
+        engine.groups,
+        comm,
+        engine.axis,
+        engine.stage,
+        engine.precision.reduce_dtype,
+        engine.device,
+        engine.memory,
+        engine.gatherer.release if engine.gatherer else None,
+    )
+    return engine
+
+
+def bucket_timeline(grads: TimedReducer, comm: TimedComm, end: float) -> list[dict]:
     """Per bucket: ms before the end of backward that its first and last gradient arrived
     and that it was launched (0 = at the end of backward)."""
     rows = []
-    for b, launched in zip(dp.buckets, comm.launch_at, strict=True):
-        ready = [dp.ready_at[p] for p in b.params]
+    for g, launched in zip(grads.groups, comm.launch_at, strict=True):
+        ready = [grads.ready_at[p] for p in g.params]
         rows.append(
             {
-                "bucket": b.index,
-                "params": len(b.params),
-                "numel": b.numel,
+                "bucket": g.index,
+                "params": len(g.params),
+                "numel": g.numel,
                 "first_grad_ms_before_end": (end - min(ready)) * 1e3,
                 "last_grad_ms_before_end": (end - max(ready)) * 1e3,
                 "launch_ms_before_end": (end - launched) * 1e3,
@@ -100,40 +125,42 @@ def worker(rank: int, world: int, opts: argparse.Namespace) -> dict:
     mesh = build_mesh(Layout(dp=world), device)
     model = build_model(get_preset(opts.model), device, 0)
     comm = TimedComm(mesh)
-    dp = TimedDP(model, comm, opts.bucket_mb)
+    engine = timed_engine(model, comm, opts.bucket_mb)
+    grads = engine.grads
     g = torch.Generator().manual_seed(rank)
     x = torch.randint(0, 256, (opts.micro_batch, opts.seq_len + 1), generator=g)
     hooks, launches, backward, finish, timelines = [], [], [], [], []
     for step in range(opts.warmup + opts.steps):
-        dp.hook_s, comm.all_reduce_s, comm.launch_at, dp.ready_at = 0.0, 0.0, [], {}
-        dp.micro_batch(is_last=True)
+        grads.hook_s, comm.all_reduce_s, comm.launch_at, grads.ready_at = 0.0, 0.0, [], {}
+        engine.micro_batch(is_last=True)
         loss = model(x[:, :-1], x[:, 1:])
         t0 = time.perf_counter()
         loss.backward()
         t1 = time.perf_counter()
-        dp.finish()
+        engine.finish()
         t2 = time.perf_counter()
-        dp.zero_grad()
+        engine.zero_grad()
         if step >= opts.warmup:
-            hooks.append(dp.hook_s)
+            hooks.append(grads.hook_s)
             launches.append(comm.all_reduce_s)
             backward.append(t1 - t0)
             finish.append(t2 - t1)
-            timelines.append(bucket_timeline(dp, comm, t1))
+            timelines.append(bucket_timeline(grads, comm, t1))
         dist.barrier()
     wrapped, bare = call_cost(comm, mesh.group("dp"))
     timeline = [
         {k: (median([t[i][k] for t in timelines]) if "_ms_" in k else v) for k, v in row.items()}
         for i, row in enumerate(timelines[0])
     ]
+    n_params = sum(len(group.params) for group in engine.groups)
     return {
         "machine": machine(),
         "config": vars(opts),
-        "params": len(dp.params),
-        "buckets": len(dp.buckets),
+        "params": n_params,
+        "buckets": len(engine.groups),
         "hooks_ms_per_step": median(hooks) * 1e3,
         "launches_in_hooks_ms_per_step": median(launches) * 1e3,
-        "hook_bodies_us_per_param": (median(hooks) - median(launches)) / len(dp.params) * 1e6,
+        "hook_bodies_us_per_param": (median(hooks) - median(launches)) / n_params * 1e6,
         "idle_comm_all_reduce_call_ms": wrapped * 1e3,
         "idle_bare_dist_all_reduce_call_ms": bare * 1e3,
         "backward_ms": median(backward) * 1e3,
