@@ -90,7 +90,7 @@ def run(cfg: Config, mesh: Mesh, corpus: Corpus | None = None) -> RunSummary:
             log.write(row)
         if progress:
             val = f" val {summary.val_loss:.3f}" if summary.val_loss is not None else ""
-            info = f"loss {result.loss:.3f}{val} {row['tokens_per_s']:,.0f} tok/s"
+            info = f"loss {result.loss:.3f}{val} {summary.recent_tokens_per_s():,.0f} tok/s"
             progress.update(task, advance=1, info=info)
 
     try:

@@ -91,6 +91,12 @@ class RunSummary:
     def tokens_per_s(self) -> float:
         return self.tokens_per_step / self.median_step_s
 
+    def recent_tokens_per_s(self, window: int = 50) -> float:
+        """Throughput of the median of the last `window` steps, for the progress bar: one
+        slow or instant step (a validation, 2BW's drain at the end) does not move it."""
+        recent = self.step_times[1:][-window:] or self.step_times
+        return self.tokens_per_step / statistics.median(recent)
+
     @property
     def mfu(self) -> float | None:
         if not self.peak_flops:
