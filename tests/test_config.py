@@ -339,3 +339,10 @@ def test_load_toml_top_level_key_must_be_a_section(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as e:
         load_toml(path)
     assert str(e.value) == f"config file {str(path)!r}: top-level key 'steps' must be a [section]"
+
+
+def test_checkpoint_options() -> None:
+    expect_error(tiny(train={"save_every": -1}), "save_every must be >= 0 and keep_checkpoints")
+    expect_error(tiny(train={"keep_checkpoints": 0}), "keep_checkpoints >= 1; got 0, 0")
+    two_bw = tiny(parallel={"pp": 2, "schedule": "2bw"}, train={"save_every": 5})
+    expect_error(two_bw, "checkpoints of a 2bw run are not supported yet")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -152,3 +153,28 @@ def test_zero_with_pipeline_and_fp16_from_the_command_line(tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert all(r["loss_scale"] == 2.0**16 and not r["step_skipped"] for r in rows)
     assert rows[-1]["loss"] < rows[0]["loss"]
+
+
+def test_save_then_resume_in_another_layout_from_the_command_line(tmp_path):
+    """dp2 ZeRO-2 saves at steps 2 and 4; the step-4 checkpoint is dropped as if the run had
+    been killed after step 2's; `--resume latest` under tp2 + SP continues the metrics."""
+    out = str(tmp_path)
+    first = _plait(["--out", out, "--zero", "2", "--save-every", "2"])
+    assert first.returncode == 0, first.stderr
+    assert f"checkpoint {out}/checkpoints/step-2:" in first.stderr
+    full = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert "checkpoint_bytes" in full[1] and "checkpoint_s" in full[1]
+    shutil.rmtree(tmp_path / "checkpoints" / "step-4")
+    again = _plait(["--out", out])
+    assert again.returncode == 2 and "--resume latest to continue it" in again.stderr
+    resumed = _plait(["--out", out, "--dp", "1", "--tp", "2", "--sequence-parallel",
+                      "--global-batch", "4", "--resume", "latest"])  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert rows[:2] == full[:2]  # kept as written
+    for mine, theirs in zip(rows[2:], full[2:], strict=True):
+        assert abs(mine["loss"] - theirs["loss"]) <= 1e-5 * theirs["loss"]
+    changed = _plait(["--out", out, "--resume", "latest", "--seq-len", "16", "--steps", "8"])
+    assert changed.returncode == 2
+    assert "saved with train.seq_len=32; this run asks for 16" in changed.stderr

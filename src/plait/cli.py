@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from plait.checkpoint.store import check_resumable, resolve
 from plait.config import SECTIONS, Config, build_config, flag_name, load_toml
 from plait.device import cuda_available
 from plait.errors import ConfigError
@@ -145,8 +146,11 @@ def main(argv: list[str] | None = None) -> int:
         return _schedule(args, err)
     try:
         cfg = config_from_args(args)
+        out = Path(cfg.train.out)
+        if cfg.train.resume:
+            check_resumable(resolve(cfg.train.resume, out), cfg.to_dict())
         if not under_torchrun() or os.environ.get("RANK") == "0":  # one rank owns the folder
-            prepare_out(Path(cfg.train.out), cfg.train.overwrite)
+            prepare_out(out, cfg.train.overwrite, bool(cfg.train.resume))
     except ConfigError as e:
         err.print("[bold red]plait: error:[/] " + escape(str(e)), highlight=False)
         return 2

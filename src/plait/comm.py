@@ -202,6 +202,17 @@ class Comm:
         then = (lambda: out.div_(n)) if op == "avg" else None
         return self._finish(work, "reduce_scatter", axis, inp, then, async_op)
 
+    def all_gather_object(self, obj: object, axis: str, tag: str = "") -> list[object]:
+        """Every rank's picklable `obj`, in axis-rank order (metadata, not training traffic:
+        counted as a call of its pickled size)."""
+        n = self.mesh.size(axis)
+        if n == 1:
+            return [obj]
+        self.stats.record("all_gather_object", axis, torch.empty(0, dtype=torch.uint8), tag)
+        out: list[object] = [None] * n
+        dist.all_gather_object(out, obj, group=self.mesh.group(axis))
+        return out
+
     def broadcast(self, t: torch.Tensor, axis: str, src: int = 0, tag: str = "") -> None:
         """Copy axis-rank `src`'s tensor to every rank of `axis`."""
         if self.mesh.size(axis) == 1:

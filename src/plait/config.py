@@ -133,6 +133,16 @@ class TrainConfig:
         default=False, metadata={"help": "replace the run already in the output folder"}
     )
     tensorboard: bool = field(default=False, metadata={"help": "also log to TensorBoard"})
+    save_every: int = field(
+        default=0, metadata={"help": "write a checkpoint every N steps; 0 = only at the end"}
+    )
+    save: bool = field(
+        default=True, metadata={"help": "write a checkpoint at the end (--no-save: none at all)"}
+    )
+    keep_checkpoints: int = field(default=3, metadata={"help": "keep the newest N checkpoints"})
+    resume: str = field(
+        default="", metadata={"help": "continue from 'latest' (in --out) or a checkpoint folder"}
+    )
     peak_flops: float = field(
         default=0.0, metadata={"help": "peak FLOP/s per device for MFU; 0 = known GPUs only"}
     )
@@ -273,6 +283,16 @@ def validate_config(cfg: Config, check_data: bool = True) -> None:
     check_recompute(par.recompute)
     if t.lr <= 0 or t.min_lr < 0 or t.min_lr > t.lr:
         raise ConfigError(f"need 0 <= min_lr <= lr and lr > 0; got lr={t.lr}, min_lr={t.min_lr}")
+    if t.save_every < 0 or t.keep_checkpoints < 1:
+        raise ConfigError(
+            f"save_every must be >= 0 and keep_checkpoints >= 1; got {t.save_every}, "
+            f"{t.keep_checkpoints}"
+        )
+    if par.pp > 1 and par.schedule == "2bw" and (t.save_every or t.resume):
+        raise ConfigError(
+            "checkpoints of a 2bw run are not supported yet (its stream never flushes); "
+            "use another schedule, or --save-every 0 without --resume"
+        )
     if t.warmup_steps < 0 or t.grad_clip < 0 or t.eval_every < 0:
         raise ConfigError(
             f"warmup_steps, grad_clip and eval_every must be >= 0; got {t.warmup_steps}, "

@@ -15,7 +15,7 @@ from pathlib import Path
 from plait.errors import ConfigError
 
 RUN_FILES = ("config.json", "metrics.jsonl", "summary.json")
-RUN_DIRS = ("tensorboard",)
+RUN_DIRS = ("tensorboard", "checkpoints")
 RUN_GLOBS = ("pipeline-*",)
 
 
@@ -28,13 +28,14 @@ def previous_run(out: Path) -> list[Path]:
     return found
 
 
-def prepare_out(out: Path, overwrite: bool) -> None:
-    """Refuse a folder holding a run (or clear it with `overwrite`); make sure it is writable."""
-    old = previous_run(out)
+def prepare_out(out: Path, overwrite: bool, resume: bool = False) -> None:
+    """Refuse a folder holding a run (or clear it with `overwrite`; a resumed run continues
+    it); make sure it is writable."""
+    old = [] if resume else previous_run(out)
     if old and not overwrite:
         raise ConfigError(
-            f"output folder {str(out)!r} already holds a run ({old[0].name}); "
-            "give another --out, or --overwrite to replace it"
+            f"output folder {str(out)!r} already holds a run ({old[0].name}); give another "
+            "--out, --resume latest to continue it, or --overwrite to replace it"
         )
     try:
         out.mkdir(parents=True, exist_ok=True)

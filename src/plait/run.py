@@ -11,6 +11,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from plait.checkpoint import store
 from plait.config import Config
 from plait.data.batches import Corpus
 from plait.device import peak_flops
@@ -52,29 +53,28 @@ def _trace(trainer: Trainer, out: Path, lead: bool) -> dict | None:
 
 def run(cfg: Config, mesh: Mesh, corpus: Corpus | None = None) -> RunSummary:
     """Train `cfg` on this rank; returns the summary (identical numbers on every rank)."""
-    t = cfg.train
+    t, out = cfg.train, Path(cfg.train.out)
     trainer = Trainer(cfg, mesh, corpus)
+    if t.resume:
+        trainer.load(store.resolve(t.resume, out))
     lead = mesh.is_logging_rank
-    console = Console(stderr=True)
-    log = MetricsLog(Path(t.out), t.tensorboard) if lead else None
+    console = Console(stderr=True, soft_wrap=True)
+    keep = trainer.step if t.resume else None  # a resumed run continues its metrics
+    log = MetricsLog(out, t.tensorboard, keep_before=keep) if lead else None
     if lead:
         Path(t.out, "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     flops_per_token = matmul_flops_per_token(cfg.model, t.seq_len)
     peak = t.peak_flops or peak_flops(mesh.device)
-    summary = RunSummary(
-        layout=mesh.layout.describe(),
-        params=count_parameters(cfg.model),
-        steps=t.steps,
-        tokens_per_step=trainer.tokens_per_step,
-        final_loss=float("nan"),
-        val_loss=None,
-        unigram_baseline=trainer.corpus.unigram_baseline,
-        flops_per_token=flops_per_token,
-        peak_flops=peak,
-        world_size=mesh.world_size,
-    )
+    summary = _summary(cfg, mesh, trainer, flops_per_token, peak)
     progress = make_progress(console, t.steps) if lead and t.progress else None
-    task = progress.add_task("train", total=t.steps, info="") if progress else None
+    if progress:
+        task = progress.add_task("train", total=t.steps, completed=trainer.step, info="")
+    saved_at = trainer.step if t.resume else -1
+
+    def save() -> dict:
+        nonlocal saved_at
+        saved_at = trainer.step
+        return _checkpoint(trainer, out, summary, console if lead else None)
 
     def record(result: StepResult) -> None:
         """Everything after a step: metrics, validation, progress (every rank calls it)."""
@@ -86,6 +86,8 @@ def run(cfg: Config, mesh: Mesh, corpus: Corpus | None = None) -> RunSummary:
         done = result.step + 1
         if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
             summary.val_loss = row["val_loss"] = trainer.evaluate()
+        if t.save_every and done % t.save_every == 0:
+            row.update(save())
         if log:
             log.write(row)
         if progress:
@@ -96,9 +98,15 @@ def run(cfg: Config, mesh: Mesh, corpus: Corpus | None = None) -> RunSummary:
     try:
         if progress:
             progress.start()
-        for _ in range(t.steps):
+        for _ in range(trainer.step, t.steps):
             injected_fault(mesh.rank, trainer.step)
             record(trainer.train_step())
+        if t.save and saved_at != trainer.step and not is_two_bw(cfg):
+            save()
+        elif t.save and is_two_bw(cfg) and lead:
+            console.print(
+                "no checkpoint: 2bw runs cannot be saved yet (their stream never flushes)"
+            )
         if t.trace and trainer.pipeline and not is_two_bw(cfg):  # 2BW: one stream, no step
             summary.pipeline = _trace(trainer, Path(t.out), lead)
     finally:
@@ -111,6 +119,33 @@ def run(cfg: Config, mesh: Mesh, corpus: Corpus | None = None) -> RunSummary:
         Path(t.out, "summary.json").write_text(json.dumps(summary.as_dict(), indent=2))
         console.print(summary_table(summary))
     return summary
+
+
+def _summary(
+    cfg: Config, mesh: Mesh, trainer: Trainer, flops_per_token: int, peak: float | None
+) -> RunSummary:
+    return RunSummary(
+        layout=mesh.layout.describe(),
+        params=count_parameters(cfg.model),
+        steps=cfg.train.steps,
+        tokens_per_step=trainer.tokens_per_step,
+        final_loss=float("nan"),
+        val_loss=None,
+        unigram_baseline=trainer.corpus.unigram_baseline,
+        flops_per_token=flops_per_token,
+        peak_flops=peak,
+        world_size=mesh.world_size,
+    )
+
+
+def _checkpoint(trainer: Trainer, out: Path, summary: RunSummary, console: Console | None) -> dict:
+    """Save (every rank), say where and what it cost (rank 0); the row's checkpoint fields."""
+    stats = trainer.save(out)
+    summary.checkpoint = stats["path"]
+    if console is not None:
+        size = stats["bytes"] / 2**20
+        console.print(f"checkpoint {stats['path']}: {size:.1f} MiB in {stats['seconds']:.2f} s")
+    return {"checkpoint_s": stats["seconds"], "checkpoint_bytes": int(stats["bytes"])}
 
 
 def injected_fault(rank: int, step: int) -> None:

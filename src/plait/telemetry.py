@@ -18,10 +18,18 @@ from rich.table import Table
 class MetricsLog:
     """Appends one JSON object per line to OUT/metrics.jsonl, and to TensorBoard if asked."""
 
-    def __init__(self, out: Path, tensorboard: bool) -> None:
+    def __init__(self, out: Path, tensorboard: bool, keep_before: int | None = None) -> None:
+        """`keep_before`: a resumed run keeps the rows of the steps before it (a run that
+        crashed after its checkpoint wrote rows the resumed run writes again)."""
         out.mkdir(parents=True, exist_ok=True)
         self.path = out / "metrics.jsonl"
+        kept = []
+        if keep_before is not None and self.path.exists():
+            lines = self.path.read_text().splitlines()
+            kept = [line for line in lines if json.loads(line)["step"] < keep_before]
         self._fh = self.path.open("w")
+        for line in kept:
+            self._fh.write(line + "\n")
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # optional dependency
@@ -81,6 +89,7 @@ class RunSummary:
     comm_bytes_per_step: dict[str, int] = field(default_factory=dict)
     pipeline: dict | None = None  # measured vs simulated bubble, with --trace
     model_state_bytes: int | None = None  # per rank, with the ZeRO engine
+    checkpoint: str | None = None  # the last checkpoint written
 
     @property
     def median_step_s(self) -> float:

@@ -11,16 +11,21 @@ asynchronous 2BW stream.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
+from plait.checkpoint import io as ckpt_io
+from plait.checkpoint import store
 from plait.comm import Comm
 from plait.config import Config
 from plait.data import load_tokens, split_tokens, unigram_entropy
 from plait.data.batches import Corpus, StepBatches
 from plait.data.sampler import TokenWindows
+from plait.errors import ConfigError
 from plait.mesh import Mesh
 from plait.models.config import ModelConfig
 from plait.models.init import init_parameters, initial_values, tie_all
@@ -193,6 +198,39 @@ class Trainer:
         """Mean token loss over a fixed set of validation windows, split across replicas."""
         batches = self.batches.validation(self.cfg.train.eval_batches)
         return evaluate_loss(self.model, batches, self.comm, self.pipeline)
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def trainer_state(self) -> dict[str, Any]:
+        """What continues the run besides the tensors (the same on every rank). Dropout is
+        keyed by (seed, step, sample), so no random-generator state is needed."""
+        scaler = self.engine.scaler.state_dict() if self.engine.scaler else None
+        return {
+            "step": self.step,
+            "sampler": self.batches.sampler.state_dict(),
+            "engine_step": self.engine.step_count,
+            "loss_scaler": scaler,
+            "config": self.cfg.to_dict(),
+        }
+
+    def save(self, out: Path) -> dict[str, float]:
+        """Write `out/checkpoints/step-N` (collective) and keep the newest ones."""
+        if not isinstance(self.engine, ZeroEngine):
+            raise ConfigError("checkpoints of a 2bw run are not supported yet")
+        path = store.step_dir(out, self.step)
+        stats = ckpt_io.save(path, self.engine, self._model, self.rules, self.comm,
+                             self.trainer_state())  # fmt: skip
+        if self.mesh.rank == 0:
+            store.prune(out, self.cfg.train.keep_checkpoints)
+        return {"path": str(path), **stats}
+
+    def load(self, path: Path) -> None:
+        """Continue from a checkpoint written under any layout (collective)."""
+        if not isinstance(self.engine, ZeroEngine):
+            raise ConfigError("checkpoints of a 2bw run are not supported yet")
+        state = store.read_trainer(path)
+        ckpt_io.load(path, self.engine, self._model, self.comm, state)
+        self.batches.sampler.load_state_dict(state["sampler"])
+        self.step = state["step"]
 
     def close(self) -> None:
         self.engine.close()

@@ -1,0 +1,68 @@
+"""Save and load one rank's share of a training run (collective over every rank).
+
+`save` writes this rank's boxes (`state.py`) with `torch.distributed.checkpoint`, then rank 0
+commits the folder (`store.py`); nobody goes on before the commit. `load` reads the full
+state of the parameters this rank holds, from whatever layout wrote it, and hands the
+engine its slices. The byte traffic of these collectives belongs to the checkpoint library,
+not to a training step, so `comm.py` does not count it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from plait.checkpoint.state import (
+    full_request,
+    global_shapes,
+    local_states,
+    owned_boxes,
+    sharded_state,
+)
+from plait.checkpoint.store import write_manifest
+from plait.comm import Comm
+from plait.parallel.grads import SplitRules
+from plait.parallel.zero.engine import ZeroEngine
+
+
+def save(
+    path: Path,
+    engine: ZeroEngine,
+    model: nn.Module,
+    rules: SplitRules,
+    comm: Comm,
+    trainer_state: dict[str, Any],
+) -> dict[str, float]:
+    """Write and commit a checkpoint at `path`; returns {"seconds", "bytes"} (bytes: rank 0)."""
+    start = time.perf_counter()
+    mesh = comm.mesh
+    if mesh.rank == 0 and path.exists():  # an unfinished save of this step: start over
+        shutil.rmtree(path)
+    comm.barrier()
+    boxes = owned_boxes(engine, model, rules, mesh)
+    state = sharded_state(boxes, global_shapes(engine, model), comm)
+    dcp.save(state, checkpoint_id=str(path), no_dist=mesh.world_size == 1)
+    comm.barrier()  # every rank's file is written
+    nbytes = write_manifest(path, trainer_state) if mesh.rank == 0 else 0
+    comm.barrier()  # committed before anyone goes on
+    return {"seconds": time.perf_counter() - start, "bytes": float(nbytes)}
+
+
+def load(
+    path: Path, engine: ZeroEngine, model: nn.Module, comm: Comm, trainer_state: dict[str, Any]
+) -> None:
+    """Fill the engine (masters, moments, step count, loss scaler) and the parameters."""
+    request = full_request(engine, model)
+    dcp.load(request, checkpoint_id=str(path), no_dist=comm.mesh.world_size == 1)
+    engine.load_state_dict(
+        {
+            "params": local_states(request, engine, model),
+            "step": trainer_state["engine_step"],
+            "loss_scaler": trainer_state.get("loss_scaler"),
+        }
+    )

@@ -1,0 +1,137 @@
+"""Checkpoint folders: `OUT/checkpoints/step-N/`, committed atomically, the newest found.
+
+A save writes every rank's boxes with `torch.distributed.checkpoint` (each rank its own
+file, in parallel), then rank 0 writes `trainer.json` (step, sampler, loss scaler, config),
+a `manifest.json` with the size and SHA-256 of every file, and last the `COMMITTED` marker.
+A folder without the marker is a save that did not finish (a crash, a kill): it is never
+loaded, only reported, and the next save of the same step replaces it. Only the newest
+`keep` committed checkpoints are kept.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+from plait.errors import ConfigError
+
+MARKER = "COMMITTED"
+MANIFEST = "manifest.json"
+TRAINER = "trainer.json"
+
+
+def step_dir(out: Path, step: int) -> Path:
+    return out / "checkpoints" / f"step-{step}"
+
+
+def committed(path: Path) -> bool:
+    return (path / MARKER).is_file()
+
+
+def write_manifest(path: Path, trainer_state: dict[str, Any]) -> int:
+    """trainer.json, the manifest and the commit marker (rank 0, after every rank wrote);
+    returns the checkpoint's bytes."""
+    (path / TRAINER).write_text(json.dumps(trainer_state, indent=2))
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.name not in (MANIFEST, MARKER))
+    entries = {str(p.relative_to(path)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+               for p in files}  # fmt: skip
+    (path / MANIFEST).write_text(json.dumps(entries, indent=2))
+    (path / MARKER).write_text("complete\n")
+    return sum(e["bytes"] for e in entries.values())
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def verify(path: Path) -> None:
+    """Every file the manifest lists is there, with its size and checksum."""
+    entries = json.loads((path / MANIFEST).read_text())
+    for name, entry in entries.items():
+        file = path / name
+        if not file.is_file() or file.stat().st_size != entry["bytes"]:
+            raise ConfigError(f"checkpoint {str(path)!r} is damaged: {name} is missing or cut")
+        if _sha256(file) != entry["sha256"]:
+            raise ConfigError(f"checkpoint {str(path)!r} is damaged: {name} fails its checksum")
+
+
+def latest(out: Path) -> Path | None:
+    """The newest committed checkpoint under `out/checkpoints` (warning about partial ones)."""
+    root = out / "checkpoints"
+    found = sorted(root.glob("step-*"), key=_step_of) if root.is_dir() else []
+    for path in reversed(found):
+        if committed(path):
+            return path
+        warnings.warn(f"ignoring {path}: the save did not finish (no {MARKER})", stacklevel=2)
+    return None
+
+
+def _step_of(path: Path) -> int:
+    try:
+        return int(path.name.removeprefix("step-"))
+    except ValueError:
+        return -1
+
+
+def resolve(resume: str, out: Path) -> Path:
+    """`--resume latest` or a path, as a committed checkpoint folder; ConfigError if none."""
+    path = latest(out) if resume == "latest" else Path(resume)
+    if path is None:
+        raise ConfigError(
+            f"--resume latest: no complete checkpoint under {str(out / 'checkpoints')!r}"
+        )
+    if not path.is_dir():
+        raise ConfigError(f"--resume {str(path)!r}: no such checkpoint folder")
+    if not committed(path):
+        raise ConfigError(f"--resume {str(path)!r}: the save did not finish (no {MARKER})")
+    return path
+
+
+def read_trainer(path: Path) -> dict[str, Any]:
+    return json.loads((path / TRAINER).read_text())
+
+
+KEPT = (("train", "global_batch"), ("train", "seq_len"), ("train", "seed"), ("data", "path"),
+        ("data", "max_bytes"), ("data", "val_fraction"))  # fmt: skip
+"""What a resumed run must share with the saved one besides the model: the global batch and
+the data, or the continued trajectory would not be the saved run's."""
+
+
+def check_resumable(path: Path, config: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint's trainer state, after checking that `config` (a `Config.to_dict()`)
+    keeps its model, global batch and data; layout, ZeRO stage, precision, offload,
+    recompute and schedule may change."""
+    verify(path)
+    state = read_trainer(path)
+    saved = state["config"]
+    pairs = [("model", k) for k in saved["model"]] + list(KEPT)
+    for section, key in pairs:
+        was, now = saved[section].get(key), config[section].get(key)
+        if was != now:
+            raise ConfigError(
+                f"checkpoint {str(path)!r} was saved with {section}.{key}={was!r}; this run asks "
+                f"for {now!r} (a resumed run keeps the model, the global batch and the data; "
+                "change only the layout, ZeRO stage, precision, offload, recompute or schedule)"
+            )
+    if config["train"]["steps"] <= state["step"]:
+        raise ConfigError(
+            f"checkpoint {str(path)!r} is at step {state['step']}; --steps "
+            f"{config['train']['steps']} leaves nothing to train"
+        )
+    return state
+
+
+def prune(out: Path, keep: int) -> None:
+    """Remove all but the newest `keep` committed checkpoints (and older partial ones)."""
+    root = out / "checkpoints"
+    done = [p for p in sorted(root.glob("step-*"), key=_step_of) if committed(p)]
+    for path in done[:-keep] if keep > 0 else []:
+        shutil.rmtree(path, ignore_errors=True)

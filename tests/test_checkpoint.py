@@ -1,0 +1,210 @@
+"""Checkpoints: exact resume in the same layout, resume in another layout, atomic commit.
+
+A run of 6 steps is the reference. The same run saved at step 3 and resumed (same layout)
+must give bitwise the same losses and parameters; resumed under another layout, ZeRO stage,
+precision policy or offload it must follow the reference within rtol 1e-5 (fp32), because
+every layout reproduces the single process and the checkpoint names tensors by their
+single-process names.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from plait.checkpoint import store
+from plait.checkpoint.boxes import Box, range_boxes, to_global
+from plait.errors import ConfigError
+from plait.mesh import build_mesh
+from plait.parallel.tp.sharding import full_tensor, param_shard_specs, split_spec
+from plait.train import Trainer
+from reference import corpus_for, small_config
+
+STEPS, AT = 6, 3
+RTOL = 1e-5
+PARAM_ATOL = 1e-5  # Adam turns rounding-level gradient differences into ~1e-6 (see dp parity)
+
+
+# ---------------------------------------------------------------- pure: boxes and store
+def test_flat_ranges_become_contiguous_boxes() -> None:
+    for shape in [(7,), (4, 3), (3, 4, 5), (1, 6)]:
+        full = torch.arange(torch.Size(shape).numel()).view(shape)
+        for start in range(full.numel()):
+            for length in range(full.numel() - start + 1):
+                flat = full.reshape(-1)[start : start + length]
+                boxes = range_boxes(shape, start, length)
+                assert sum(b.numel for b in boxes) == length
+                for b in boxes:
+                    index = tuple(slice(o, o + n) for o, n in zip(b.offsets, b.sizes, strict=True))
+                    assert torch.equal(full[index].reshape(-1), flat[b.start : b.start + b.numel])
+
+
+def test_tp_shard_boxes_drop_the_vocabulary_padding() -> None:
+    spec = split_spec((10, 4), 0, rank=2, size=3, pad=True)  # rows 8..9 real, 2 rows padding
+    assert to_global(Box((0, 0), (4, 4)), spec) == Box((8, 0), (2, 4))
+    assert to_global(Box((3, 1), (1, 3), 5), spec) is None  # all padding
+    assert to_global(Box((1, 2), (1, 2), 7), spec) == Box((9, 2), (1, 2), 7)
+
+
+def _fake_checkpoint(root: Path, step: int, commit: bool) -> Path:
+    path = store.step_dir(root, step)
+    path.mkdir(parents=True)
+    (path / "__0_0.distcp").write_bytes(b"tensors" * step)
+    if commit:
+        store.write_manifest(path, {"step": step, "config": {}})
+    return path
+
+
+def test_latest_skips_an_unfinished_save_and_prune_keeps_the_newest(tmp_path: Path) -> None:
+    for step in (2, 4, 6):
+        _fake_checkpoint(tmp_path, step, commit=True)
+    _fake_checkpoint(tmp_path, 8, commit=False)  # killed during the save
+    with pytest.warns(UserWarning, match="step-8: the save did not finish"):
+        assert store.latest(tmp_path) == store.step_dir(tmp_path, 6)
+    store.prune(tmp_path, keep=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert store.latest(tmp_path) == store.step_dir(tmp_path, 6)
+    assert not store.step_dir(tmp_path, 2).exists() and store.step_dir(tmp_path, 4).exists()
+    with pytest.raises(ConfigError, match="the save did not finish"):
+        store.resolve(str(store.step_dir(tmp_path, 8)), tmp_path)
+    with pytest.raises(ConfigError, match="no complete checkpoint under"):
+        store.resolve("latest", tmp_path / "elsewhere")
+
+
+def test_damaged_and_mismatched_checkpoints_are_named(tmp_path: Path) -> None:
+    path = _fake_checkpoint(tmp_path, 3, commit=True)
+    config = small_config().to_dict()
+    state = json.loads((path / store.TRAINER).read_text())
+    (path / store.TRAINER).write_text(json.dumps({**state, "config": config}))
+    store.write_manifest(path, {**state, "config": config})
+    other = json.loads(json.dumps(config))
+    other["model"]["d_model"] = 2 * config["model"]["d_model"]
+    with pytest.raises(ConfigError, match=r"saved with model.d_model=\d+; this run asks for"):
+        store.check_resumable(path, other)
+    other = json.loads(json.dumps(config))
+    other["train"]["global_batch"] += 2
+    with pytest.raises(ConfigError, match=r"saved with train\.global_batch"):
+        store.check_resumable(path, other)
+    (path / "__0_0.distcp").write_bytes(b"tampered")
+    with pytest.raises(ConfigError, match=r"is damaged: __0_0\.distcp is missing or cut"):
+        store.check_resumable(path, config)
+
+
+# ---------------------------------------------------------------- multi-rank: resume
+def _config(layout: dict):
+    kw = dict(layout)
+    parallel = kw.pop("par", {})
+    cfg = small_config(steps=STEPS, **kw)
+    for key, value in parallel.items():
+        setattr(cfg.parallel, key, value)
+    cfg.validate(check_data=False)
+    return cfg
+
+
+def _gathered(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """Every parameter this rank holds, whole (tp shards gathered, ZeRO-3 gathered), fp32."""
+    specs = param_shard_specs(trainer.model)
+    with trainer.engine.unsharded():
+        return {
+            n: (full_tensor(p, specs[n], trainer.comm) if n in specs else p.detach())
+            .float()
+            .clone()
+            for n, p in trainer.model.named_parameters()
+        }
+
+
+def _phase(layout: dict, steps: int, save_to: str | None = None, load: str | None = None):
+    """Train `steps` steps (after loading `load`), save to `save_to`; losses and parameters."""
+    cfg = _config(layout)
+    corpus = corpus_for(cfg)
+    mesh = build_mesh(cfg.parallel.layout, torch.device("cpu"), 60)
+    trainer = Trainer(cfg, mesh, corpus)
+    if load:
+        trainer.load(Path(load))
+    losses = [trainer.train_step().loss for _ in range(steps)]
+    if save_to:
+        trainer.save(Path(save_to))
+    params = _gathered(trainer)
+    trainer.close()
+    return {"losses": losses, "params": params}
+
+
+def _reference(world, layout: dict, tmp: Path) -> tuple[dict, list[float], str]:
+    """The uninterrupted run, the losses of the same run up to step AT, and its checkpoint."""
+    full = world.run(_phase, layout, STEPS)[0]
+    first = world.run(_phase, layout, AT, save_to=str(tmp))[0]
+    return full, first["losses"], str(store.step_dir(tmp, AT))
+
+
+def _params_by_name(results: list[dict]) -> dict[str, torch.Tensor]:
+    """A pipeline spreads the parameters over ranks: merge what every rank holds."""
+    merged: dict[str, torch.Tensor] = {}
+    for r in results:
+        merged.update(r["params"])
+    return merged
+
+
+SAME_LAYOUT = [
+    dict(dp=2),
+    dict(dp=2, accum=2, par=dict(zero=3)),
+    dict(dp=2, par=dict(zero=1, precision="bf16")),
+    dict(dp=2, par=dict(zero=2, precision="fp16")),  # the loss scaler continues
+    dict(dp=2, par=dict(zero=2, offload="cpu")),
+    dict(dp=2, par=dict(zero=1, offload="nvme", offload_dir="TMP")),  # TMP: the test's folder
+    dict(pp=2, accum=2, par=dict(schedule="1f1b")),
+    dict(tp=2, accum=2, dropout=0.1, recompute="full", par=dict(sequence_parallel=True)),
+]
+
+
+@pytest.mark.parametrize("layout", SAME_LAYOUT, ids=lambda c: json.dumps(c))
+def test_resume_in_the_same_layout_is_bitwise(world2, layout, tmp_path: Path) -> None:
+    if layout.get("par", {}).get("offload_dir") == "TMP":
+        layout = {**layout, "par": {**layout["par"], "offload_dir": str(tmp_path / "nvme")}}
+    full, first, ckpt = _reference(world2, layout, tmp_path / "ckpt")
+    rest = world2.run(_phase, layout, STEPS - AT, load=ckpt)
+    assert first + rest[0]["losses"] == full["losses"]
+    for name, value in full["params"].items():
+        assert torch.equal(rest[0]["params"][name], value), name
+
+
+CHANGES_2 = [  # (saved under, resumed under): every pair keeps micro-batch x accumulation x dp
+    (dict(dp=2, par=dict(zero=3)), dict(tp=2, accum=2, par=dict(sequence_parallel=True))),
+    (dict(pp=2, accum=2, n_layers=4), dict(pp=2, accum=2, n_layers=4, par=dict(
+        schedule="interleaved", virtual_stages=2))),
+    (dict(tp=2, accum=2), dict(dp=2, par=dict(zero=2, offload="cpu"))),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("saved", "resumed"), CHANGES_2, ids=lambda c: json.dumps(c))
+def test_resume_in_another_layout_follows_the_run(world2, saved, resumed, tmp_path: Path) -> None:
+    full, _, ckpt = _reference(world2, saved, tmp_path)
+    rest = world2.run(_phase, resumed, STEPS - AT, load=ckpt)
+    torch.testing.assert_close(
+        torch.tensor(rest[0]["losses"]), torch.tensor(full["losses"][AT:]), rtol=RTOL, atol=0
+    )
+    got, want = _params_by_name(rest), _params_by_name([full])
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=RTOL, atol=PARAM_ATOL, msg=name)
+
+
+def test_four_ranks_to_a_single_process_and_back(world4, tmp_path: Path) -> None:
+    """dp2 x tp2 saved, resumed as pp2 x dp2; dp4 ZeRO-1 saved, resumed in this process."""
+    grid, pipe = dict(dp=2, tp=2), dict(pp=2, dp=2, micro=1, accum=2)
+    full, _, ckpt = _reference(world4, grid, tmp_path / "grid")
+    rest = world4.run(_phase, pipe, STEPS - AT, load=ckpt)
+    torch.testing.assert_close(
+        torch.tensor(rest[0]["losses"]), torch.tensor(full["losses"][AT:]), rtol=RTOL, atol=0
+    )
+    sharded = dict(dp=4, par=dict(zero=1))
+    full, _, ckpt = _reference(world4, sharded, tmp_path / "dp4")
+    single = _phase(dict(accum=4), STEPS - AT, load=ckpt)  # here, no process group
+    torch.testing.assert_close(
+        torch.tensor(single["losses"]), torch.tensor(full["losses"][AT:]), rtol=RTOL, atol=0
+    )
+    for name, value in full["params"].items():
+        torch.testing.assert_close(single["params"][name], value, rtol=RTOL, atol=PARAM_ATOL)
