@@ -178,3 +178,38 @@ def test_save_then_resume_in_another_layout_from_the_command_line(tmp_path):
     changed = _plait(["--out", out, "--resume", "latest", "--seq-len", "16", "--steps", "8"])
     assert changed.returncode == 2
     assert "saved with train.seq_len=32; this run asks for 16" in changed.stderr
+
+
+def _losses(out: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_killed_rank_restarts_from_the_newest_checkpoint(tmp_path):
+    """Rank 1 dies at step 3 after the step-2 checkpoint; with --max-restarts 1 the world
+    starts again from it and ends with the uninterrupted run's losses and summary."""
+    plain = _plait(["--out", str(tmp_path / "plain")])
+    assert plain.returncode == 0, plain.stderr
+    out = tmp_path / "restarted"
+    proc = _plait(["--out", str(out), "--save-every", "2", "--max-restarts", "1"],
+                  env={"PLAIT_FAULT": "1:3"})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "plait: rank 1 failed (RuntimeError: injected fault" in proc.stderr
+    assert f"restart 1/1 from {out}/checkpoints/step-2" in proc.stderr
+    assert _losses(out) == _losses(tmp_path / "plain")  # bitwise: same layout
+    assert json.loads((out / "summary.json").read_text())["restarts"] == 1
+
+
+def test_a_save_cut_short_leaves_the_previous_checkpoint(tmp_path):
+    """Rank 1 dies while the step-4 checkpoint is written: that folder is never committed,
+    and --resume latest continues from step 2 with a warning."""
+    out = tmp_path / "cut"
+    proc = _plait(["--out", str(out), "--save-every", "2"], env={"PLAIT_FAULT": "1:save-4"})
+    assert proc.returncode == 1 and "injected fault (PLAIT_FAULT=1:save-4)" in proc.stderr
+    assert not (out / "checkpoints" / "step-4" / "COMMITTED").exists()
+    before = _losses(out)  # steps 0-2: step 3's row waits for its checkpoint
+    resumed = _plait(["--out", str(out), "--resume", "latest", "--steps", "6"])
+    assert resumed.returncode == 0, resumed.stderr
+    assert "step-4: the save did not finish" in resumed.stderr
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5]
+    assert _losses(out)[:2] == before[:2]  # the rows before the checkpoint are kept

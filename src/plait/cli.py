@@ -147,8 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config_from_args(args)
         out = Path(cfg.train.out)
-        if cfg.train.resume:
-            check_resumable(resolve(cfg.train.resume, out), cfg.to_dict())
+        start = resolve(cfg.train.resume, out) if cfg.train.resume else None
+        if start is not None:
+            check_resumable(start, cfg.to_dict())
         if not under_torchrun() or os.environ.get("RANK") == "0":  # one rank owns the folder
             prepare_out(out, cfg.train.overwrite, bool(cfg.train.resume))
     except ConfigError as e:

@@ -140,6 +140,9 @@ class TrainConfig:
         default=True, metadata={"help": "write a checkpoint at the end (--no-save: none at all)"}
     )
     keep_checkpoints: int = field(default=3, metadata={"help": "keep the newest N checkpoints"})
+    max_restarts: int = field(
+        default=0, metadata={"help": "restart the world from the newest checkpoint on a failure"}
+    )
     resume: str = field(
         default="", metadata={"help": "continue from 'latest' (in --out) or a checkpoint folder"}
     )
@@ -283,10 +286,10 @@ def validate_config(cfg: Config, check_data: bool = True) -> None:
     check_recompute(par.recompute)
     if t.lr <= 0 or t.min_lr < 0 or t.min_lr > t.lr:
         raise ConfigError(f"need 0 <= min_lr <= lr and lr > 0; got lr={t.lr}, min_lr={t.min_lr}")
-    if t.save_every < 0 or t.keep_checkpoints < 1:
+    if t.save_every < 0 or t.keep_checkpoints < 1 or t.max_restarts < 0:
         raise ConfigError(
-            f"save_every must be >= 0 and keep_checkpoints >= 1; got {t.save_every}, "
-            f"{t.keep_checkpoints}"
+            f"save_every and max_restarts must be >= 0 and keep_checkpoints >= 1; got "
+            f"{t.save_every}, {t.max_restarts}, {t.keep_checkpoints}"
         )
     if par.pp > 1 and par.schedule == "2bw" and (t.save_every or t.resume):
         raise ConfigError(

@@ -7,6 +7,7 @@ failing rank's traceback is shown, and the launcher exits non-zero: no orphan su
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -19,11 +20,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from rich.console import Console
 
+from plait.checkpoint.store import latest
 from plait.config import Config
 from plait.device import backend_for, resolve_device, threads_per_worker
 from plait.mesh import build_mesh
-from plait.run import run
+from plait.run import ATTEMPT_ENV, run
 from plait.telemetry import RunSummary
 
 
@@ -102,15 +105,44 @@ def launch(cfg: Config) -> None:
     torch.multiprocessing terminates the surviving workers as soon as one fails, so no
     process outlives the launcher.
     """
-    world = cfg.parallel.layout.world_size
-    if under_torchrun():
+    if under_torchrun():  # torchrun restarts the world itself (its --max-restarts)
         env_world = int(os.environ["WORLD_SIZE"])
         cfg.parallel.layout.check_world(env_world)
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", env_world))
         worker(int(os.environ["RANK"]), cfg, env_world, local_world, None)
         return
+    restarts = cfg.train.max_restarts
+    for attempt in range(restarts + 1):
+        os.environ[ATTEMPT_ENV] = str(attempt)  # workers inherit it: the summary counts restarts
+        try:
+            _run_world(cfg)
+            return
+        except WorkerFailure as failure:
+            if attempt == restarts:
+                raise
+            _say_restart(failure, attempt + 1, restarts, Path(cfg.train.out))
+            cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume="latest"))
+
+
+def _say_restart(failure: WorkerFailure, n: int, of: int, out: Path) -> None:
+    where = latest(out)
+    start = f"from {where}" if where else "from step 0 (no checkpoint yet)"
+    Console(stderr=True, soft_wrap=True).print(
+        f"plait: rank {failure.rank} failed ({failure.trace.strip().splitlines()[-1]}); "
+        f"restart {n}/{of} {start}",
+        markup=False,
+        highlight=False,
+    )
+
+
+def _run_world(cfg: Config) -> None:
+    """One world from start to end; WorkerFailure names the first rank that failed."""
+    world = cfg.parallel.layout.world_size
     if world == 1:
-        worker(0, cfg, 1, 1, None)
+        try:
+            worker(0, cfg, 1, 1, None)
+        except Exception:
+            raise WorkerFailure(0, traceback.format_exc(), []) from None
         return
     with tempfile.TemporaryDirectory(prefix="plait-errors-") as error_dir:
         ctx = mp.start_processes(

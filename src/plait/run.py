@@ -55,10 +55,13 @@ def run(cfg: Config, mesh: Mesh, corpus: Corpus | None = None) -> RunSummary:
     """Train `cfg` on this rank; returns the summary (identical numbers on every rank)."""
     t, out = cfg.train, Path(cfg.train.out)
     trainer = Trainer(cfg, mesh, corpus)
-    if t.resume:
-        trainer.load(store.resolve(t.resume, out))
     lead = mesh.is_logging_rank
     console = Console(stderr=True, soft_wrap=True)
+    start = store.resolve(t.resume, out) if t.resume else None
+    if start is not None:
+        trainer.load(start)
+    elif t.resume and lead:
+        console.print(f"no checkpoint under {out / 'checkpoints'} yet: starting from step 0")
     keep = trainer.step if t.resume else None  # a resumed run continues its metrics
     log = MetricsLog(out, t.tensorboard, keep_before=keep) if lead else None
     if lead:
@@ -66,6 +69,7 @@ def run(cfg: Config, mesh: Mesh, corpus: Corpus | None = None) -> RunSummary:
     flops_per_token = matmul_flops_per_token(cfg.model, t.seq_len)
     peak = t.peak_flops or peak_flops(mesh.device)
     summary = _summary(cfg, mesh, trainer, flops_per_token, peak)
+    summary.restarts = attempt()
     progress = make_progress(console, t.steps) if lead and t.progress else None
     if progress:
         task = progress.add_task("train", total=t.steps, completed=trainer.step, info="")
@@ -74,7 +78,8 @@ def run(cfg: Config, mesh: Mesh, corpus: Corpus | None = None) -> RunSummary:
     def save() -> dict:
         nonlocal saved_at
         saved_at = trainer.step
-        return _checkpoint(trainer, out, summary, console if lead else None)
+        fault = lambda: injected_fault(mesh.rank, f"save-{trainer.step}")  # noqa: E731
+        return _checkpoint(trainer, out, summary, console if lead else None, fault)
 
     def record(result: StepResult) -> None:
         """Everything after a step: metrics, validation, progress (every rank calls it)."""
@@ -138,9 +143,11 @@ def _summary(
     )
 
 
-def _checkpoint(trainer: Trainer, out: Path, summary: RunSummary, console: Console | None) -> dict:
+def _checkpoint(
+    trainer: Trainer, out: Path, summary: RunSummary, console: Console | None, fault
+) -> dict:
     """Save (every rank), say where and what it cost (rank 0); the row's checkpoint fields."""
-    stats = trainer.save(out)
+    stats = trainer.save(out, before_commit=fault)
     summary.checkpoint = stats["path"]
     if console is not None:
         size = stats["bytes"] / 2**20
@@ -148,12 +155,23 @@ def _checkpoint(trainer: Trainer, out: Path, summary: RunSummary, console: Conso
     return {"checkpoint_s": stats["seconds"], "checkpoint_bytes": int(stats["bytes"])}
 
 
-def injected_fault(rank: int, step: int) -> None:
-    """Test hook: PLAIT_FAULT='RANK:STEP' makes that rank raise at that step.
+ATTEMPT_ENV = "PLAIT_ATTEMPT"
+"""Which start of the world this is (0: the first), set by the launcher for its workers."""
 
-    It exists so the failure path (one rank dies, all stop, its traceback shown) is tested
-    end to end through the real launcher.
+
+def attempt() -> int:
+    """This world's start: the launcher's count, or torchrun's restart count under torchrun."""
+    return int(os.environ.get(ATTEMPT_ENV) or os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+
+
+def injected_fault(rank: int, step: int | str) -> None:
+    """Test hook: PLAIT_FAULT='RANK:STEP' makes that rank raise at that step ('RANK:save-N':
+    while saving the step-N checkpoint, before it is committed), on the first start only.
+
+    It exists so the failure paths (one rank dies, all stop, its traceback shown; a restart
+    from the newest checkpoint; a save cut short) are tested end to end through the real
+    launcher.
     """
     spec = os.environ.get("PLAIT_FAULT")
-    if spec and spec == f"{rank}:{step}":
+    if spec and spec == f"{rank}:{step}" and attempt() == 0:
         raise RuntimeError(f"injected fault (PLAIT_FAULT={spec}) on rank {rank} at step {step}")

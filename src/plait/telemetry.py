@@ -90,6 +90,7 @@ class RunSummary:
     pipeline: dict | None = None  # measured vs simulated bubble, with --trace
     model_state_bytes: int | None = None  # per rank, with the ZeRO engine
     checkpoint: str | None = None  # the last checkpoint written
+    restarts: int = 0  # times the world was started again after a failure
 
     @property
     def median_step_s(self) -> float:
@@ -123,6 +124,8 @@ def summary_table(s: RunSummary) -> Table:
     table.add_row("layout", s.layout)
     table.add_row("parameters", f"{s.params:,}")
     table.add_row("steps", str(s.steps))
+    if s.restarts:
+        table.add_row("restarts", f"{s.restarts} (from the newest checkpoint)")
     table.add_row("final train loss", f"{s.final_loss:.4f} nats/token")
     baseline = f"{s.unigram_baseline:.4f} nats/token (byte frequencies, no context)"
     table.add_row("unigram baseline", baseline)

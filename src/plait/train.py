@@ -212,13 +212,13 @@ class Trainer:
             "config": self.cfg.to_dict(),
         }
 
-    def save(self, out: Path) -> dict[str, float]:
+    def save(self, out: Path, before_commit: Callable[[], None] | None = None) -> dict[str, float]:
         """Write `out/checkpoints/step-N` (collective) and keep the newest ones."""
         if not isinstance(self.engine, ZeroEngine):
             raise ConfigError("checkpoints of a 2bw run are not supported yet")
         path = store.step_dir(out, self.step)
         stats = ckpt_io.save(path, self.engine, self._model, self.rules, self.comm,
-                             self.trainer_state())  # fmt: skip
+                             self.trainer_state(), before_commit)  # fmt: skip
         if self.mesh.rank == 0:
             store.prune(out, self.cfg.train.keep_checkpoints)
         return {"path": str(path), **stats}

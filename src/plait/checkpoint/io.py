@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +38,10 @@ def save(
     rules: SplitRules,
     comm: Comm,
     trainer_state: dict[str, Any],
+    before_commit: Callable[[], None] | None = None,
 ) -> dict[str, float]:
-    """Write and commit a checkpoint at `path`; returns {"seconds", "bytes"} (bytes: rank 0)."""
+    """Write and commit a checkpoint at `path`; returns {"seconds", "bytes"} (bytes: rank 0).
+    `before_commit` runs on every rank between the write and the commit (a test's fault)."""
     start = time.perf_counter()
     mesh = comm.mesh
     if mesh.rank == 0 and path.exists():  # an unfinished save of this step: start over
@@ -47,6 +50,8 @@ def save(
     boxes = owned_boxes(engine, model, rules, mesh)
     state = sharded_state(boxes, global_shapes(engine, model), comm)
     dcp.save(state, checkpoint_id=str(path), no_dist=mesh.world_size == 1)
+    if before_commit is not None:
+        before_commit()
     comm.barrier()  # every rank's file is written
     nbytes = write_manifest(path, trainer_state) if mesh.rank == 0 else 0
     comm.barrier()  # committed before anyone goes on

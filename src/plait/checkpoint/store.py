@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import warnings
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +70,8 @@ def latest(out: Path) -> Path | None:
     for path in reversed(found):
         if committed(path):
             return path
-        warnings.warn(f"ignoring {path}: the save did not finish (no {MARKER})", stacklevel=2)
+        print(f"plait: warning: ignoring {path}: the save did not finish (no {MARKER})",
+              file=sys.stderr)  # fmt: skip
     return None
 
 
@@ -81,13 +82,12 @@ def _step_of(path: Path) -> int:
         return -1
 
 
-def resolve(resume: str, out: Path) -> Path:
-    """`--resume latest` or a path, as a committed checkpoint folder; ConfigError if none."""
-    path = latest(out) if resume == "latest" else Path(resume)
-    if path is None:
-        raise ConfigError(
-            f"--resume latest: no complete checkpoint under {str(out / 'checkpoints')!r}"
-        )
+def resolve(resume: str, out: Path) -> Path | None:
+    """`--resume latest` (None when there is none yet: the first start of a run that may
+    restart) or a path, which must be a committed checkpoint folder."""
+    if resume == "latest":
+        return latest(out)
+    path = Path(resume)
     if not path.is_dir():
         raise ConfigError(f"--resume {str(path)!r}: no such checkpoint folder")
     if not committed(path):
