@@ -12,6 +12,8 @@ import time
 import uuid
 from pathlib import Path
 
+import pytest
+
 TINY = [
     "--model", "tiny-gpt", "--dp", "2", "--steps", "4", "--seq-len", "32",
     "--global-batch", "4", "--micro-batch", "1", "--eval-batches", "1", "--eval-every", "2",
@@ -65,19 +67,29 @@ def test_train_dp2_writes_metrics_and_summary(tmp_path):
 
 def test_failure_on_one_rank_stops_all_with_its_traceback(tmp_path):
     marker = f"PLAIT_TEST_MARK_{uuid.uuid4().hex}"
-    proc = _plait(["--out", str(tmp_path)], env={"PLAIT_FAULT": "1:2", marker: "1"})
+    temp = tmp_path / "temp"  # the run's temporary folder: nothing may be left in it
+    temp.mkdir()
+    env = {"PLAIT_FAULT": "1:2", marker: "1", "TMPDIR": str(temp)}
+    proc = _plait(["--out", str(tmp_path / "run")], env=env)
     assert proc.returncode == 1
     assert "a worker failed; all ranks stopped" in proc.stderr
     assert "rank 1 failed first" in proc.stderr
     assert "injected fault (PLAIT_FAULT=1:2) on rank 1 at step 2" in proc.stderr
     assert "Traceback" in proc.stderr
     assert _processes_with(marker) == []  # no orphan worker left behind
+    left = [p.name for p in temp.iterdir() if p.name != "torchinductor_root"]  # torch's cache
+    assert left == []  # no pytorch-errorfile-*, no plait-errors-* folder
     # what rank 0 wrote before the failure is on disk, line by line
-    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2
 
 
-def test_interrupt_stops_every_rank_with_one_line(tmp_path):
-    """SIGINT to the launcher (as Ctrl-C): exit 130, one line, no worker left, whole lines."""
+@pytest.mark.parametrize(
+    ("signum", "group"), [(signal.SIGINT, True), (signal.SIGTERM, False)], ids=["ctrl-c", "term"]
+)
+def test_a_signal_ends_the_step_saves_and_exits(signum, group, tmp_path):
+    """Ctrl-C (SIGINT to the whole group) or SIGTERM to the launcher alone: every rank finishes
+    its step, a checkpoint is written, one line says where, the exit code is 128 + signal;
+    no worker is left, every metrics line is whole, and the run resumes from there."""
     marker = f"PLAIT_TEST_MARK_{uuid.uuid4().hex}"
     cmd = [sys.executable, "-m", "plait.cli", "train", *TINY, "--steps", "100000"]
     cmd += ["--out", str(tmp_path)]
@@ -91,17 +103,21 @@ def test_interrupt_stops_every_rank_with_one_line(tmp_path):
         while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
             time.sleep(0.2)
-        proc.send_signal(signal.SIGINT)
+        os.killpg(proc.pid, signum) if group else proc.send_signal(signum)
         _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 130, err
-    assert "plait: interrupted; every rank stopped." in err
+    assert proc.returncode == 128 + signum, err
     assert "Traceback" not in err
     assert _processes_with(marker) == []
-    for line in metrics.read_text().splitlines():  # every line written is a whole record
-        json.loads(line)
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    done = len(rows)
+    assert "plait: stopped by " in err and f"after step {done}; checkpoint " in err
+    assert (tmp_path / "checkpoints" / f"step-{done}" / "COMMITTED").exists()
+    resumed = _plait(["--out", str(tmp_path), "--resume", "latest", "--steps", str(done + 1)])
+    assert resumed.returncode == 0, resumed.stderr
+    assert [r["step"] for r in map(json.loads, metrics.read_text().splitlines())][-1] == done
 
 
 def test_under_torchrun_uses_its_environment(tmp_path):

@@ -22,7 +22,7 @@ from plait.checkpoint.store import check_resumable, resolve
 from plait.config import SECTIONS, Config, build_config, flag_name, load_toml
 from plait.device import cuda_available
 from plait.errors import ConfigError
-from plait.launch import WorkerFailure, launch, under_torchrun
+from plait.launch import Interrupted, WorkerFailure, launch, under_torchrun
 from plait.outdir import prepare_out
 
 
@@ -167,6 +167,10 @@ def main(argv: list[str] | None = None) -> int:
         err.print("[bold red]plait: a worker failed; all ranks stopped.[/]")
         err.print(str(e), markup=False, highlight=False)
         return 1
+    except Interrupted as e:
+        if e.forced:
+            err.print("[bold]plait: stopped at once; every rank ended, no checkpoint.[/]")
+        return 128 + e.signum
     except KeyboardInterrupt:
         err.print("[bold]plait: interrupted; every rank stopped.[/]")
         return 130

@@ -213,6 +213,23 @@ class Comm:
         dist.all_gather_object(out, obj, group=self.mesh.group(axis))
         return out
 
+    def agreed_stop(self, done: int, requested: bool, key: str = "plait/stop") -> bool:
+        """Whether this rank stops now, `done` steps completed, the same answer on every rank.
+
+        A rank that was asked to stop proposes `done + 1`: no rank can have completed more
+        steps than that yet (a step's collectives wait for this rank), so every rank still
+        reaches that count and stops there. The first proposal wins, through the process
+        group's key-value store: one round trip per step, and no collective that a rank
+        which already stopped would leave others waiting in."""
+        if self.mesh.world_size == 1 or not dist.is_initialized():
+            return requested
+        store = dist.distributed_c10d._get_default_store()
+        if requested:
+            store.compare_set(key, "", str(done + 1))
+        if not store.check([key]):
+            return False
+        return done >= int(store.get(key))
+
     def broadcast(self, t: torch.Tensor, axis: str, src: int = 0, tag: str = "") -> None:
         """Copy axis-rank `src`'s tensor to every rank of `axis`."""
         if self.mesh.size(axis) == 1:

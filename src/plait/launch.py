@@ -11,6 +11,7 @@ import dataclasses
 import datetime
 import json
 import os
+import signal
 import socket
 import tempfile
 import time
@@ -27,6 +28,7 @@ from plait.config import Config
 from plait.device import backend_for, resolve_device, threads_per_worker
 from plait.mesh import build_mesh
 from plait.run import ATTEMPT_ENV, run
+from plait.signals import FORWARDED
 from plait.telemetry import RunSummary
 
 
@@ -53,6 +55,14 @@ def init_worker(cfg: Config, rank: int, world: int, local_rank: int, local_world
             timeout=datetime.timedelta(seconds=cfg.parallel.comm_timeout),
         )
     return build_mesh(cfg.parallel.layout, device, cfg.parallel.comm_timeout)
+
+
+class Interrupted(Exception):
+    """The run ended on a signal: after a step and a checkpoint, or at once (`forced`)."""
+
+    def __init__(self, signum: int, forced: bool = False) -> None:
+        self.signum, self.forced = signum, forced
+        super().__init__(f"stopped by signal {signum}")
 
 
 class WorkerFailure(RuntimeError):
@@ -140,9 +150,11 @@ def _run_world(cfg: Config) -> None:
     world = cfg.parallel.layout.world_size
     if world == 1:
         try:
-            worker(0, cfg, 1, 1, None)
+            summary = worker(0, cfg, 1, 1, None)
         except Exception:
             raise WorkerFailure(0, traceback.format_exc(), []) from None
+        if summary.stopped_by is not None:
+            raise Interrupted(summary.stopped_by)
         return
     with tempfile.TemporaryDirectory(prefix="plait-errors-") as error_dir:
         ctx = mp.start_processes(
@@ -152,14 +164,38 @@ def _run_world(cfg: Config) -> None:
             start_method="spawn",
             join=False,
         )
+        received: list[int] = []
+        previous = _pass_signals_on(ctx, received)
         try:
             while not ctx.join():
                 pass
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+            if received:  # a worker the signal ended before it could stop after a step
+                raise Interrupted(received[0], forced=True) from None
             raise _first_failure(error_dir, e) from None
-        except KeyboardInterrupt:  # Ctrl-C or SIGINT: stop every worker before giving up
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+            for name in ctx.error_files:  # torch leaves a failed worker's file in the temp dir
+                Path(name).unlink(missing_ok=True)
+        if received:
+            raise Interrupted(received[0])
+
+
+def _pass_signals_on(ctx: mp.ProcessContext, received: list[int]) -> dict:
+    """SIGINT or SIGTERM to the launcher: ask every worker to stop after its step (SIGUSR1);
+    a second one ends them at once. Returns the handlers it replaced."""
+
+    def handle(signum: int, frame: object) -> None:
+        if received:
             _stop_all(ctx)
-            raise
+            raise Interrupted(signum, forced=True)
+        received.append(signum)
+        for p in ctx.processes:
+            if p.is_alive():
+                os.kill(p.pid, FORWARDED)
+
+    return {s: signal.signal(s, handle) for s in (signal.SIGINT, signal.SIGTERM)}
 
 
 def _stop_all(ctx: mp.ProcessContext, grace_s: float = 10.0) -> None:

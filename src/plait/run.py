@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from pathlib import Path
 
 from rich.console import Console
@@ -18,6 +19,7 @@ from plait.device import peak_flops
 from plait.mesh import Mesh
 from plait.models.transformer import count_parameters, matmul_flops_per_token
 from plait.parallel.pipeline.output.report import report
+from plait.signals import FORWARDED, StopRequest
 from plait.step import StepResult
 from plait.telemetry import MetricsLog, RunSummary, make_progress, summary_table
 from plait.train import Trainer, is_two_bw
@@ -74,6 +76,7 @@ def run(cfg: Config, mesh: Mesh, corpus: Corpus | None = None) -> RunSummary:
     if progress:
         task = progress.add_task("train", total=t.steps, completed=trainer.step, info="")
     saved_at = trainer.step if t.resume else -1
+    stop = StopRequest()
 
     def save() -> dict:
         nonlocal saved_at
@@ -106,8 +109,16 @@ def run(cfg: Config, mesh: Mesh, corpus: Corpus | None = None) -> RunSummary:
         for _ in range(trainer.step, t.steps):
             injected_fault(mesh.rank, trainer.step)
             record(trainer.train_step())
+            if trainer.comm.agreed_stop(trainer.step, stop.requested, f"plait/stop/{attempt()}"):
+                summary.stopped_by = stop.signum
+                break
         if t.save and saved_at != trainer.step and not is_two_bw(cfg):
             save()
+        if summary.stopped_by is not None and lead:
+            where = f"; checkpoint {summary.checkpoint}" if summary.checkpoint else ""
+            name = signal.Signals(summary.stopped_by).name
+            name = "the launcher's signal" if summary.stopped_by == FORWARDED else name
+            console.print(f"plait: stopped by {name} after step {trainer.step}{where}")
         elif t.save and is_two_bw(cfg) and lead:
             console.print(
                 "no checkpoint: 2bw runs cannot be saved yet (their stream never flushes)"
@@ -115,6 +126,7 @@ def run(cfg: Config, mesh: Mesh, corpus: Corpus | None = None) -> RunSummary:
         if t.trace and trainer.pipeline and not is_two_bw(cfg):  # 2BW: one stream, no step
             summary.pipeline = _trace(trainer, Path(t.out), lead)
     finally:
+        stop.restore()
         if progress:
             progress.stop()
         if log:

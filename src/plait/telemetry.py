@@ -91,6 +91,7 @@ class RunSummary:
     model_state_bytes: int | None = None  # per rank, with the ZeRO engine
     checkpoint: str | None = None  # the last checkpoint written
     restarts: int = 0  # times the world was started again after a failure
+    stopped_by: int | None = None  # the signal that stopped the run early
 
     @property
     def median_step_s(self) -> float:

@@ -1,0 +1,42 @@
+"""Stopping a run on a signal: finish the step, save, end; a second signal ends at once.
+
+SIGINT (Ctrl-C reaches every process of the group), SIGTERM (`kill`, Slurm preemption,
+`scancel`) and SIGUSR1 (the launcher passing on a signal it received alone) ask a worker to
+stop. Ranks see the request at different moments, so they agree on the step to stop after
+(`Comm.agreed_stop`), finish it, write a checkpoint and end normally. A second SIGINT or
+SIGTERM to a worker ends it at once (its checkpoint, if one was being written, is never
+committed and so never loaded).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from types import FrameType
+
+FORWARDED = signal.SIGUSR1
+"""What the launcher sends its workers when it alone received SIGINT or SIGTERM."""
+
+
+class StopRequest:
+    """Installed in a worker's main thread for the length of a run."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous = {
+            s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM, FORWARDED)
+        }
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum is not None and signum != FORWARDED:
+            os._exit(128 + signum)  # asked twice: no more waiting for the step or the save
+        if self.signum is None or self.signum == FORWARDED:
+            self.signum = signum
+
+    def restore(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
