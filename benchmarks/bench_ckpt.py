@@ -246,7 +246,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-bytes", type=int, default=2_000_000, help="corpus bytes read")
     ap.add_argument("--train-steps", type=int, default=1, help="steps before any save")
     ap.add_argument("--warmup", type=int, default=2, help="unrecorded calls per side")
-    ap.add_argument("--rounds", type=int, default=10, help="alternating rounds")
+    ap.add_argument("--rounds", type=int, default=15, help="alternating rounds")
     ap.add_argument("--block", type=int, default=2, help="calls per side per block")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dir", default=None, help="parent of the temporary checkpoint folders")
