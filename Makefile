@@ -40,3 +40,4 @@ bench: setup
 	$(PY) benchmarks/bench_tp.py
 	$(PY) benchmarks/bench_pp.py
 	$(PY) benchmarks/bench_zero.py
+	$(PY) benchmarks/bench_ckpt.py
