@@ -204,3 +204,24 @@ def test_four_ranks_to_a_single_process_and_back(world4, tmp_path: Path) -> None
     )
     for name, value in full["params"].items():
         torch.testing.assert_close(single["params"][name], value, rtol=RTOL, atol=PARAM_ATOL)
+
+
+def test_info_and_consolidate_read_any_layout(world2, tmp_path: Path) -> None:
+    """A tp2 checkpoint as one safetensors file: every parameter whole, equal to the run's."""
+    from safetensors.torch import load_file
+
+    from plait.checkpoint import inspect
+
+    layout = dict(tp=2, accum=2)
+    ran = world2.run(_phase, layout, AT, save_to=str(tmp_path))[0]
+    path = store.step_dir(tmp_path, AT)
+    facts = inspect.info(path)
+    assert (facts["step"], facts["layout"], facts["model"]) == (AT, "dp=1 pp=1 tp=2", "tiny-gpt")
+    assert facts["states"] == ["exp_avg", "exp_avg_sq", "master"]
+    done = inspect.consolidate(path, tmp_path / "model.safetensors")
+    model = load_file(str(tmp_path / "model.safetensors"))
+    assert done["parameters"] == facts["parameters"] == sum(t.numel() for t in model.values())
+    for name, value in ran["params"].items():
+        assert torch.equal(model[name], value), name
+    with pytest.raises(ConfigError, match="does not exist"):
+        inspect.info(tmp_path / "missing")

@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from plait.checkpoint import inspect
 from plait.checkpoint.store import check_resumable, resolve
 from plait.config import SECTIONS, Config, build_config, flag_name, load_toml
 from plait.device import cuda_available
@@ -77,7 +78,42 @@ def build_parser() -> argparse.ArgumentParser:
     sched.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved, zb-h1, 2bw")
     sched.add_argument("--virtual-stages", type=int, default=1, help="chunks per rank (v)")
     sched.add_argument("--out", default=None, help="folder for the PNG chart and trace JSON")
+    _add_checkpoint_commands(sub)
     return parser
+
+
+def _add_checkpoint_commands(sub: argparse._SubParsersAction) -> None:
+    ckpt = sub.add_parser("checkpoint", help="inspect a checkpoint, or write it as one file")
+    actions = ckpt.add_subparsers(dest="action", required=True)
+    info = actions.add_parser("info", help="step, saving layout, model, tensors and bytes")
+    info.add_argument("path", help="a checkpoint folder (OUT/checkpoints/step-N)")
+    whole = actions.add_parser(
+        "consolidate", help="the full fp32 model, any saving layout, as one safetensors file"
+    )
+    whole.add_argument("path", help="a checkpoint folder (OUT/checkpoints/step-N)")
+    whole.add_argument("--out", required=True, help="the .safetensors file to write")
+
+
+def _checkpoint(args: argparse.Namespace, err: Console) -> int:
+    try:
+        if args.action == "info":
+            facts = inspect.info(Path(args.path))
+            table = Table(title=f"checkpoint {facts.pop('path')}")
+            table.add_column("field")
+            table.add_column("value")
+            for key, value in facts.items():
+                table.add_row(key, f"{value:,}" if isinstance(value, int) else str(value))
+            Console().print(table)
+        else:
+            done = inspect.consolidate(Path(args.path), Path(args.out))
+            Console().print(
+                f"wrote {args.out}: {done['tensors']} tensors, {done['parameters']:,} "
+                "fp32 parameters"
+            )
+    except ConfigError as e:
+        err.print("[bold red]plait: error:[/] " + escape(str(e)), highlight=False)
+        return 2
+    return 0
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
@@ -144,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     err = Console(stderr=True, soft_wrap=True)  # one line per message, whatever the width
     if args.command == "schedule":
         return _schedule(args, err)
+    if args.command == "checkpoint":
+        return _checkpoint(args, err)
     try:
         cfg = config_from_args(args)
         out = Path(cfg.train.out)

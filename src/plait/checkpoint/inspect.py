@@ -1,0 +1,69 @@
+"""`plait checkpoint info` and `plait checkpoint consolidate`: a checkpoint seen whole.
+
+Both read in one process, without a process group: the checkpoint names every tensor by its
+single-process name and shape, so whatever layout wrote it, the reader assembles full
+tensors from the boxes (DeepSpeed users know the need as `zero_to_fp32`). Nothing is
+unpickled but DCP's own metadata; plait's state is JSON.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+from torch.distributed.checkpoint import FileSystemReader
+
+from plait.checkpoint import store
+from plait.errors import ConfigError
+
+
+def _checked(path: Path) -> Path:
+    if not path.is_dir():
+        raise ConfigError(f"checkpoint {str(path)!r} does not exist")
+    if not store.committed(path):
+        raise ConfigError(f"checkpoint {str(path)!r} is not complete (no {store.MARKER})")
+    store.verify(path)
+    return path
+
+
+def _shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return {key: tuple(m.size) for key, m in metadata.items() if hasattr(m, "size")}
+
+
+def info(path: Path) -> dict[str, Any]:
+    """Step, the layout that wrote it, the model, and what the checkpoint holds."""
+    state = store.read_trainer(_checked(path))
+    cfg = state["config"]
+    par = cfg["parallel"]
+    shapes = _shapes(path)
+    masters = {k: s for k, s in shapes.items() if k.startswith("master/")}
+    return {
+        "path": str(path),
+        "step": state["step"],
+        "layout": f"dp={par['dp']} pp={par['pp']} tp={par['tp']}",
+        "zero": par["zero"],
+        "precision": par["precision"],
+        "model": cfg["preset"],
+        "parameters": sum(torch.Size(s).numel() for s in masters.values()),
+        "tensors": len(shapes),
+        "states": sorted({k.split("/", 1)[0] for k in shapes}),
+        "bytes": sum(p.stat().st_size for p in path.rglob("*") if p.is_file()),
+    }
+
+
+def consolidate(path: Path, out: Path) -> dict[str, Any]:
+    """Write the full fp32 model (the master weights, single-process names) to safetensors."""
+    shapes = {k: s for k, s in _shapes(_checked(path)).items() if k.startswith("master/")}
+    request = {k: torch.empty(s, dtype=torch.float32) for k, s in shapes.items()}
+    with warnings.catch_warnings():  # "no process group: loading in one process" is the point
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(request, checkpoint_id=str(path), no_dist=True)
+    tensors = {k.removeprefix("master/"): t.contiguous() for k, t in request.items()}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out), metadata={"step": str(store.read_trainer(path)["step"])})
+    return {"tensors": len(tensors), "parameters": sum(t.numel() for t in tensors.values())}
