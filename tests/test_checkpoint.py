@@ -225,3 +225,15 @@ def test_info_and_consolidate_read_any_layout(world2, tmp_path: Path) -> None:
         assert torch.equal(model[name], value), name
     with pytest.raises(ConfigError, match="does not exist"):
         inspect.info(tmp_path / "missing")
+
+
+def test_single_process_to_dp2_zero3_with_cpu_offload(world2, tmp_path: Path) -> None:
+    single, sharded = dict(accum=2), dict(dp=2, par=dict(zero=3, offload="cpu"))
+    full = _phase(single, STEPS)  # here, no process group
+    _phase(single, AT, save_to=str(tmp_path))
+    rest = world2.run(_phase, sharded, STEPS - AT, load=str(store.step_dir(tmp_path, AT)))
+    torch.testing.assert_close(
+        torch.tensor(rest[0]["losses"]), torch.tensor(full["losses"][AT:]), rtol=RTOL, atol=0
+    )
+    for name, value in full["params"].items():
+        torch.testing.assert_close(rest[0]["params"][name], value, rtol=RTOL, atol=PARAM_ATOL)
