@@ -159,6 +159,8 @@ def test_asynchronous_2bw_with_tensor_parallelism_from_the_command_line(tmp_path
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert "val_loss" in rows[-1]
+    assert [r.get("drain", False) for r in rows] == [False, False, True, True]  # after the pipe
+    assert "no checkpoint: 2bw runs cannot be saved yet" in proc.stderr
 
 
 def test_zero_with_pipeline_and_fp16_from_the_command_line(tmp_path):

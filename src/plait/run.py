@@ -87,7 +87,10 @@ def run(cfg: Config, mesh: Mesh, corpus: Corpus | None = None) -> RunSummary:
     def record(result: StepResult) -> None:
         """Everything after a step: metrics, validation, progress (every rank calls it)."""
         row = _row(result, trainer, flops_per_token, peak)
-        summary.step_times.append(result.time_s)
+        if result.drain:  # 2BW's last updates: their time is the drain, shared, not a step's
+            row["drain"] = True
+        else:
+            summary.step_times.append(result.time_s)
         summary.final_loss = result.loss
         summary.comm_bytes_per_step = row["comm_bytes"]
         summary.model_state_bytes = row.get("model_state_bytes")

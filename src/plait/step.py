@@ -41,10 +41,13 @@ class StepResult:
     grad_norm: float
     time_s: float
     tokens: int
+    drain: bool = False  # 2BW's last updates, after the pipe emptied: not a step's time
 
 
 class Runner(Protocol):
     """Runs step k's micro-batches (forward and backward) into the engine's gradients."""
+
+    draining: bool  # the step's time is the pipe's drain, not a step's work (2BW's last)
 
     def run(self, step: int) -> Tensor:
         """This replica's mean loss of the step, the same on every pp and tp rank."""
@@ -52,6 +55,8 @@ class Runner(Protocol):
 
 class Accumulate:
     """No pipeline: the micro-batches one after the other, gradients accumulated."""
+
+    draining = False
 
     def __init__(self, model: nn.Module, engine: OptimizerEngine, batches: StepBatches) -> None:
         self.model, self.engine, self.batches = model, engine, batches
@@ -70,6 +75,8 @@ class Accumulate:
 
 class Pipelined:
     """A synchronous pipeline schedule over the step's micro-batches."""
+
+    draining = False
 
     def __init__(self, pipeline: PipelineEngine, batches: StepBatches) -> None:
         self.pipeline, self.batches = pipeline, batches
@@ -113,7 +120,8 @@ class Step:
         synchronize(self.comm.mesh.device)
         tokens = self.train.global_batch * self.train.seq_len
         elapsed = time.perf_counter() - start
-        return StepResult(step, float(loss), lr, float(norm), elapsed, tokens)
+        drain = self.runner.draining
+        return StepResult(step, float(loss), lr, float(norm), elapsed, tokens, drain)
 
 
 @torch.no_grad()

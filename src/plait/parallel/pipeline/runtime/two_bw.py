@@ -83,6 +83,7 @@ class TwoBWStream:
         actions = self.schedule.ranks[self.rank]
         self.timings: deque[TimedAction] = deque(maxlen=trace_steps * (len(actions) // steps + 1))
         self.max_versions_held = 0  # distinct versions needed at once, measured per action
+        self.draining = False  # the last updates, after the schedule ended
         self._updates = self._walk()
 
     def run(self, step: int) -> Tensor:
@@ -119,6 +120,7 @@ class TwoBWStream:
             )
             held = set(fl.version.values()) | {self.versions.latest}
             self.max_versions_held = max(self.max_versions_held, len(held))
+        self.draining = True
         for k in sorted(fl.sealed):  # the last two steps: nothing waits for their versions
             yield self._sealed(k, fl)
 
