@@ -21,7 +21,7 @@ from rich.table import Table
 from plait.checkpoint import inspect
 from plait.checkpoint.store import check_resumable, resolve
 from plait.config import SECTIONS, Config, build_config, flag_name, load_toml
-from plait.device import cuda_available
+from plait.device import device_kind
 from plait.errors import ConfigError
 from plait.launch import Interrupted, WorkerFailure, launch, under_torchrun
 from plait.outdir import prepare_out
@@ -169,10 +169,6 @@ def _schedule(args: argparse.Namespace, err: Console) -> int:
     return 0
 
 
-def _on_gpu(cfg: Config) -> bool:
-    return cfg.train.device == "cuda" or (cfg.train.device == "auto" and cuda_available())
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "presets":
@@ -193,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         err.print("[bold red]plait: error:[/] " + escape(str(e)), highlight=False)
         return 2
-    if cfg.parallel.precision == "fp16" and not _on_gpu(cfg):
+    if cfg.parallel.precision == "fp16" and device_kind(cfg.train.device) == "cpu":
         err.print(
             "[yellow]plait: warning:[/] fp16 on a CPU runs about 10x slower than fp32 "
             "(torch's CPU fp16 matmul); --precision bf16 is fast here",

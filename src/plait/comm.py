@@ -204,7 +204,7 @@ class Comm:
 
     def all_gather_object(self, obj: object, axis: str, tag: str = "") -> list[object]:
         """Every rank's picklable `obj`, in axis-rank order (metadata, not training traffic:
-        counted as a call of its pickled size)."""
+        counted as a call of zero bytes, since its size is known only once pickled)."""
         n = self.mesh.size(axis)
         if n == 1:
             return [obj]

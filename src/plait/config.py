@@ -81,6 +81,11 @@ class ParallelConfig:
     def layout(self) -> Layout:
         return Layout(dp=self.dp, pp=self.pp, tp=self.tp)
 
+    @property
+    def two_bw(self) -> bool:
+        """The asynchronous PipeDream-2BW stream, rather than a step-by-step schedule."""
+        return self.pp > 1 and self.schedule == "2bw"
+
     def stage_layer_counts(self) -> list[int] | None:
         """`stage_layers` as numbers, or None for an even split."""
         if not self.stage_layers.strip():
@@ -291,7 +296,7 @@ def validate_config(cfg: Config, check_data: bool = True) -> None:
             f"save_every and max_restarts must be >= 0 and keep_checkpoints >= 1; got "
             f"{t.save_every}, {t.max_restarts}, {t.keep_checkpoints}"
         )
-    if par.pp > 1 and par.schedule == "2bw" and (t.save_every or t.resume):
+    if par.two_bw and (t.save_every or t.resume):
         raise ConfigError(
             "checkpoints of a 2bw run are not supported yet (its stream never flushes); "
             "use another schedule, or --save-every 0 without --resume"

@@ -11,10 +11,16 @@ import os
 import torch
 
 
+def device_kind(kind: str) -> str:
+    """'auto' is CUDA when present, else CPU; 'cpu' and 'cuda' are themselves."""
+    if kind == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return kind
+
+
 def resolve_device(kind: str, local_rank: int) -> torch.device:
     """'auto' picks CUDA when present (one GPU per local rank), else CPU."""
-    if kind == "auto":
-        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    kind = device_kind(kind)
     if kind == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError("device 'cuda' requested but torch.cuda.is_available() is False")

@@ -22,7 +22,7 @@ from plait.parallel.pipeline.output.report import report
 from plait.signals import FORWARDED, StopRequest
 from plait.step import StepResult
 from plait.telemetry import MetricsLog, RunSummary, make_progress, summary_table
-from plait.train import Trainer, is_two_bw
+from plait.train import Trainer
 
 
 def _row(r: StepResult, trainer: Trainer, flops_per_token: int, peak: float | None) -> dict:
@@ -115,18 +115,18 @@ def run(cfg: Config, mesh: Mesh, corpus: Corpus | None = None) -> RunSummary:
             if trainer.comm.agreed_stop(trainer.step, stop.requested, f"plait/stop/{attempt()}"):
                 summary.stopped_by = stop.signum
                 break
-        if t.save and saved_at != trainer.step and not is_two_bw(cfg):
+        if t.save and saved_at != trainer.step and not cfg.parallel.two_bw:
             save()
         if summary.stopped_by is not None and lead:
             where = f"; checkpoint {summary.checkpoint}" if summary.checkpoint else ""
             name = signal.Signals(summary.stopped_by).name
             name = "the launcher's signal" if summary.stopped_by == FORWARDED else name
             console.print(f"plait: stopped by {name} after step {trainer.step}{where}")
-        elif t.save and is_two_bw(cfg) and lead:
+        elif t.save and cfg.parallel.two_bw and lead:
             console.print(
                 "no checkpoint: 2bw runs cannot be saved yet (their stream never flushes)"
             )
-        if t.trace and trainer.pipeline and not is_two_bw(cfg):  # 2BW: one stream, no step
+        if t.trace and trainer.pipeline and not cfg.parallel.two_bw:  # 2BW: one stream, no step
             summary.pipeline = _trace(trainer, Path(t.out), lead)
     finally:
         stop.restore()

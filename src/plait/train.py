@@ -97,13 +97,9 @@ def corpus_from_tokens(tokens: np.ndarray, cfg: Config) -> Corpus:
     return Corpus(TokenWindows(train, seq), TokenWindows(val, seq), unigram_entropy(train))
 
 
-def is_two_bw(cfg: Config) -> bool:
-    return cfg.parallel.pp > 1 and cfg.parallel.schedule == "2bw"
-
-
 def _streams_init(cfg: Config) -> bool:
     """ZeRO stage 3 initializes shard by shard: the full model is never materialized."""
-    return cfg.parallel.zero == 3 and not is_two_bw(cfg)
+    return cfg.parallel.zero == 3 and not cfg.parallel.two_bw
 
 
 def _zero_engine(cfg: Config, model: Transformer, comm: Comm, pipelined: bool) -> ZeroEngine:
@@ -162,7 +158,7 @@ class Trainer:
         """Recompute, then the engine that owns the gradients and the runner of the
         micro-batches, as the layout asks (docs/architecture.md has the table)."""
         cfg = self.cfg
-        if is_two_bw(cfg):
+        if cfg.parallel.two_bw:
             versions = WeightVersions(model, cfg.train, self.comm, cfg.parallel.recompute)
             self.stream = TwoBWStream(self.pipeline, versions, self.batches, cfg.train.steps)
             return versions, self.stream

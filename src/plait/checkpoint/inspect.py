@@ -18,15 +18,10 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint import FileSystemReader
 
 from plait.checkpoint import store
-from plait.errors import ConfigError
 
 
 def _checked(path: Path) -> Path:
-    if not path.is_dir():
-        raise ConfigError(f"checkpoint {str(path)!r} does not exist")
-    if not store.committed(path):
-        raise ConfigError(f"checkpoint {str(path)!r} is not complete (no {store.MARKER})")
-    store.verify(path)
+    store.verify(store.complete(path))
     return path
 
 

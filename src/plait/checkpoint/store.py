@@ -85,13 +85,15 @@ def _step_of(path: Path) -> int:
 def resolve(resume: str, out: Path) -> Path | None:
     """`--resume latest` (None when there is none yet: the first start of a run that may
     restart) or a path, which must be a committed checkpoint folder."""
-    if resume == "latest":
-        return latest(out)
-    path = Path(resume)
+    return latest(out) if resume == "latest" else complete(Path(resume))
+
+
+def complete(path: Path) -> Path:
+    """`path`, if it is a checkpoint whose save finished; ConfigError naming it otherwise."""
     if not path.is_dir():
-        raise ConfigError(f"--resume {str(path)!r}: no such checkpoint folder")
+        raise ConfigError(f"checkpoint {str(path)!r} does not exist")
     if not committed(path):
-        raise ConfigError(f"--resume {str(path)!r}: the save did not finish (no {MARKER})")
+        raise ConfigError(f"checkpoint {str(path)!r}: the save did not finish (no {MARKER})")
     return path
 
 

@@ -42,7 +42,7 @@ class PipelineEngine:
         self.mesh, self.comm = mesh, comm
         self.p, self.rank = mesh.size("pp"), mesh.axis_rank("pp")
         self.m = microbatches
-        sync = "1f1b" if par.schedule == "2bw" else par.schedule  # 2BW streams its own
+        sync = "1f1b" if par.two_bw else par.schedule  # 2BW streams its own: plans, shapes
         self.schedule = build_schedule(sync, self.p, self.m, par.virtual_stages)
         sizes = par.stage_layer_counts()
         self.plans = rank_plans(model.n_layers, self.p, par.virtual_stages, self.rank, sizes)

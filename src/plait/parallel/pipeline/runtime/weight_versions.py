@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from plait.comm import Comm
 from plait.config import TrainConfig
+from plait.errors import ConfigError
 from plait.models.transformer import Transformer
 from plait.optim import build_optimizer, set_lr
 from plait.parallel.grads import SplitRules
@@ -149,13 +150,12 @@ class WeightVersions:
         self._grads = None  # sealed gradients were taken off the copies already
 
     def state_dict(self) -> dict[str, Any]:
-        """The optimizer's state and which version each copy holds (names: copy 0's)."""
-        return {"optimizer": self.optimizer.state_dict(), "held": list(self.held)}
+        """Not yet: a step boundary of the stream has the next step's micro-batches in flight,
+        so two weight copies and the optimizer are not the whole state (issue 11)."""
+        raise ConfigError("checkpoints of a 2bw run are not supported yet")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.held = list(state["held"])
-        self.latest = max(v for v in self.held if v is not None)
+        raise ConfigError("checkpoints of a 2bw run are not supported yet")
 
     def close(self) -> None:
         pass
