@@ -10,6 +10,7 @@ single-process names.
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -105,7 +106,7 @@ def _config(layout: dict):
 def _gathered(trainer: Trainer) -> dict[str, torch.Tensor]:
     """Every parameter this rank holds, whole (tp shards gathered, ZeRO-3 gathered), fp32."""
     specs = param_shard_specs(trainer.model)
-    with trainer.engine.unsharded():
+    with trainer.zero.unsharded() if trainer.zero else nullcontext():
         return {
             n: (full_tensor(p, specs[n], trainer.comm) if n in specs else p.detach())
             .float()
@@ -153,6 +154,10 @@ SAME_LAYOUT = [
     dict(dp=2, par=dict(zero=2, offload="cpu")),
     dict(dp=2, par=dict(zero=1, offload="nvme", offload_dir="TMP")),  # TMP: the test's folder
     dict(pp=2, accum=2, par=dict(schedule="1f1b")),
+    dict(pp=2, accum=2, par=dict(schedule="gpipe")),
+    dict(pp=2, accum=2, par=dict(schedule="zb-h1")),  # the split backward's W queue is empty
+    dict(pp=2, accum=2, n_layers=4, par=dict(schedule="interleaved", virtual_stages=2)),
+    dict(pp=2, accum=3, dropout=0.1, par=dict(schedule="2bw")),  # both weight versions
     dict(tp=2, accum=2, dropout=0.1, recompute="full", par=dict(sequence_parallel=True)),
 ]
 
@@ -189,10 +194,18 @@ def test_resume_in_another_layout_follows_the_run(world2, saved, resumed, tmp_pa
 
 
 def test_four_ranks_to_a_single_process_and_back(world4, tmp_path: Path) -> None:
-    """dp2 x tp2 saved, resumed as pp2 x dp2; dp4 ZeRO-1 saved, resumed in this process."""
+    """dp2 x tp2 saved, resumed as pp2 x dp2; 2BW pp2 x tp2 saved, resumed as 2BW pp2 x dp2;
+    dp4 ZeRO-1 saved, resumed in this process."""
     grid, pipe = dict(dp=2, tp=2), dict(pp=2, dp=2, micro=1, accum=2)
     full, _, ckpt = _reference(world4, grid, tmp_path / "grid")
     rest = world4.run(_phase, pipe, STEPS - AT, load=ckpt)
+    torch.testing.assert_close(
+        torch.tensor(rest[0]["losses"]), torch.tensor(full["losses"][AT:]), rtol=RTOL, atol=0
+    )
+    streamed = dict(pp=2, tp=2, accum=2, par=dict(schedule="2bw"))  # W(k) and W(k-1) move
+    wide = dict(pp=2, dp=2, micro=1, accum=2, par=dict(schedule="2bw"))
+    full, _, ckpt = _reference(world4, streamed, tmp_path / "2bw")
+    rest = world4.run(_phase, wide, STEPS - AT, load=ckpt)
     torch.testing.assert_close(
         torch.tensor(rest[0]["losses"]), torch.tensor(full["losses"][AT:]), rtol=RTOL, atol=0
     )
@@ -237,3 +250,26 @@ def test_single_process_to_dp2_zero3_with_cpu_offload(world2, tmp_path: Path) ->
     )
     for name, value in full["params"].items():
         torch.testing.assert_close(rest[0]["params"][name], value, rtol=RTOL, atol=PARAM_ATOL)
+
+
+def test_three_axes_to_a_single_process(tmp_path: Path) -> None:
+    """dp2 x tp2 x pp2 with ZeRO-1 (8 ranks) saves at step AT; this process resumes it and
+    follows the single-process run, which every layout reproduces (the parity tests)."""
+    from harness import World
+
+    single, three = dict(accum=4), dict(dp=2, tp=2, pp=2, accum=2, par=dict(zero=1))
+    full = _phase(single, STEPS)  # here, no process group
+    world8 = World(8)
+    try:
+        saved = world8.run(_phase, three, AT, save_to=str(tmp_path))[0]
+    finally:
+        world8.close()
+    torch.testing.assert_close(
+        torch.tensor(saved["losses"]), torch.tensor(full["losses"][:AT]), rtol=RTOL, atol=0
+    )
+    rest = _phase(single, STEPS - AT, load=str(store.step_dir(tmp_path, AT)))
+    torch.testing.assert_close(
+        torch.tensor(rest["losses"]), torch.tensor(full["losses"][AT:]), rtol=RTOL, atol=0
+    )
+    for name, value in full["params"].items():
+        torch.testing.assert_close(rest["params"][name], value, rtol=RTOL, atol=PARAM_ATOL)

@@ -346,5 +346,3 @@ def test_checkpoint_options() -> None:
     expect_error(tiny(train={"save_every": -1}), f"{message} -1, 0, 3")
     expect_error(tiny(train={"max_restarts": -2}), f"{message} 0, -2, 3")
     expect_error(tiny(train={"keep_checkpoints": 0}), f"{message} 0, 0, 0")
-    two_bw = tiny(parallel={"pp": 2, "schedule": "2bw"}, train={"save_every": 5})
-    expect_error(two_bw, "checkpoints of a 2bw run are not supported yet")

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from plait.checkpoint import store
+
 TINY = [
     "--model", "tiny-gpt", "--dp", "2", "--steps", "4", "--seq-len", "32",
     "--global-batch", "4", "--micro-batch", "1", "--eval-batches", "1", "--eval-every", "2",
@@ -52,15 +54,32 @@ def _processes_with(marker: str) -> list[int]:
     return found
 
 
-def test_train_dp2_writes_metrics_and_summary(tmp_path):
-    proc = _plait(["--out", str(tmp_path)])
+def _losses(out: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+PLAIN_STEPS = 64  # steps are tens of ms: a signal sent after the first lands within these
+CONSTANT_LR = ["--lr", "1e-3", "--min-lr", "1e-3", "--warmup-steps", "0"]  # any --steps alike
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """The run the others are compared with: dp2, 64 steps of a constant learning rate (so its
+    first k losses are those of a k-step run), never stopped."""
+    out = tmp_path_factory.mktemp("plain")
+    return _plait(["--out", str(out), "--steps", str(PLAIN_STEPS), *CONSTANT_LR]), out
+
+
+def test_train_dp2_writes_metrics_and_summary(plain):
+    proc, out = plain
     assert proc.returncode == 0, proc.stderr
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(PLAIN_STEPS))
     assert all({"loss", "lr", "grad_norm", "tokens_per_s", "comm_bytes"} <= r.keys() for r in rows)
     assert rows[0]["comm_bytes"]["all_reduce"] > 0
-    assert "val_loss" in rows[1] and "val_loss" in rows[3]
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert "val_loss" in rows[1] and "val_loss" in rows[3] and "val_loss" not in rows[2]
+    summary = json.loads((out / "summary.json").read_text())
     assert summary["layout"].startswith("dp=2")
     assert "unigram baseline" in proc.stderr
 
@@ -83,55 +102,79 @@ def test_failure_on_one_rank_stops_all_with_its_traceback(tmp_path):
     assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2
 
 
-@pytest.mark.parametrize(
-    ("signum", "group"), [(signal.SIGINT, True), (signal.SIGTERM, False)], ids=["ctrl-c", "term"]
-)
-def test_a_signal_ends_the_step_saves_and_exits(signum, group, tmp_path):
-    """Ctrl-C (SIGINT to the whole group) or SIGTERM to the launcher alone: every rank finishes
-    its step, a checkpoint is written, one line says where, the exit code is 128 + signal;
-    no worker is left, every metrics line is whole, and the run resumes from there."""
-    marker = f"PLAIT_TEST_MARK_{uuid.uuid4().hex}"
-    cmd = [sys.executable, "-m", "plait.cli", "train", *TINY, "--steps", "100000"]
-    cmd += ["--out", str(tmp_path)]
-    proc = subprocess.Popen(
+def _start(args: list[str], marker: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "plait.cli", "train", *TINY, *CONSTANT_LR, *args]
+    return subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, marker: "1"}, start_new_session=True,
     )  # fmt: skip
-    metrics = tmp_path / "metrics.jsonl"
+
+
+def _signal_after_rows(proc: subprocess.Popen, metrics: Path, send) -> str:
+    """Wait for a metrics row, call `send`, return stderr once the run has ended."""
     try:
         deadline = time.monotonic() + 90
-        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        while not (metrics.exists() and metrics.read_text().splitlines()):
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
-            time.sleep(0.2)
-        os.killpg(proc.pid, signum) if group else proc.send_signal(signum)
-        _, err = proc.communicate(timeout=60)
+            time.sleep(0.05)
+        send()
+        return proc.communicate(timeout=60)[1]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize(
+    ("signum", "group"), [(signal.SIGINT, True), (signal.SIGTERM, False)], ids=["ctrl-c", "term"]
+)
+def test_a_signal_ends_the_step_saves_and_exits(signum, group, plain, tmp_path):
+    """Ctrl-C (SIGINT to the whole group) or SIGTERM to the launcher alone: every rank finishes
+    its step, a checkpoint is written, one line says where, the exit code is 128 + signal;
+    no worker is left, every metrics line is whole, and the run resumes from there with the
+    losses of a run never stopped."""
+    marker = f"PLAIT_TEST_MARK_{uuid.uuid4().hex}"
+    run = tmp_path / "run"
+    proc = _start(["--steps", "100000", "--out", str(run)], marker)
+    send = (lambda: os.killpg(proc.pid, signum)) if group else (lambda: proc.send_signal(signum))
+    err = _signal_after_rows(proc, run / "metrics.jsonl", send)
     assert proc.returncode == 128 + signum, err
     assert "Traceback" not in err
     assert _processes_with(marker) == []
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    done = len(rows)
+    done = len(_losses(run))
+    assert done < PLAIN_STEPS
     assert "plait: stopped by " in err and f"after step {done}; checkpoint " in err
-    assert (tmp_path / "checkpoints" / f"step-{done}" / "COMMITTED").exists()
-    resumed = _plait(["--out", str(tmp_path), "--resume", "latest", "--steps", str(done + 1)])
+    assert (run / "checkpoints" / f"step-{done}" / "COMMITTED").exists()
+    steps = ["--steps", str(done + 1), *CONSTANT_LR]
+    resumed = _plait(["--out", str(run), "--resume", "latest", *steps])
     assert resumed.returncode == 0, resumed.stderr
-    assert [r["step"] for r in map(json.loads, metrics.read_text().splitlines())][-1] == done
+    assert len(_losses(run)) == done + 1
+    assert _losses(run) == _losses(plain[1])[: done + 1]  # bitwise: same layout
 
 
-def test_under_torchrun_uses_its_environment(tmp_path):
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    torchrun += ["--standalone", "-m", "plait.cli"]
-    proc = _plait(["--out", str(tmp_path)], launcher=torchrun)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["world_size"] == 2
+def test_a_second_signal_stops_at_once(tmp_path):
+    """SIGTERM twice to the launcher: no waiting for the step or the save; every worker ends,
+    no traceback, and no checkpoint of that moment is ever taken for a finished one."""
+    marker = f"PLAIT_TEST_MARK_{uuid.uuid4().hex}"
+    proc = _start(["--steps", "100000", "--out", str(tmp_path)], marker)
+
+    def twice() -> None:
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+
+    err = _signal_after_rows(proc, tmp_path / "metrics.jsonl", twice)
+    assert proc.returncode == 143, err
+    assert "plait: stopped at once; every rank ended, no checkpoint." in err
+    assert "Traceback" not in err
+    assert _processes_with(marker) == []
+    _losses(tmp_path)  # every metrics line whole
+    for folder in (tmp_path / "checkpoints").glob("step-*"):  # any committed one is whole
+        if store.committed(folder):
+            store.verify(folder)
 
 
 def test_torchrun_world_must_match_layout(tmp_path):
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1"]
-    torchrun += ["--standalone", "-m", "plait.cli"]
+    torchrun = [*TORCHRUN, "--nproc-per-node", "1", "-m", "plait.cli"]
     proc = _plait(["--out", str(tmp_path)], launcher=torchrun)
     assert proc.returncode != 0
     assert "world size 1 != dp*pp*tp = 2*1*1 = 2" in proc.stderr
@@ -160,7 +203,7 @@ def test_asynchronous_2bw_with_tensor_parallelism_from_the_command_line(tmp_path
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert "val_loss" in rows[-1]
     assert [r.get("drain", False) for r in rows] == [False, False, True, True]  # after the pipe
-    assert "no checkpoint: 2bw runs cannot be saved yet" in proc.stderr
+    assert f"checkpoint {tmp_path}/checkpoints/step-4:" in proc.stderr  # both versions
 
 
 def test_zero_with_pipeline_and_fp16_from_the_command_line(tmp_path):
@@ -198,23 +241,24 @@ def test_save_then_resume_in_another_layout_from_the_command_line(tmp_path):
     assert "saved with train.seq_len=32; this run asks for 16" in changed.stderr
 
 
-def _losses(out: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def test_a_killed_rank_restarts_from_the_newest_checkpoint(tmp_path):
+@pytest.mark.parametrize("launcher", ["plait", "torchrun"])
+def test_a_killed_rank_restarts_from_the_newest_checkpoint(launcher, plain, tmp_path):
     """Rank 1 dies at step 3 after the step-2 checkpoint; with --max-restarts 1 the world
-    starts again from it and ends with the uninterrupted run's losses and summary."""
-    plain = _plait(["--out", str(tmp_path / "plain")])
-    assert plain.returncode == 0, plain.stderr
+    starts again from it and ends with the uninterrupted run's losses and summary. Under
+    torchrun, torchrun restarts the workers and `--resume latest` finds the checkpoint."""
     out = tmp_path / "restarted"
-    proc = _plait(["--out", str(out), "--save-every", "2", "--max-restarts", "1"],
-                  env={"PLAIT_FAULT": "1:3"})  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    assert "plait: rank 1 failed (RuntimeError: injected fault" in proc.stderr
-    assert f"restart 1/1 from {out}/checkpoints/step-2" in proc.stderr
-    assert _losses(out) == _losses(tmp_path / "plain")  # bitwise: same layout
-    assert json.loads((out / "summary.json").read_text())["restarts"] == 1
+    args = ["--out", str(out), "--save-every", "2", "--resume", "latest", *CONSTANT_LR]
+    if launcher == "plait":
+        proc = _plait([*args, "--max-restarts", "1"], env={"PLAIT_FAULT": "1:3"})
+        assert "plait: rank 1 failed (RuntimeError: injected fault" in proc.stderr
+        assert f"restart 1/1 from {out}/checkpoints/step-2" in proc.stderr
+    else:
+        torchrun = [*TORCHRUN, "--nproc-per-node", "2", "--max-restarts", "1", "-m", "plait.cli"]
+        proc = _plait(args, env={"PLAIT_FAULT": "1:3"}, launcher=torchrun)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _losses(out) == _losses(plain[1])[:4]  # bitwise: same layout
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["restarts"], summary["world_size"]) == (1, 2)
 
 
 def test_a_save_cut_short_leaves_the_previous_checkpoint(tmp_path):

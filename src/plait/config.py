@@ -296,11 +296,6 @@ def validate_config(cfg: Config, check_data: bool = True) -> None:
             f"save_every and max_restarts must be >= 0 and keep_checkpoints >= 1; got "
             f"{t.save_every}, {t.max_restarts}, {t.keep_checkpoints}"
         )
-    if par.two_bw and (t.save_every or t.resume):
-        raise ConfigError(
-            "checkpoints of a 2bw run are not supported yet (its stream never flushes); "
-            "use another schedule, or --save-every 0 without --resume"
-        )
     if t.warmup_steps < 0 or t.grad_clip < 0 or t.eval_every < 0:
         raise ConfigError(
             f"warmup_steps, grad_clip and eval_every must be >= 0; got {t.warmup_steps}, "

@@ -27,7 +27,7 @@ from plait.checkpoint.store import latest
 from plait.config import Config
 from plait.device import backend_for, resolve_device, threads_per_worker
 from plait.mesh import build_mesh
-from plait.run import ATTEMPT_ENV, run
+from plait.run import ATTEMPT_ENV, attempt, run
 from plait.signals import FORWARDED
 from plait.telemetry import RunSummary
 
@@ -48,11 +48,13 @@ def init_worker(cfg: Config, rank: int, world: int, local_rank: int, local_world
     torch.set_num_threads(threads_per_worker(local_world))
     device = resolve_device(cfg.train.device, local_rank)
     if world > 1:
+        timeout = datetime.timedelta(seconds=cfg.parallel.comm_timeout)
         dist.init_process_group(
             backend_for(device),
+            store=_attempt_store(rank, world, timeout),
             rank=rank,
             world_size=world,
-            timeout=datetime.timedelta(seconds=cfg.parallel.comm_timeout),
+            timeout=timeout,
         )
     return build_mesh(cfg.parallel.layout, device, cfg.parallel.comm_timeout)
 
@@ -72,6 +74,15 @@ class WorkerFailure(RuntimeError):
         self.rank, self.trace, self.others = rank, trace, others
         also = f" (then ranks {others} failed too)" if others else ""
         super().__init__(f"rank {rank} failed first{also}:\n{trace}")
+
+
+def _attempt_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:
+    """The rendezvous store (MASTER_ADDR/MASTER_PORT), with keys of this start of the world
+    only. torchrun shares its own store with the workers and keeps it across restarts, so
+    without the prefix a restarted rank reads a dead peer's address and cannot connect
+    (pytorch/pytorch#135712; seen here with gloo under `torchrun --max-restarts`)."""
+    store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+    return dist.PrefixStore(f"plait/attempt-{attempt()}", store)
 
 
 def worker(
@@ -122,15 +133,15 @@ def launch(cfg: Config) -> None:
         worker(int(os.environ["RANK"]), cfg, env_world, local_world, None)
         return
     restarts = cfg.train.max_restarts
-    for attempt in range(restarts + 1):
-        os.environ[ATTEMPT_ENV] = str(attempt)  # workers inherit it: the summary counts restarts
+    for start in range(restarts + 1):
+        os.environ[ATTEMPT_ENV] = str(start)  # workers inherit it: the summary counts restarts
         try:
             _run_world(cfg)
             return
         except WorkerFailure as failure:
-            if attempt == restarts:
+            if start == restarts:
                 raise
-            _say_restart(failure, attempt + 1, restarts, Path(cfg.train.out))
+            _say_restart(failure, start + 1, restarts, Path(cfg.train.out))
             cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume="latest"))
 
 

@@ -115,17 +115,13 @@ def run(cfg: Config, mesh: Mesh, corpus: Corpus | None = None) -> RunSummary:
             if trainer.comm.agreed_stop(trainer.step, stop.requested, f"plait/stop/{attempt()}"):
                 summary.stopped_by = stop.signum
                 break
-        if t.save and saved_at != trainer.step and not cfg.parallel.two_bw:
+        if t.save and saved_at != trainer.step:
             save()
         if summary.stopped_by is not None and lead:
             where = f"; checkpoint {summary.checkpoint}" if summary.checkpoint else ""
             name = signal.Signals(summary.stopped_by).name
             name = "the launcher's signal" if summary.stopped_by == FORWARDED else name
             console.print(f"plait: stopped by {name} after step {trainer.step}{where}")
-        elif t.save and cfg.parallel.two_bw and lead:
-            console.print(
-                "no checkpoint: 2bw runs cannot be saved yet (their stream never flushes)"
-            )
         if t.trace and trainer.pipeline and not cfg.parallel.two_bw:  # 2BW: one stream, no step
             summary.pipeline = _trace(trainer, Path(t.out), lead)
     finally:

@@ -25,7 +25,6 @@ from plait.config import Config
 from plait.data import load_tokens, split_tokens, unigram_entropy
 from plait.data.batches import Corpus, StepBatches
 from plait.data.sampler import TokenWindows
-from plait.errors import ConfigError
 from plait.mesh import Mesh
 from plait.models.config import ModelConfig
 from plait.models.init import init_parameters, initial_values, tie_all
@@ -202,7 +201,7 @@ class Trainer:
         scaler = self.engine.scaler.state_dict() if self.engine.scaler else None
         return {
             "step": self.step,
-            "sampler": self.batches.sampler.state_dict(),
+            "sampler": self.batches.position(self.step),
             "engine_step": self.engine.step_count,
             "loss_scaler": scaler,
             "config": self.cfg.to_dict(),
@@ -210,8 +209,6 @@ class Trainer:
 
     def save(self, out: Path, before_commit: Callable[[], None] | None = None) -> dict[str, float]:
         """Write `out/checkpoints/step-N` (collective) and keep the newest ones."""
-        if not isinstance(self.engine, ZeroEngine):
-            raise ConfigError("checkpoints of a 2bw run are not supported yet")
         path = store.step_dir(out, self.step)
         stats = ckpt_io.save(path, self.engine, self._model, self.rules, self.comm,
                              self.trainer_state(), before_commit)  # fmt: skip
@@ -221,12 +218,12 @@ class Trainer:
 
     def load(self, path: Path) -> None:
         """Continue from a checkpoint written under any layout (collective)."""
-        if not isinstance(self.engine, ZeroEngine):
-            raise ConfigError("checkpoints of a 2bw run are not supported yet")
         state = store.read_trainer(path)
         ckpt_io.load(path, self.engine, self._model, self.comm, state)
         self.batches.sampler.load_state_dict(state["sampler"])
         self.step = state["step"]
+        if self.stream:  # 2BW: the stream goes on from the loaded versions
+            self.stream.start_at(self.step)
 
     def close(self) -> None:
         self.engine.close()

@@ -8,16 +8,15 @@ unpickled but DCP's own metadata; plait's state is JSON.
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
-from torch.distributed.checkpoint import FileSystemReader
 
 from plait.checkpoint import store
+from plait.checkpoint.io import one_process_is_fine, saved_shapes
 
 
 def _checked(path: Path) -> Path:
@@ -25,17 +24,12 @@ def _checked(path: Path) -> Path:
     return path
 
 
-def _shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    return {key: tuple(m.size) for key, m in metadata.items() if hasattr(m, "size")}
-
-
 def info(path: Path) -> dict[str, Any]:
     """Step, the layout that wrote it, the model, and what the checkpoint holds."""
     state = store.read_trainer(_checked(path))
     cfg = state["config"]
     par = cfg["parallel"]
-    shapes = _shapes(path)
+    shapes = saved_shapes(path)
     masters = {k: s for k, s in shapes.items() if k.startswith("master/")}
     return {
         "path": str(path),
@@ -53,10 +47,9 @@ def info(path: Path) -> dict[str, Any]:
 
 def consolidate(path: Path, out: Path) -> dict[str, Any]:
     """Write the full fp32 model (the master weights, single-process names) to safetensors."""
-    shapes = {k: s for k, s in _shapes(_checked(path)).items() if k.startswith("master/")}
+    shapes = {k: s for k, s in saved_shapes(_checked(path)).items() if k.startswith("master/")}
     request = {k: torch.empty(s, dtype=torch.float32) for k, s in shapes.items()}
-    with warnings.catch_warnings():  # "no process group: loading in one process" is the point
-        warnings.simplefilter("ignore", UserWarning)
+    with one_process_is_fine():
         dcp.load(request, checkpoint_id=str(path), no_dist=True)
     tensors = {k.removeprefix("master/"): t.contiguous() for k, t in request.items()}
     out.parent.mkdir(parents=True, exist_ok=True)

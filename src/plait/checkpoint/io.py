@@ -30,12 +30,12 @@ from plait.checkpoint.state import (
 from plait.checkpoint.store import write_manifest
 from plait.comm import Comm
 from plait.parallel.grads import SplitRules
-from plait.parallel.zero.engine import ZeroEngine
+from plait.parallel.optimizer_engine import OptimizerEngine
 
 
 def save(
     path: Path,
-    engine: ZeroEngine,
+    engine: OptimizerEngine,
     model: nn.Module,
     rules: SplitRules,
     comm: Comm,
@@ -51,7 +51,7 @@ def save(
     comm.barrier()
     boxes = owned_boxes(engine, model, rules, mesh)
     state = sharded_state(boxes, global_shapes(engine, model), comm)
-    with _one_process_is_fine():
+    with one_process_is_fine():
         dcp.save(state, checkpoint_id=str(path), no_dist=mesh.world_size == 1)
     if before_commit is not None:
         before_commit()
@@ -62,11 +62,11 @@ def save(
 
 
 def load(
-    path: Path, engine: ZeroEngine, model: nn.Module, comm: Comm, trainer_state: dict[str, Any]
+    path: Path, engine: OptimizerEngine, model: nn.Module, comm: Comm, trainer_state: dict[str, Any]
 ) -> None:
     """Fill the engine (masters, moments, step count, loss scaler) and the parameters."""
-    request = full_request(engine, model)
-    with _one_process_is_fine():
+    request = full_request(engine, model, set(saved_shapes(path)))
+    with one_process_is_fine():
         dcp.load(request, checkpoint_id=str(path), no_dist=comm.mesh.world_size == 1)
     engine.load_state_dict(
         {
@@ -77,8 +77,15 @@ def load(
     )
 
 
+def saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor the checkpoint holds, by key, with its single-process shape (DCP's own
+    metadata: nothing of plait's is unpickled)."""
+    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return {key: tuple(m.size) for key, m in metadata.items() if hasattr(m, "size")}
+
+
 @contextmanager
-def _one_process_is_fine() -> Iterator[None]:
+def one_process_is_fine() -> Iterator[None]:
     """DCP warns that it works without a process group; for a world of one that is the plan."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")

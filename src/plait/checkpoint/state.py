@@ -1,7 +1,8 @@
 """What a rank writes and reads: its boxes of the model's training state, by single-process name.
 
 Every tensor of a checkpoint is `"<state>/<parameter name>"` with the single-process shape,
-where state is `master` (the fp32 weights), `exp_avg` or `exp_avg_sq`: nothing in it depends
+where state is `master` (the fp32 weights), `exp_avg` or `exp_avg_sq` (and 2BW's `previous`
+weight version, `pipeline/runtime/weight_versions.py`): nothing in it depends
 on dp, tp, pp, the ZeRO stage, the bucket size or offload. The compute-dtype parameters are
 not saved; they are the masters cast.
 
@@ -13,7 +14,7 @@ checks that the boxes tile every tensor exactly and writes them in parallel.
 
 Reading: a rank asks for the full tensor of every parameter it holds (the checkpoint reader
 assembles it from whichever boxes overlap) and keeps its slice: its tp shard, then its ZeRO
-pieces (`ZeroEngine.load_state_dict`). A rank therefore briefly holds the full fp32 state
+pieces (the engine's `load_state_dict`). A rank therefore briefly holds the full fp32 state
 of its own pipeline stage's parameters, one stage at a time.
 """
 
@@ -32,8 +33,8 @@ from plait.checkpoint.boxes import Box, range_boxes, to_global
 from plait.comm import Comm
 from plait.mesh import Mesh
 from plait.parallel.grads import SplitRules
+from plait.parallel.optimizer_engine import OptimizerEngine
 from plait.parallel.tp.sharding import ShardSpec, param_shard_specs
-from plait.parallel.zero.engine import ZeroEngine
 
 
 def canonical(name: str, model: nn.Module) -> str:
@@ -43,21 +44,13 @@ def canonical(name: str, model: nn.Module) -> str:
     return name
 
 
-def state_names(engine: ZeroEngine) -> tuple[str, ...]:
-    return ("master", *engine.optimizer.state_names)
-
-
-def _params_by_name(engine: ZeroEngine) -> dict[str, nn.Parameter]:
-    return {n: p for g in engine.groups for n, p in zip(g.names, g.params, strict=True)}
-
-
 def owned_boxes(
-    engine: ZeroEngine, model: nn.Module, rules: SplitRules, mesh: Mesh
+    engine: OptimizerEngine, model: nn.Module, rules: SplitRules, mesh: Mesh
 ) -> dict[str, list[tuple[Box, Tensor]]]:
     """`"<state>/<name>"` -> the (global box, data) this rank writes."""
-    if engine.stage == 0 and mesh.coord.dp != 0:
+    if engine.replicated and mesh.coord.dp != 0:
         return {}
-    specs, params = param_shard_specs(model), _params_by_name(engine)
+    specs, params = param_shard_specs(model), engine.named_parameters()
     out: dict[str, list[tuple[Box, Tensor]]] = {}
     for piece in engine.state_dict()["pieces"]:
         if id(params[piece.name]) in rules.uncounted:
@@ -73,12 +66,12 @@ def owned_boxes(
     return out
 
 
-def global_shapes(engine: ZeroEngine, model: nn.Module) -> dict[str, tuple[int, ...]]:
+def global_shapes(engine: OptimizerEngine, model: nn.Module) -> dict[str, tuple[int, ...]]:
     """Single-process name -> single-process shape, for every parameter this rank holds."""
     specs = param_shard_specs(model)
     return {
         canonical(n, model): (specs[n].global_shape if n in specs else tuple(p.shape))
-        for n, p in _params_by_name(engine).items()
+        for n, p in engine.named_parameters().items()
     }
 
 
@@ -125,25 +118,29 @@ def _metadata(box: Box, device: str, rank: int) -> ShardMetadata:
     return ShardMetadata(list(box.offsets), list(box.sizes), f"rank:{rank}/{device}")
 
 
-def full_request(engine: ZeroEngine, model: nn.Module) -> dict[str, Tensor]:
-    """Empty full fp32 tensors for every state of every parameter this rank holds."""
-    return {
+def full_request(engine: OptimizerEngine, model: nn.Module, saved: set[str]) -> dict[str, Tensor]:
+    """Empty full fp32 tensors for every state of every parameter this rank holds, of those
+    the checkpoint has (`saved`: its keys); what it lacks is the engine's to default."""
+    request = {
         f"{state}/{name}": torch.empty(shape, dtype=torch.float32)
         for name, shape in global_shapes(engine, model).items()
-        for state in state_names(engine)
+        for state in engine.saved_states
     }
+    return {key: value for key, value in request.items() if key in saved}
 
 
 def local_states(
-    loaded: dict[str, Tensor], engine: ZeroEngine, model: nn.Module
+    loaded: dict[str, Tensor], engine: OptimizerEngine, model: nn.Module
 ) -> dict[str, dict[str, Tensor]]:
     """This rank's name -> state -> its tp slice (padding zero), for `load_state_dict`."""
     specs = param_shard_specs(model)
     out: dict[str, dict[str, Tensor]] = {}
-    for name in _params_by_name(engine):
+    for name in engine.named_parameters():
+        key = canonical(name, model)
         out[name] = {
-            state: _slice(loaded[f"{state}/{canonical(name, model)}"], specs.get(name))
-            for state in state_names(engine)
+            state: _slice(loaded[f"{state}/{key}"], specs.get(name))
+            for state in engine.saved_states
+            if f"{state}/{key}" in loaded
         }
     return out
 

@@ -57,13 +57,21 @@ class StepBatches:
         self.corpus, self.global_batch, self.micro_batch = corpus, global_batch, micro_batch
         self.seed, self.replica, self.device = seed, replica, device
         self.sampler = GlobalBatchSampler(len(corpus.train), global_batch, seed)
+        self._before: dict[int, dict[str, int]] = {}  # step -> sampler state before its draw
 
     def draw(self, step: int) -> list[MicroBatch]:
         """Step `step`'s micro-batches; steps must be drawn in order (the sampler advances)."""
+        self._before = {k: v for k, v in self._before.items() if k >= step - 3}
+        self._before[step] = self.sampler.state_dict()
         share, positions = replica_share(self.sampler.next_batch(), *self.replica)
         keys = sample_keys(self.seed, step, positions)
         idx, keys = split_micro(share, self.micro_batch), split_micro(keys, self.micro_batch)
         return [self._micro(self.corpus.train, i, k) for i, k in zip(idx, keys, strict=True)]
+
+    def position(self, step: int) -> dict[str, int]:
+        """The sampler state a run resumed at `step` starts from: the state before step
+        `step` was drawn (the 2BW stream draws a step ahead of the one it updates)."""
+        return self._before.get(step) or self.sampler.state_dict()
 
     def validation(self, batches: int) -> list[MicroBatch]:
         """This replica's share of `batches` global batches of fixed validation windows."""

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 from torch import Tensor, nn
 
 from plait.parallel.grads import SplitRules
+from plait.precision import DynamicLossScaler
 
 
 class OptimizerEngine(Protocol):
@@ -56,11 +57,28 @@ class OptimizerEngine(Protocol):
     def zero_grad(self) -> None:
         """Start the next step from zero gradients."""
 
+    # -- checkpoints (`plait.checkpoint`) --------------------------------------------------
+    step_count: int  # optimizer steps taken (Adam's bias correction continues from it)
+    scaler: DynamicLossScaler | None  # fp16's loss scaler, saved with the run
+
+    @property
+    def saved_states(self) -> tuple[str, ...]:
+        """The fp32 tensors a checkpoint holds per parameter (`master` first)."""
+
+    @property
+    def replicated(self) -> bool:
+        """Every dp rank holds the same state, so dp rank 0 alone writes it."""
+
+    def named_parameters(self) -> dict[str, nn.Parameter]:
+        """The parameters this rank holds, by its model's names (the split rules' keys)."""
+
     def state_dict(self) -> dict[str, Any]:
-        """This rank's optimizer state under layout-free (single-process) names."""
+        """{"step", "loss_scaler", "pieces"}: this rank's pieces of every saved state under
+        layout-free (single-process) names (`zero.state_dict.ParamShardState`)."""
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load a state saved under any layout."""
+        """Load {"params": name -> state -> full tensor, "step", "loss_scaler"}, saved under
+        any layout; a state the checkpoint lacks is the engine's to default or refuse."""
 
     def close(self) -> None:
         """Remove hooks, files and other resources."""

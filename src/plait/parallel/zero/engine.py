@@ -225,6 +225,22 @@ class ZeroEngine:
         """Context in which every parameter holds its full value (stage 3 gathers)."""
         return self.gatherer.gathered() if self.gatherer else nullcontext()
 
+    # -- checkpoints -----------------------------------------------------------------------
+    @property
+    def saved_states(self) -> tuple[str, ...]:
+        """What a checkpoint holds per parameter: the fp32 master and the optimizer's states
+        (the compute-dtype parameters are the masters cast)."""
+        return ("master", *self.optimizer.state_names)
+
+    @property
+    def replicated(self) -> bool:
+        """Stage 0: every dp rank holds the same state, so one of them writes it."""
+        return self.stage == 0
+
+    def named_parameters(self) -> dict[str, nn.Parameter]:
+        """This rank's parameters by the names its model gives them."""
+        return {n: p for g in self.groups for n, p in zip(g.names, g.params, strict=True)}
+
     def state_dict(self) -> dict[str, Any]:
         """This rank's optimizer state, layout-free: the step count, the loss scaler and the
         state of every parameter piece it holds, by single-process name, padding stripped

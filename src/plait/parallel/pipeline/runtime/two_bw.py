@@ -22,6 +22,11 @@ The stream is a runner of the one training step (`plait.step`): `run(k)` walks t
 up to step k's update point and hands step k's gradients to the `WeightVersions` engine; the
 step then averages, clips and updates as for every other layout, at the consistent cut, so
 whatever runs between steps (validation, logging) may use collectives too.
+
+A checkpoint at a step boundary k holds W(k) and W(k-1) (`WeightVersions.state_dict`), not
+the micro-batches of step k already in flight: a resumed stream (`start_at(k)`) walks the
+schedule of the remaining steps, whose step j is the run's step k + j, and runs step k's
+micro-batches again on W(k-1), to the same bits.
 """
 
 from __future__ import annotations
@@ -76,14 +81,24 @@ class TwoBWStream:
         self.comm = pipeline.comm
         self.p, self.rank, self.m = pipeline.p, pipeline.rank, pipeline.m
         (self.plan,) = pipeline.plans
-        self.schedule = two_bw(self.p, self.m, 1, steps)
+        self.steps, self.trace_steps = steps, trace_steps
         self.exchange = Exchange(
             self.comm, pipeline.activation_shape, torch.float32, self.comm.mesh.device
         )
-        actions = self.schedule.ranks[self.rank]
-        self.timings: deque[TimedAction] = deque(maxlen=trace_steps * (len(actions) // steps + 1))
         self.max_versions_held = 0  # distinct versions needed at once, measured per action
+        self.start_at(0)
+
+    def start_at(self, first: int) -> None:
+        """Stream steps `first`.. of the run (a resumed run: the versions hold W(first) and
+        W(first-1)). The schedule of the remaining steps has the same shape as a fresh one;
+        its step j is the run's step first + j, and runs on version max(first + j - 1, 0)."""
+        self.first_step, remaining = first, self.steps - first
         self.draining = False  # the last updates, after the schedule ended
+        if remaining < 1:
+            return
+        self.schedule = two_bw(self.p, self.m, 1, remaining)
+        per_step = len(self.schedule.ranks[self.rank]) // remaining + 1
+        self.timings: deque[TimedAction] = deque(maxlen=self.trace_steps * per_step)
         self._updates = self._walk()
 
     def run(self, step: int) -> Tensor:
@@ -125,9 +140,10 @@ class TwoBWStream:
             yield self._sealed(k, fl)
 
     def _sealed(self, k: int, fl: _Flight) -> tuple[int, list[Tensor], Tensor, set[int]]:
+        """Schedule step `k`'s gradients, as the run's step `first + k`."""
         self.exchange.drain()  # a consistent cut: every posted send has its receive
         grads, loss_sum = fl.sealed.pop(k)
-        return k, grads, loss_sum, set(fl.version.values())
+        return self.first_step + k, grads, loss_sum, set(fl.version.values())
 
     # -- compute -------------------------------------------------------------------------
     def _compute(self, a: Action, fl: _Flight) -> None:
@@ -137,12 +153,12 @@ class TwoBWStream:
             self._backward(a, fl)
         else:  # STEP: the step's gradients are complete on this rank
             loss = fl.loss.pop(a.step, torch.zeros((), device=self.comm.mesh.device))
-            fl.sealed[a.step] = (self.versions.seal(a.step), loss)
+            fl.sealed[a.step] = (self.versions.seal(self.first_step + a.step), loss)
             fl.data.pop(a.step, None)
 
     def _forward(self, a: Action, fl: _Flight) -> None:
-        key, version = (a.step, a.microbatch), weights_of(a.step)
-        assert a.version == version, f"schedule says version {a.version}, rule {version}"
+        key, version = (a.step, a.microbatch), weights_of(self.first_step + a.step)
+        assert a.version == weights_of(a.step), f"schedule: version {a.version}, step {a.step}"
         mb = self._micro(a.step, fl)[a.microbatch]
         inp = mb.tokens if self.plan.first else fl.inputs[key].requires_grad_()
         fl.inputs[key] = inp
@@ -163,7 +179,8 @@ class TwoBWStream:
         del fl.version[key]
 
     def _micro(self, step: int, fl: _Flight) -> list[MicroBatch]:
-        """Step `step`'s micro-batches for this replica, drawn when first needed (in order)."""
+        """Schedule step `step`'s micro-batches for this replica (the run's step first +
+        step: its data and dropout keys), drawn when first needed (in order)."""
         if step not in fl.data:
-            fl.data[step] = self.batches.draw(step)
+            fl.data[step] = self.batches.draw(self.first_step + step)
         return fl.data[step]

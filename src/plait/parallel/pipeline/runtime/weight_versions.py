@@ -35,11 +35,11 @@ from torch import Tensor, nn
 
 from plait.comm import Comm
 from plait.config import TrainConfig
-from plait.errors import ConfigError
 from plait.models.transformer import Transformer
 from plait.optim import build_optimizer, set_lr
 from plait.parallel.grads import SplitRules
 from plait.parallel.recompute import apply_recompute
+from plait.parallel.zero.state_dict import ParamShardState
 
 
 def weights_of(step: int) -> int:
@@ -62,6 +62,7 @@ class WeightVersions:
             apply_recompute(c, recompute)
             c.train()
         self.params = [list(c.parameters()) for c in self.copies]
+        self.names = [n for n, _ in model.named_parameters()]
         self.held = [0, None]  # the version each copy holds (copy 1 holds nothing yet)
         self.latest = 0
         self.shells = nn.ParameterList(
@@ -149,13 +150,60 @@ class WeightVersions:
     def zero_grad(self) -> None:
         self._grads = None  # sealed gradients were taken off the copies already
 
-    def state_dict(self) -> dict[str, Any]:
-        """Not yet: a step boundary of the stream has the next step's micro-batches in flight,
-        so two weight copies and the optimizer are not the whole state (issue 11)."""
-        raise ConfigError("checkpoints of a 2bw run are not supported yet")
+    # -- checkpoints -----------------------------------------------------------------------
+    saved_states = ("master", "exp_avg", "exp_avg_sq", "previous")
+    replicated = True  # no ZeRO under 2BW: every dp rank holds the same versions
+    scaler = None  # fp32 only
 
+    @property
+    def step_count(self) -> int:
+        """Updates taken: version `latest` is the weights after that many."""
+        return self.latest
+
+    def named_parameters(self) -> dict[str, nn.Parameter]:
+        """Copy 0's parameters by name: the split rules were found on copy 0."""
+        return dict(zip(self.names, self.params[0], strict=True))
+
+    def state_dict(self) -> dict[str, Any]:
+        """At a step boundary: `master` is the newest version W(k), `previous` is W(k-1), the
+        weights step k's micro-batches run with (the next update's gradients), and the Adam
+        moments. Micro-batches of step k already in flight are not state: a resumed stream
+        runs them again on W(k-1), to the same bits."""
+        newest, older = self.latest % 2, (self.latest - 1) % 2
+        pieces = []
+        for i, name in enumerate(self.names):
+            param = self.params[newest][i]
+            tensors = {
+                "master": param.detach().reshape(-1).clone(),
+                "previous": self.params[older][i].detach().reshape(-1).clone(),
+            }
+            moments = self.optimizer.state.get(self.shells[i], {})
+            for key in ("exp_avg", "exp_avg_sq"):
+                value = moments.get(key)
+                tensors[key] = (
+                    torch.zeros(param.numel()) if value is None else value.reshape(-1).clone()
+                )
+            pieces.append(ParamShardState(name, tuple(param.shape), 0, param.numel(), tensors))
+        return {"step": self.latest, "loss_scaler": None, "pieces": pieces}
+
+    @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        raise ConfigError("checkpoints of a 2bw run are not supported yet")
+        """Continue at step `state["step"]`: copy k % 2 holds W(k) and the other W(k-1). A
+        checkpoint without `previous` (saved by a synchronous schedule) starts the versions
+        as a run starts them: both copies hold the saved weights."""
+        k = int(state["step"])
+        newest, older = k % 2, (k - 1) % 2
+        for i, name in enumerate(self.names):
+            saved = state["params"][name]
+            self.params[newest][i].copy_(saved["master"])
+            self.params[older][i].copy_(saved.get("previous", saved["master"]))
+            shape, shell = self.params[newest][i].shape, self.shells[i]
+            self.optimizer.state[shell] = {"step": torch.tensor(float(k))} | {
+                key: saved[key].reshape(shape).to(shell.device, copy=True)
+                for key in ("exp_avg", "exp_avg_sq")
+            }
+        self.held = [k, k - 1] if newest == 0 else [k - 1, k]
+        self.latest = k
 
     def close(self) -> None:
         pass
