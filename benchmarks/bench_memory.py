@@ -19,30 +19,28 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from harness import World  # noqa: E402
-from memory_runs import Layout, compare, error, measure  # noqa: E402
+from memory_runs import Case, compare, error, measure  # noqa: E402
 from plait.estimate import estimate  # noqa: E402
 from plait.estimate import published as pub  # noqa: E402
 from plait.estimate.params import total_parameters  # noqa: E402
 
 LAYOUTS = [
-    Layout("dp2", parallel={"dp": 2}),
-    Layout("dp2 ZeRO-1 bf16", parallel={"dp": 2, "zero": 1, "precision": "bf16"}),
-    Layout("dp2 ZeRO-2 bf16", "small-llama", parallel={"dp": 2, "zero": 2, "precision": "bf16"}),
-    Layout("dp2 ZeRO-3 bf16", parallel={"dp": 2, "zero": 3, "precision": "bf16"}),
-    Layout(
-        "dp2 ZeRO-2 cpu offload", "small-llama", parallel={"dp": 2, "zero": 2, "offload": "cpu"}
-    ),
-    Layout("dp2 ZeRO-1 nvme offload", parallel={"dp": 2, "zero": 1, "offload": "nvme"}),
-    Layout("dp2 recompute full", parallel={"dp": 2, "recompute": "full"}),
-    Layout(
+    Case("dp2", parallel={"dp": 2}),
+    Case("dp2 ZeRO-1 bf16", parallel={"dp": 2, "zero": 1, "precision": "bf16"}),
+    Case("dp2 ZeRO-2 bf16", "small-llama", parallel={"dp": 2, "zero": 2, "precision": "bf16"}),
+    Case("dp2 ZeRO-3 bf16", parallel={"dp": 2, "zero": 3, "precision": "bf16"}),
+    Case("dp2 ZeRO-2 cpu offload", "small-llama", parallel={"dp": 2, "zero": 2, "offload": "cpu"}),
+    Case("dp2 ZeRO-1 nvme offload", parallel={"dp": 2, "zero": 1, "offload": "nvme"}),
+    Case("dp2 recompute full", parallel={"dp": 2, "recompute": "full"}),
+    Case(
         "dp2 recompute selective, dropout",
         "small-llama",
         parallel={"dp": 2, "recompute": "selective"},
         model={"dropout": 0.1},
     ),
-    Layout("tp2", parallel={"tp": 2}),
-    Layout("tp2 SP", parallel={"tp": 2, "sequence_parallel": True}),
-    Layout(
+    Case("tp2", parallel={"tp": 2}),
+    Case("tp2 SP", parallel={"tp": 2, "sequence_parallel": True}),
+    Case(
         "tp2 SP bf16 selective",
         "small-llama",
         parallel={
@@ -52,20 +50,20 @@ LAYOUTS = [
             "recompute": "selective",
         },
     ),
-    Layout("pp2 gpipe", parallel={"pp": 2, "schedule": "gpipe"}, accum=4),
-    Layout("pp2 1f1b", parallel={"pp": 2, "schedule": "1f1b"}, accum=4),
-    Layout(
+    Case("pp2 gpipe", parallel={"pp": 2, "schedule": "gpipe"}, accum=4),
+    Case("pp2 1f1b", parallel={"pp": 2, "schedule": "1f1b"}, accum=4),
+    Case(
         "pp2 interleaved v2",
         "small-llama",
         parallel={"pp": 2, "schedule": "interleaved", "virtual_stages": 2},
         accum=4,
     ),
-    Layout(
+    Case(
         "dp2 tp2 SP ZeRO-1 bf16",
         parallel={"dp": 2, "tp": 2, "sequence_parallel": True, "zero": 1, "precision": "bf16"},
     ),
-    Layout("dp2 pp2 1f1b ZeRO-1", "small-llama", parallel={"dp": 2, "pp": 2, "zero": 1}, accum=4),
-    Layout("pp4 1f1b", parallel={"pp": 4}, accum=8),
+    Case("dp2 pp2 1f1b ZeRO-1", "small-llama", parallel={"dp": 2, "pp": 2, "zero": 1}, accum=4),
+    Case("pp4 1f1b", parallel={"pp": 4}, accum=8),
 ]
 STATES = ("parameters", "gradients", "master_weights", "optimizer_states")
 
@@ -75,19 +73,19 @@ def _cell(pair: tuple[int, int]) -> str:
     return f"{est:,} / {meas:,} ({100 * error(pair):+.1f}%)"
 
 
-def _row(layout: Layout, est, measured: dict) -> str:
+def _row(case: Case, est, measured: dict) -> str:
     pairs = compare(est, measured)
     states = tuple(sum(pairs[c][i] for c in STATES) for i in (0, 1))
     worst = max(abs(error(pairs[c])) for c in STATES)
     cells = [_cell(states), f"{100 * worst:.2f}%", _cell(pairs["activations"])]
-    cells += [_cell(pairs["total"]), _published(layout)]
-    return f"| {layout.name} | {measured['pp_rank']} | " + " | ".join(cells) + " |"
+    cells += [_cell(pairs["total"]), _published(case)]
+    return f"| {case.name} | {measured['pp_rank']} | " + " | ".join(cells) + " |"
 
 
-def _published(layout: Layout) -> str:
+def _published(case: Case) -> str:
     """DeepSpeed ZeRO-2 and ZeRO-3 model states per GPU (N = dp), Megatron's states and
     activations (distributed optimizer when plait shards optimizer states)."""
-    cfg = layout.config("/tmp/x")
+    cfg = case.config("/tmp/x")
     par, psi = cfg.parallel, total_parameters(cfg.model)
     offload = par.offload != "none"
     ds2 = pub.deepspeed_zero2_gpu(psi, par.dp, offload)

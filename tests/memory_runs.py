@@ -25,8 +25,8 @@ MB, SEQ = 2, 64
 
 
 @dataclass(frozen=True)
-class Layout:
-    """One row of the table: a name and the config overrides that make it."""
+class Case:
+    """One layout of the table: a name and the config overrides that make it."""
 
     name: str
     preset: str = "small-gpt"
@@ -52,10 +52,10 @@ class Layout:
         return cfg
 
 
-def measure(layout: Layout, offload_dir: str | None = None) -> dict[str, Any]:
+def measure(case: Case, offload_dir: str | None = None) -> dict[str, Any]:
     """This rank's memory in the second step (the first allocates lazily): model states by
     category and place, the peak of saved activations, buffers and the total."""
-    cfg = layout.config(offload_dir and str(Path(offload_dir) / "nvme"))
+    cfg = case.config(offload_dir and str(Path(offload_dir) / "nvme"))
     mesh = build_mesh(cfg.parallel.layout, torch.device("cpu"), 60)
     trainer = Trainer(cfg, mesh, corpus_for(cfg))
     tracker = trainer.zero.memory

@@ -6,25 +6,25 @@ from __future__ import annotations
 
 import pytest
 
-from memory_runs import Layout, compare, error, measure
+from memory_runs import Case, compare, error, measure
 from plait.estimate import estimate
 
 SUBSET = [
-    Layout("dp2 zero1 bf16", parallel={"dp": 2, "zero": 1, "precision": "bf16"}),
-    Layout("dp2 zero3 bf16", parallel={"dp": 2, "zero": 3, "precision": "bf16"}),
-    Layout(
+    Case("dp2 zero1 bf16", parallel={"dp": 2, "zero": 1, "precision": "bf16"}),
+    Case("dp2 zero3 bf16", parallel={"dp": 2, "zero": 3, "precision": "bf16"}),
+    Case(
         "dp2 zero2 cpu-offload full-recompute",
         "small-llama",
         parallel={"dp": 2, "zero": 2, "offload": "cpu", "recompute": "full"},
     ),
-    Layout(
+    Case(
         "tp2 sp selective dropout",
         "small-llama",
         parallel={"tp": 2, "sequence_parallel": True, "recompute": "selective"},
         model={"dropout": 0.1},
     ),
-    Layout("pp2 1f1b", parallel={"pp": 2, "schedule": "1f1b"}, accum=4),
-    Layout(
+    Case("pp2 1f1b", parallel={"pp": 2, "schedule": "1f1b"}, accum=4),
+    Case(
         "pp2 interleaved",
         "small-llama",
         parallel={"pp": 2, "schedule": "interleaved", "virtual_stages": 2},
