@@ -48,7 +48,7 @@ from common import (
 from output import comparison_cells, describe_machine_md, markdown_table, phase_table, publish
 from plait.comm import Comm
 from plait.config import TrainConfig
-from plait.memory_tracker import zero_comm_elements, zero_model_state_bytes
+from plait.estimate.formulas import zero_comm_elements, zero_model_state_bytes
 from plait.mesh import build_mesh
 from plait.models.config import ModelConfig
 from plait.models.presets import get_preset

@@ -2,7 +2,8 @@
 
 Each line of a fenced code block that runs `plait` (or `.venv/bin/plait`) is parsed by the
 real command-line parser and validated the way `plait train` validates before it starts
-workers; `plait schedule` and `plait presets` lines run for real (they are cheap).
+workers; `plait schedule`, `plait estimate` and `plait presets` lines run for real (they are
+cheap).
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ def test_command_is_valid(where: str, argv: list[str], tmp_path, monkeypatch) ->
         return
     if argv[0] == "checkpoint":  # names a checkpoint of an earlier run: parsed, not run
         build_parser().parse_args(argv)
+        return
+    if argv[0] == "estimate":  # pure and cheap: run it for real
+        assert main(argv) == 0, where
         return
     if argv[0] == "schedule":
         if "--out" in argv:  # write the chart to a temporary folder, not into the checkout

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from plait.memory_tracker import zero_comm_elements, zero_model_state_bytes
+from plait.estimate.formulas import zero_comm_elements, zero_model_state_bytes
 from plait.precision import parse_precision
 from reference import corpus_for
 from test_zero_helpers import run, zero_config

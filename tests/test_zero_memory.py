@@ -8,11 +8,8 @@ import torch
 from plait.comm import Comm
 from plait.config import TrainConfig
 from plait.errors import ConfigError
-from plait.memory_tracker import (
-    MemoryTracker,
-    zero_comm_elements,
-    zero_model_state_bytes,
-)
+from plait.estimate.formulas import zero_comm_elements, zero_model_state_bytes
+from plait.memory_tracker import MemoryTracker
 from plait.mesh import single_process_mesh
 from plait.models.presets import get_preset
 from plait.parallel.grads import SplitRules

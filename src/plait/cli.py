@@ -1,4 +1,4 @@
-"""`plait` command line: `plait train`, `plait presets`, `plait schedule`.
+"""`plait` command line: `plait train`, `plait estimate`, `plait presets`, `plait schedule`.
 
 Flags are generated from the config dataclasses, so a field's help string is its flag's help
 and a new field is a new flag. Everything is validated here, before any worker starts.
@@ -65,10 +65,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"plait {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a model (spawns dp workers unless under torchrun)")
-    train.add_argument("--config", help="TOML file with [model] [parallel] [data] [train]")
-    train.add_argument("--model", dest="preset", help="model preset (see `plait presets`)")
-    for section, cls in SECTIONS.items():
-        _add_section(train, section, cls)
+    _add_run_flags(train)
+    est = sub.add_parser(
+        "estimate", help="memory per rank of a run, predicted (nothing starts, nothing allocated)"
+    )
+    _add_run_flags(est)
+    est.add_argument("--json", action="store_true", help="print JSON only (exact bytes)")
+    est.add_argument(
+        "--device-memory", type=float, metavar="GIB", help="fail (exit 2) if a rank needs more"
+    )
     sub.add_parser("presets", help="list model presets with their parameter counts")
     sched = sub.add_parser(
         "schedule", help="simulate a pipeline schedule (no model): bubble, memory, chart"
@@ -80,6 +85,14 @@ def build_parser() -> argparse.ArgumentParser:
     sched.add_argument("--out", default=None, help="folder for the PNG chart and trace JSON")
     _add_checkpoint_commands(sub)
     return parser
+
+
+def _add_run_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of a run, shared by `train` and `estimate` (every train flag estimates)."""
+    parser.add_argument("--config", help="TOML file with [model] [parallel] [data] [train]")
+    parser.add_argument("--model", dest="preset", help="model preset (see `plait presets`)")
+    for section, cls in SECTIONS.items():
+        _add_section(parser, section, cls)
 
 
 def _add_checkpoint_commands(sub: argparse._SubParsersAction) -> None:
@@ -116,8 +129,9 @@ def _checkpoint(args: argparse.Namespace, err: Console) -> int:
     return 0
 
 
-def config_from_args(args: argparse.Namespace) -> Config:
-    """Preset <- TOML <- flags, then validate (raises ConfigError)."""
+def config_from_args(args: argparse.Namespace, check_data: bool = True) -> Config:
+    """Preset <- TOML <- flags, then validate (raises ConfigError); `check_data=False`
+    leaves the corpus unread (the estimator needs only shapes)."""
     overrides: dict[str, dict[str, Any]] = load_toml(args.config) if args.config else {}
     overrides = {k: dict(v) for k, v in overrides.items()}
     preset = overrides.get("model", {}).pop("preset", "small-gpt")
@@ -128,8 +142,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
             section, name = dest.split(".", 1)
             overrides.setdefault(section, {})[name] = value
     cfg = build_config(preset, overrides)
-    cfg.validate()
-    if under_torchrun():  # every rank would otherwise fail alone, with a traceback
+    cfg.validate(check_data)
+    if check_data and under_torchrun():  # every rank would otherwise fail alone, with a traceback
         cfg.parallel.layout.check_world(int(os.environ["WORLD_SIZE"]))
     return cfg
 
@@ -169,6 +183,31 @@ def _schedule(args: argparse.Namespace, err: Console) -> int:
     return 0
 
 
+def _estimate(args: argparse.Namespace, err: Console) -> int:
+    from plait.estimate import estimate
+    from plait.estimate.render import print_estimate, print_json
+
+    try:
+        cfg = config_from_args(args, check_data=False)
+        est = estimate(cfg)
+    except ConfigError as e:
+        err.print("[bold red]plait: error:[/] " + escape(str(e)), highlight=False)
+        return 2
+    print_json(est) if args.json else print_estimate(est, Console())
+    budget = args.device_memory
+    worst = est.most_loaded
+    if budget is not None and worst.total() > budget * 2**30:
+        biggest = max(worst.lines, key=lambda line: line.device)
+        err.print(
+            f"[bold red]plait: error:[/] nothing fits: pipeline stage {worst.pp_rank} needs "
+            f"{worst.total() / 2**30:,.2f} GiB on the device, more than --device-memory "
+            f"{budget:g} GiB (largest term: {biggest.name} {biggest.device / 2**30:,.2f} GiB)",
+            highlight=False,
+        )
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "presets":
@@ -178,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         return _schedule(args, err)
     if args.command == "checkpoint":
         return _checkpoint(args, err)
+    if args.command == "estimate":
+        return _estimate(args, err)
     try:
         cfg = config_from_args(args)
         out = Path(cfg.train.out)

@@ -1,4 +1,4 @@
-"""Per-rank memory by category, with per-step peaks, next to the ZeRO paper's formulas.
+"""Per-rank memory by category and place, with per-step peaks: what a run measures.
 
 Whoever allocates a buffer tells the tracker (`track`) and again when it frees it
 (`release`); the tracker keeps the current bytes of every (category, place) and the peak
@@ -9,9 +9,13 @@ nobody registered (workspaces, fragmentation); on CPU there is no such allocator
 
 Categories (ZeRO's *model states* are the first four):
   parameters, gradients, optimizer_states (Adam moments), master_weights (fp32 copies),
-  activations (tensors saved for backward), comm_buffers (transient reduction buckets).
+  activations (tensors saved for backward, while autograd holds them), comm_buffers
+  (transient reduction buckets).
 Places: device (the accelerator, or the CPU when that is the device), host (offloaded to
 CPU memory), disk (offloaded to NVMe files).
+
+What a run *should* hold is predicted by `plait.estimate` (the formulas live there); the
+tests compare the two.
 """
 
 from __future__ import annotations
@@ -138,68 +142,63 @@ class MemoryTracker:
     # -- activations -------------------------------------------------------------------
     @contextmanager
     def activations(self, key: str = "activations") -> Iterator[None]:
-        """Count the bytes autograd saves for backward inside the block (wrap forward and
-        backward of one micro-batch); they count as live until the block ends.
+        """Count the bytes autograd saves for backward inside the block (wrap one step, or
+        the forward and backward of one micro-batch): a tensor counts from the forward that
+        saves it until autograd drops it (after its node's backward), so `peak` is the most
+        ever held at once, e.g. the micro-batches a pipeline schedule keeps in flight.
 
-        Parameters are not activations and are skipped; each storage counts once (views of
-        one activation share it). Whatever activation recomputation saves is what counts.
+        Parameters and views of them (a Linear saves `weight.t()`) are not activations and
+        are skipped, and so are other leaves that require grad (a pipeline stage's received
+        input: a receive buffer, not something this stage's forward made). Each storage
+        counts once, however many views of it are saved. Whatever activation recomputation
+        saves is what counts.
         """
-        seen: set[int] = set()
+        held: dict[int, list[int]] = {}  # storage pointer -> [references, bytes]
         live = 0
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
+        def drop(ptr: int) -> None:
             nonlocal live
-            if not (t.is_leaf and t.requires_grad):
-                storage = t.untyped_storage()
-                if storage.data_ptr() not in seen:
-                    seen.add(storage.data_ptr())
-                    live += storage.nbytes()
-                    self.track(key, "activations", live, transient=True)
-            return t
+            entry = held.get(ptr)
+            if entry is None:  # the block ended first: already released
+                return
+            entry[0] -= 1
+            if entry[0] == 0:
+                del held[ptr]
+                live -= entry[1]
+                self.track(key, "activations", live, transient=True)
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        def pack(t: torch.Tensor) -> torch.Tensor | _Saved:
+            nonlocal live
+            base = t if t._base is None else t._base
+            if base.is_leaf and base.requires_grad:
+                return t
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            entry = held.setdefault(ptr, [0, storage.nbytes()])
+            if entry[0] == 0:
+                live += entry[1]
+                self.track(key, "activations", live, transient=True)
+            entry[0] += 1
+            return _Saved(t, ptr, drop)
+
+        def unpack(saved: torch.Tensor | _Saved) -> torch.Tensor:
+            return saved.tensor if isinstance(saved, _Saved) else saved
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             try:
                 yield
             finally:
+                held.clear()
                 self.release(key)
 
 
-# ---------------------------------------------------------------- formulas
+class _Saved:
+    """A saved tensor as autograd holds it: when autograd drops it, the meter is told."""
 
+    __slots__ = ("_drop", "_ptr", "tensor")
 
-def zero_model_state_bytes(
-    stage: int, psi: int, n: int, param_bytes: int, grad_bytes: int, optim_bytes: int
-) -> float:
-    """Per-rank model-state bytes of ZeRO `stage` (Rajbhandari et al., 2020, section 5).
+    def __init__(self, tensor: torch.Tensor, ptr: int, drop) -> None:
+        self.tensor, self._ptr, self._drop = tensor, ptr, drop
 
-    With Ψ parameters, N data-parallel ranks, P/G bytes per parameter and gradient element
-    and K bytes of optimizer state per element (Adam: 8 for the moments, + 4 for fp32
-    master weights under mixed precision):
-      stage 0: (P+G+K)Ψ;  stage 1: (P+G)Ψ + KΨ/N;  stage 2: PΨ + (G+K)Ψ/N;  stage 3: (P+G+K)Ψ/N.
-    Mixed-precision Adam (P=G=2, K=12): 16Ψ, 4Ψ+12Ψ/N, 2Ψ+14Ψ/N, 16Ψ/N.
-    """
-    p, g, k = param_bytes * psi, grad_bytes * psi, optim_bytes * psi
-    per_stage = {0: p + g + k, 1: p + g + k / n, 2: p + (g + k) / n, 3: (p + g + k) / n}
-    if stage not in per_stage:
-        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3; got {stage}")
-    return per_stage[stage]
-
-
-def zero_comm_elements(stage: int, psi: int, accumulation: int = 1) -> dict[str, int]:
-    """Logical elements per optimizer step of the gradient and parameter collectives.
-
-    DP all-reduce Ψ; ZeRO-1/2 reduce-scatter Ψ + all-gather Ψ; ZeRO-3 all-gather 2Ψ +
-    reduce-scatter Ψ (ZeRO paper, section 7). With gradient accumulation over k micro-batches,
-    stages 2 and 3 keep no full gradient between micro-batches, so they reduce-scatter every
-    micro-batch (kΨ), and stage 3 gathers the parameters for every forward and backward (2kΨ).
-    """
-    k = accumulation
-    table = {
-        0: {"all_reduce": psi},
-        1: {"reduce_scatter": psi, "all_gather": psi},
-        2: {"reduce_scatter": k * psi, "all_gather": psi},
-        3: {"reduce_scatter": k * psi, "all_gather": 2 * k * psi},
-    }
-    if stage not in table:
-        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3; got {stage}")
-    return table[stage]
+    def __del__(self) -> None:
+        self._drop(self._ptr)

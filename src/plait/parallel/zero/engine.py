@@ -39,7 +39,7 @@ from plait.errors import ConfigError
 from plait.memory_tracker import MemoryTracker
 from plait.parallel.grads import SplitRules
 from plait.parallel.zero.adamw import ElementwiseOptimizer, clip_segments
-from plait.parallel.zero.layout import FlatGroup, build_groups
+from plait.parallel.zero.layout import NVME_SUB_GROUP_MB, FlatGroup, build_groups, nvme_sub_group
 from plait.parallel.zero.nvme import NvmeStates
 from plait.parallel.zero.params import Gatherer, ParamStore, flatten_values
 from plait.parallel.zero.reducer import GradReducer
@@ -62,7 +62,7 @@ class ZeroEngine:
         offload: str = "none",
         offload_dir: str | Path | None = None,
         bucket_mb: float = 25.0,
-        sub_group_mb: float = 64.0,
+        sub_group_mb: float = NVME_SUB_GROUP_MB,
         axis: str = "dp",
         tracker: MemoryTracker | None = None,
         scaler: DynamicLossScaler | None = None,
@@ -126,7 +126,7 @@ class ZeroEngine:
         ]
         names = tuple(self.optimizer.state_names)
         if offload == "nvme":  # a sub-group: master + states, 4 bytes each per element
-            sub_group = max(1, int(sub_group_mb * 2**20) // (4 + 4 * len(names)))
+            sub_group = nvme_sub_group(sub_group_mb, len(names))
             rank = self.comm.mesh.rank
             return NvmeStates(masters, names, directory, rank, sub_group, self.memory)
         return ResidentStates(masters, names, offload, self.device, alias, self.memory)

@@ -19,6 +19,16 @@ from torch import nn
 
 from plait.models.init import parameter_names
 
+NVME_SUB_GROUP_MB = 64.0
+"""Default size of an NVMe offload sub-group: master weights and states streamed together."""
+MAX_INFLIGHT_BUCKETS = 2
+"""Stages 2-3: transient gradient buckets in flight at once (see zero/reducer.py)."""
+
+
+def nvme_sub_group(sub_group_mb: float, n_states: int) -> int:
+    """Elements per NVMe sub-group: `sub_group_mb` MiB over the fp32 master and the states."""
+    return max(1, int(sub_group_mb * 2**20) // (4 + 4 * n_states))
+
 
 @dataclass(frozen=True)
 class Piece:
@@ -88,6 +98,26 @@ def padded_size(numel: int, multiple: int) -> int:
     return -(-numel // multiple) * multiple
 
 
+def bucket_runs(nbytes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
+    """Indices of items of `nbytes` bytes each, in reverse order, in runs of at most
+    `bucket_bytes` (an item larger than the cap gets a run of its own).
+
+    Pure arithmetic on sizes, so the memory estimator (`plait.estimate`) forms the same
+    buckets as the engine without a model."""
+    runs: list[list[int]] = []
+    current: list[int] = []
+    size = 0
+    for i in reversed(range(len(nbytes))):
+        if current and size + nbytes[i] > bucket_bytes:
+            runs.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += nbytes[i]
+    if current:
+        runs.append(current)
+    return runs
+
+
 def assign_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
     """Group parameters, in reverse order, into runs of at most `bucket_bytes` each.
 
@@ -98,19 +128,8 @@ def assign_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[n
     A parameter larger than the cap gets a bucket of its own: never split, so each gradient
     stays one view (as torch DDP does).
     """
-    groups: list[list[nn.Parameter]] = []
-    current: list[nn.Parameter] = []
-    size = 0
-    for p in reversed(params):
-        nbytes = p.numel() * p.element_size()
-        if current and size + nbytes > bucket_bytes:
-            groups.append(current)
-            current, size = [], 0
-        current.append(p)
-        size += nbytes
-    if current:
-        groups.append(current)
-    return groups
+    sizes = [p.numel() * p.element_size() for p in params]
+    return [[params[i] for i in run] for run in bucket_runs(sizes, bucket_bytes)]
 
 
 def block_units(model: nn.Module) -> list[list[nn.Parameter]]:

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from plait.comm import Comm, Handle
 from plait.memory_tracker import MemoryTracker
-from plait.parallel.zero.layout import FlatGroup
+from plait.parallel.zero.layout import MAX_INFLIGHT_BUCKETS, FlatGroup
 
 
 class GradReducer:
@@ -47,7 +47,7 @@ class GradReducer:
         device: torch.device,
         tracker: MemoryTracker,
         on_group_done: Callable[[int], None] | None = None,
-        max_inflight: int = 2,
+        max_inflight: int = MAX_INFLIGHT_BUCKETS,
     ) -> None:
         self.groups, self.comm, self.axis, self.stage = groups, comm, axis, stage
         self.dtype, self.device, self.tracker = dtype, device, tracker

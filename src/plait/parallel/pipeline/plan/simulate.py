@@ -17,7 +17,7 @@ before the makespan).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -124,9 +124,27 @@ def measure(timings: Sequence[TimedAction], p: int) -> tuple[Time, tuple[Time, .
 
 def _peak_in_flight(actions: Sequence[Action]) -> int:
     """Most forwards done whose backward is not: the activations a rank must keep."""
+    return int(peak_held(actions))
+
+
+def peak_held(
+    actions: Sequence[Action],
+    weight: Callable[[int], Time] = lambda chunk: 1,
+    until_w: bool = False,
+) -> Time:
+    """Most activations a rank holds at once, each F adding `weight(chunk)` until its B
+    (or, `until_w`, its W: a split backward keeps the graph for the weight gradients).
+
+    With unit weights this is the number of (micro-batch, chunk) pairs in flight; with each
+    chunk's activation bytes it is the peak the memory estimator reports (`plait.estimate`).
+    """
+    done = Kind.W if until_w else Kind.B
     held = peak = 0
     for a in actions:
-        held += {Kind.F: 1, Kind.B: -1}.get(a.kind, 0)
+        if a.kind is Kind.F:
+            held += weight(a.chunk)
+        elif a.kind is done:
+            held -= weight(a.chunk)
         peak = max(peak, held)
     return peak
 

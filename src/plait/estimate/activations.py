@@ -1,0 +1,115 @@
+"""Activation bytes per micro-batch: what autograd saves for backward, site by site.
+
+Korthikanti et al. (2022, section 4.1) count the tensors each site of a block saves; this
+file does the same for the sites *plait's* model has, with the kernels it runs, so that the
+figure matches what the memory tracker measures (saved-for-backward bytes). Symbols: b
+micro-batch, s sequence, h hidden, a heads, f MLP hidden, t tensor-parallel ranks, e bytes
+of the compute dtype; H = sbh, Hr = H/t under sequence parallelism (else H), Hc = H/t,
+F = sbf/t, A = b(a/t)s².
+
+Per block, no recomputation:
+  each norm (2):   LayerNorm Hr·e + 2(bs/t_sp)·e (input, mean, rstd);
+                   RMSNorm  Hr·4 + (bs/t_sp)·4 + Hr·e (fp32 input, 1/rms, normalized)
+  Linear inputs:   2·H·e (after each norm; all-gathered under SP, so never /t)
+  q, k, v:         3·Hc·e (k, v repeated to a/t heads under grouped-query attention)
+  attention core:  fused (dropout 0): b(a/t)s·4 (log-sum-exp);
+                   explicit (dropout > 0): s² (causal mask) + A·(4 + 1 + e) (fp32 softmax,
+                   dropout mask, dropped probabilities)  -- Korthikanti's 5as²b
+  RoPE:            2·s·(h/a)·4 (cos, sin)
+  out projection:  Hc·e
+  MLP:             GELU 2·F·e; SwiGLU 4·F·e
+  dropout masks:   2·Hr bytes (when dropout > 0)
+Selective recomputation keeps q, k, v and drops the core's own tensors; full keeps the
+block input Hr·e only. The embedding, final norm, head and loss add their own (`extras`).
+Plait saves the all-gathered Linear inputs under SP where Megatron re-gathers them, and its
+fused attention has no s² term without dropout: both differ from the paper's 34sbh + 5as²b.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from plait.models.config import ModelConfig
+
+INDEX = 8  # int64 token ids and positions
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One micro-batch on one rank: the symbols of the module docstring."""
+
+    b: int
+    s: int
+    t: int
+    sp: bool
+    e: int  # bytes of the compute dtype
+
+    def res(self, cfg: ModelConfig) -> int:
+        """Hr: residual-stream elements (sequence-sharded under SP)."""
+        return self.b * self.s * cfg.d_model // (self.t if self.sp else 1)
+
+    def rows(self) -> int:
+        """Tokens of the residual stream on this rank (bs, or bs/t under SP)."""
+        return self.b * self.s // (self.t if self.sp else 1)
+
+
+def norm_bytes(cfg: ModelConfig, x: Shape) -> int:
+    """One norm's saved tensors (LayerNorm on CPU keeps its statistics in the dtype)."""
+    if cfg.norm == "layernorm":
+        return x.res(cfg) * x.e + 2 * x.rows() * x.e
+    return x.res(cfg) * 4 + x.rows() * 4 + x.res(cfg) * x.e
+
+
+def core_bytes(cfg: ModelConfig, x: Shape, recompute: str) -> int:
+    """The attention core's own tensors (beyond q, k, v and its output)."""
+    if recompute == "selective":
+        return 0
+    heads = cfg.n_heads // x.t
+    if cfg.dropout == 0.0:
+        return x.b * heads * x.s * 4
+    scores = x.b * heads * x.s * x.s
+    return x.s * x.s + scores * (4 + 1 + x.e)
+
+
+def layer_bytes(cfg: ModelConfig, x: Shape, recompute: str) -> int:
+    """Saved bytes of one transformer block for one micro-batch."""
+    if recompute == "full":
+        return x.res(cfg) * x.e
+    full = x.b * x.s * cfg.d_model
+    col = full // x.t
+    mlp = x.b * x.s * cfg.ffn_dim // x.t
+    total = 2 * norm_bytes(cfg, x) + 2 * full * x.e + 3 * col * x.e + col * x.e
+    total += core_bytes(cfg, x, recompute)
+    if cfg.pos == "rope":
+        total += 2 * x.s * cfg.head_dim * 4
+    total += (4 if cfg.mlp == "swiglu" else 2) * mlp * x.e
+    if cfg.dropout > 0.0:
+        total += 2 * x.res(cfg)
+    return total
+
+
+def received_input_bytes(cfg: ModelConfig, x: Shape, recompute: str) -> int:
+    """What a non-first pipeline stage would save of its received input, which the tracker
+    counts as a receive buffer instead (a leaf): LayerNorm's input, RMSNorm's fp32 input
+    when the dtype is fp32, or the checkpointed block's input."""
+    if recompute == "full" or cfg.norm == "layernorm" or x.e == 4:
+        return x.res(cfg) * x.e
+    return 0
+
+
+def embedding_bytes(cfg: ModelConfig, x: Shape) -> int:
+    """The first stage: token ids (tp: local ids and the foreign mask), positions, dropout."""
+    bs = x.b * x.s
+    total = bs * INDEX + (bs if x.t > 1 else 0)
+    if cfg.pos == "learned":
+        total += x.s // (x.t if x.sp else 1) * INDEX
+    if cfg.dropout > 0.0:
+        total += x.res(cfg)
+    return total
+
+
+def head_bytes(cfg: ModelConfig, x: Shape, vocab_local: int) -> int:
+    """The last stage: final norm, head input, fp32 (log-)softmax of the logits, targets."""
+    bs = x.b * x.s
+    total = norm_bytes(cfg, x) + bs * cfg.d_model * x.e + bs * vocab_local * 4 + bs * INDEX
+    return total + (bs if x.t > 1 else 4)  # tp: the 'mine' mask; else NLL's total weight

@@ -1,0 +1,79 @@
+"""Communication buffers: what exists only while data moves.
+
+- ZeRO-2/3 gradient buckets: full-size reduction buffers in the reduction dtype, allocated
+  when a bucket's first gradient arrives and freed once its reduce-scatter is done; at most
+  `MAX_INFLIGHT_BUCKETS` in flight plus the one filling (`zero/reducer.py`). Stages 0-1 keep
+  their buckets as the gradients themselves, so they add nothing here.
+- ZeRO-3 gathered layers: the root unit (embedding, final norm, head) stays gathered for the
+  whole forward, with the current block and the prefetched next one (`zero/params.py`).
+- Pipeline receive buffers: each received stage input lives until its backward (the
+  schedule's in-flight count on non-first chunks), plus one received output gradient. The
+  memory tracker does not see these (they are plain tensors of the runtime); they are part of
+  the estimate, and of the allocator's peak on CUDA.
+"""
+
+from __future__ import annotations
+
+from plait.config import Config
+from plait.estimate.lines import Line
+from plait.estimate.states import Precision, States
+from plait.parallel.pipeline.plan.actions import Schedule
+from plait.parallel.pipeline.plan.simulate import peak_held
+from plait.parallel.pipeline.plan.stages import StagePlan
+from plait.parallel.zero.layout import MAX_INFLIGHT_BUCKETS
+
+
+def zero_buffers(
+    stage: int, groups: list[tuple[int, int]], prec: Precision
+) -> tuple[int, int, int]:
+    """(gradient bucket bytes, ZeRO-3 gathered bytes) at their own peaks, and what is
+    alive when the activations peak (the backward's start: the gathered layers and the
+    first bucket filling; stage 2 has launched no bucket yet)."""
+    padded = [p for _, p in groups]
+    if stage < 2 or not padded:
+        return 0, 0, 0
+    largest = sorted(padded, reverse=True)
+    buckets = sum(largest[: MAX_INFLIGHT_BUCKETS + 1]) * prec.reduce
+    if stage < 3:
+        return buckets, 0, 0
+    root, blocks = padded[-1], sorted(padded[:-1], reverse=True)
+    gathered = (root + sum(blocks[:2])) * prec.param
+    return buckets, gathered, gathered + largest[0] * prec.reduce
+
+
+def receive_buffers(
+    cfg: Config, plans: list[StagePlan], schedule: Schedule | None, rank: int, prec: Precision
+) -> int:
+    """Received stage inputs held until their backward, plus one received gradient."""
+    if schedule is None:
+        return 0
+    t, par = cfg.train, cfg.parallel
+    seq = t.seq_len // (par.tp if par.sequence_parallel else 1)
+    one = t.micro_batch * seq * cfg.model.d_model * prec.param
+    inputs = peak_held(schedule.ranks[rank], lambda c: 0 if plans[c].first else one)
+    grads = one if not all(p.last for p in plans) else 0
+    return int(inputs) + grads
+
+
+def buffer_lines(
+    cfg: Config,
+    states: States,
+    plans: list[StagePlan],
+    schedule: Schedule | None,
+    rank: int,
+    prec: Precision,
+) -> list[Line]:
+    """The 'comm_buffers' line (what the memory tracker registers) and the
+    'pipeline_buffers' line (receive buffers, which it does not)."""
+    buckets, gathered, _ = zero_buffers(cfg.parallel.zero, states.groups, prec)
+    parts = []
+    if buckets:
+        parts.append(f"{MAX_INFLIGHT_BUCKETS + 1} largest buckets {buckets:,} B")
+    if gathered:
+        parts.append(f"ZeRO-3 root + 2 largest blocks gathered {gathered:,} B")
+    recv = receive_buffers(cfg, plans, schedule, rank, prec)
+    why = "stage inputs held until their backward + 1 gradient" if recv else "none"
+    return [
+        Line("comm_buffers", buckets + gathered, formula="; ".join(parts) or "none"),
+        Line("pipeline_buffers", recv, formula=why),
+    ]

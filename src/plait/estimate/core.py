@@ -1,0 +1,150 @@
+"""`estimate(cfg) -> Estimate`: every byte one rank of each pipeline stage holds, predicted.
+
+Pure: the parameters are counted from the config (`params.py`), the flat groups formed as the
+ZeRO engine forms them (`states.py`), activations summed site by site (`activations.py`) and
+multiplied by what the pipeline schedule keeps in flight (the plan's `peak_held`), buffers
+from the engine's limits (`buffers.py`). No process, no tensor, no model: a planner can call
+it for thousands of layouts.
+
+Ranks of one pipeline stage differ only in which shard they hold, not in its size (tp shards
+and ZeRO shards are equal, padding included), so one `RankEstimate` per stage is the most
+loaded rank of that stage.
+"""
+
+from __future__ import annotations
+
+from plait.config import Config
+from plait.estimate import activations as act
+from plait.estimate.buffers import buffer_lines, zero_buffers
+from plait.estimate.formulas import (
+    mixed_precision_adam_bytes,
+    sixteen_bit_finetune_bytes,
+    zero_model_state_bytes,
+)
+from plait.estimate.lines import LESSON_ORDER, PLACES, Estimate, Line, RankEstimate
+from plait.estimate.params import padded_vocab, rank_params, total_parameters
+from plait.estimate.states import ADAM_STATES, FP32, Precision, States, model_states
+from plait.parallel.pipeline.plan.actions import Schedule
+from plait.parallel.pipeline.plan.schedules import build_schedule
+from plait.parallel.pipeline.plan.simulate import peak_held
+from plait.parallel.pipeline.plan.stages import StagePlan, rank_plans
+
+
+def estimate(cfg: Config) -> Estimate:
+    """Memory per rank of every pipeline stage for `cfg` (validated by the caller)."""
+    par, m = cfg.parallel, cfg.model
+    sizes = par.stage_layer_counts()
+    schedule = _schedule(cfg)
+    ranks = tuple(
+        _rank(cfg, r, rank_plans(m.n_layers, par.pp, par.virtual_stages, r, sizes), schedule)
+        for r in range(par.pp)
+    )
+    return Estimate(total_parameters(m), ranks, _reference(cfg))
+
+
+def _schedule(cfg: Config) -> Schedule | None:
+    par = cfg.parallel
+    if par.pp == 1:
+        return None
+    name = "1f1b" if par.two_bw else par.schedule  # 2BW streams 1F1B's order
+    return build_schedule(name, par.pp, cfg.accumulation, par.virtual_stages)
+
+
+def _shape(cfg: Config) -> act.Shape:
+    par, t = cfg.parallel, cfg.train
+    e = Precision.of(par.precision, par.reduce_dtype).param
+    return act.Shape(t.micro_batch, t.seq_len, par.tp, par.sequence_parallel, e)
+
+
+def chunk_activation_bytes(cfg: Config, plan: StagePlan) -> int:
+    """One micro-batch's saved bytes on one chunk (a pipeline stage's layers and ends)."""
+    m, x, mode = cfg.model, _shape(cfg), cfg.parallel.recompute
+    total = len(plan.layers) * act.layer_bytes(m, x, mode)
+    if plan.first:
+        total += act.embedding_bytes(m, x)
+    else:
+        total -= act.received_input_bytes(m, x, mode)
+    if plan.last:
+        total += act.head_bytes(m, x, padded_vocab(m, x.t) // x.t)
+    return total
+
+
+def _rank(cfg: Config, r: int, plans: list[StagePlan], schedule: Schedule | None) -> RankEstimate:
+    par = cfg.parallel
+    prec = Precision.of(par.precision, par.reduce_dtype)
+    params = rank_params(cfg.model, par.tp, plans)
+    states = model_states(params, par.zero, par.dp, prec, par.offload, par.bucket_mb)
+    if par.two_bw:  # two weight versions, plain fp32 Adam (WeightVersions)
+        states = _two_bw_states(states)
+    chunk = [chunk_activation_bytes(cfg, plan) for plan in plans]
+    if schedule is None:
+        held, in_flight = chunk[0], 1
+    else:
+        actions = schedule.ranks[r]
+        held = int(peak_held(actions, lambda c: chunk[c], schedule.split_backward))
+        in_flight = int(peak_held(actions))
+    lines = [*_state_lines(states, cfg, prec), _activation_line(cfg, plans, chunk, held, in_flight)]
+    lines += buffer_lines(cfg, states, plans, schedule, r, prec)
+    layers = tuple(i for plan in plans for i in plan.layers)
+    at_peak = zero_buffers(par.zero, states.groups, prec)[2]
+    held_params = sum(p.numel for p in params)
+    return RankEstimate(r, layers, held_params, in_flight, tuple(lines), at_peak)
+
+
+def _two_bw_states(states: States) -> States:
+    """PipeDream-2BW keeps a second fp32 weight version; its gradients and moments as DP."""
+    params = states.bytes.get("parameters", {}).get("device", 0)
+    states.add("parameters", "device", params)
+    return states
+
+
+def _state_lines(states: States, cfg: Config, prec: Precision) -> list[Line]:
+    par = cfg.parallel
+    n, stage = par.dp, par.zero
+    full = sum(padded for _, padded in states.groups)
+    shard = full if stage == 0 else full // n
+    why = {
+        "parameters": f"{shard if stage == 3 else full:,} el x {prec.param} B"
+        + (" (ZeRO-3: 1/N)" if stage == 3 else ""),
+        "gradients": f"{full if stage <= 1 else shard:,} el x {prec.reduce} B"
+        + (" (ZeRO-2/3: 1/N)" if stage >= 2 else ""),
+        "master_weights": f"{shard:,} el x {FP32} B fp32 copy"
+        + ("" if prec.param != FP32 or par.offload != "none" else ": none, fp32 params are it"),
+        "optimizer_states": f"{ADAM_STATES} x {shard:,} el x {FP32} B (Adam moments"
+        + (", 1/N)" if stage >= 1 else ")"),
+    }
+    lines = []
+    for name in LESSON_ORDER[:4]:
+        per = states.bytes.get(name, {})
+        places = {p: per.get(p, 0) for p in PLACES}
+        lines.append(Line(name, **places, formula=why[name]))
+    return lines
+
+
+def _activation_line(
+    cfg: Config, plans: list[StagePlan], chunk: list[int], held: int, in_flight: int
+) -> Line:
+    x, mode = _shape(cfg), cfg.parallel.recompute
+    layer = act.layer_bytes(cfg.model, x, mode)
+    layers = sum(len(p.layers) for p in plans)
+    what = f"{layers} layers x {layer:,} B/layer (recompute {mode}) + ends"
+    if len(plans) > 1 or in_flight > 1:
+        what += f"; {in_flight} micro-batch chunks in flight (schedule {cfg.parallel.schedule})"
+    return Line("activations", held, formula=what)
+
+
+def _reference(cfg: Config) -> dict[str, float]:
+    """Single-GPU and ZeRO closed forms for this model at this dp (no tp, no pp)."""
+    psi, par = total_parameters(cfg.model), cfg.parallel
+    prec = Precision.of(par.precision, par.reduce_dtype)
+    optim = ADAM_STATES * FP32 + (FP32 if prec.param != FP32 else 0)
+    zero = {
+        f"zero{s}_per_rank": zero_model_state_bytes(s, psi, par.dp, prec.param, prec.reduce, optim)
+        for s in range(4)
+    }
+    return {
+        "psi": psi,
+        "mixed_precision_adam_16psi": mixed_precision_adam_bytes(psi),
+        "bf16_finetune_12psi": sixteen_bit_finetune_bytes(psi),
+        **zero,
+    }

@@ -1,0 +1,77 @@
+"""What an estimate is: lines (one per memory term, with its formula) per rank, per stage."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+PLACES = ("device", "host", "disk")
+LESSON_ORDER = (
+    "parameters",
+    "gradients",
+    "master_weights",
+    "optimizer_states",
+    "activations",
+    "comm_buffers",
+    "pipeline_buffers",
+)
+
+
+@dataclass(frozen=True)
+class Line:
+    """One term of a rank's memory: bytes by place and the formula that gives them."""
+
+    name: str
+    device: int
+    host: int = 0
+    disk: int = 0
+    formula: str = ""
+
+    def at(self, place: str) -> int:
+        return getattr(self, place)
+
+
+@dataclass(frozen=True)
+class RankEstimate:
+    """The memory of one rank of pipeline stage `pp_rank` (any dp and tp coordinate)."""
+
+    pp_rank: int
+    layers: tuple[int, ...]
+    parameters_held: int  # elements of this rank's parameters (its tp shard, its stages)
+    in_flight: int  # (micro-batch, chunk) activations held at once, from the schedule
+    lines: tuple[Line, ...]
+    buffers_at_peak: int = 0  # comm buffers alive when the activations peak
+
+    def line(self, name: str) -> Line:
+        return next(x for x in self.lines if x.name == name)
+
+    def total(self, place: str = "device") -> int:
+        """The peak of the sum, not the sum of the peaks: activations peak at the end of the
+        forward, the gradient buckets later, in a backward that frees activations; the
+        device total takes the larger of the two moments."""
+        if place != "device":
+            return sum(x.at(place) for x in self.lines)
+        act, comm = self.line("activations").device, self.line("comm_buffers").device
+        moments = max(act + self.buffers_at_peak, comm)
+        return self.model_states() + moments + self.line("pipeline_buffers").device
+
+    def model_states(self, place: str = "device") -> int:
+        return sum(self.line(n).at(place) for n in LESSON_ORDER[:4])
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Per-stage estimates plus the single-GPU and ZeRO reference figures for this model."""
+
+    psi: int
+    ranks: tuple[RankEstimate, ...]
+    reference: dict[str, float]
+
+    @property
+    def most_loaded(self) -> RankEstimate:
+        return max(self.ranks, key=lambda r: r.total())
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        for rank, r in zip(out["ranks"], self.ranks, strict=True):
+            rank["total"] = {p: r.total(p) for p in PLACES}
+        return out

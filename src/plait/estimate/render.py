@@ -1,0 +1,49 @@
+"""`plait estimate` output: a rich table per pipeline stage, or JSON for machines."""
+
+from __future__ import annotations
+
+import json
+
+from rich.console import Console
+from rich.table import Table
+
+from plait.estimate.lines import PLACES, Estimate, RankEstimate
+
+
+def gib(n: float) -> str:
+    """Bytes as GiB for people (exact bytes are in --json)."""
+    return f"{n / 2**30:,.3f} GiB" if n >= 2**20 else f"{n / 2**10:,.1f} KiB" if n else "-"
+
+
+def rank_table(r: RankEstimate, pp: int) -> Table:
+    layers = f"layers {r.layers[0]}-{r.layers[-1]}" if r.layers else "no layers"
+    title = f"pipeline stage {r.pp_rank} of {pp} ({layers}), any dp/tp rank"
+    table = Table(title=title, title_justify="left")
+    for col in ("term", *PLACES, "formula"):
+        table.add_column(col, justify="right" if col in PLACES else "left")
+    for line in r.lines:
+        table.add_row(line.name, *(gib(line.at(p)) for p in PLACES), line.formula)
+    why = "states + max(activations + buffers then alive, comm buffers) + pipeline buffers"
+    totals = (gib(r.total(p)) for p in PLACES)
+    table.add_row("total", *totals, why, style="bold")
+    return table
+
+
+def print_estimate(est: Estimate, console: Console) -> None:
+    for r in est.ranks:
+        console.print(rank_table(r, len(est.ranks)))
+    ref = est.reference
+    console.print(
+        f"Ψ = {est.psi:,} parameters. One GPU, mixed-precision Adam 16Ψ = "
+        f"{ref['mixed_precision_adam_16psi']:,} B ({gib(ref['mixed_precision_adam_16psi'])}); "
+        f"16-bit fine-tuning, no master copy, 12Ψ = {ref['bf16_finetune_12psi']:,} B "
+        f"({ref['bf16_finetune_12psi'] / 1e9:,.1f} GB)."
+    )
+    zero = ", ".join(f"stage {s} {gib(ref[f'zero{s}_per_rank'])}" for s in range(4))
+    console.print(f"ZeRO closed forms per rank at this dp and precision (no tp/pp): {zero}.")
+    worst = est.most_loaded
+    console.print(f"Most loaded: stage {worst.pp_rank}, {gib(worst.total())} on the device.")
+
+
+def print_json(est: Estimate) -> None:
+    print(json.dumps(est.to_dict(), indent=2))

@@ -1,0 +1,100 @@
+"""Estimate vs measurement: run a layout for real, read the memory tracker, compare.
+
+Shared by tests/test_estimate_measured.py (a representative subset) and
+benchmarks/bench_memory.py (the whole table of docs/memory.md). `measure` runs on every rank
+of a harness world; `compare` lines its result up with `plait.estimate` for that rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from plait.config import Config, build_config
+from plait.device import peak_allocated_bytes
+from plait.estimate import Estimate, RankEstimate
+from plait.memory_tracker import MODEL_STATES, PLACES
+from plait.mesh import build_mesh
+from plait.train import Trainer
+from reference import corpus_for
+
+MB, SEQ = 2, 64
+
+
+@dataclass(frozen=True)
+class Case:
+    """One layout of the table: a name and the config overrides that make it."""
+
+    name: str
+    preset: str = "small-gpt"
+    parallel: dict[str, Any] = field(default_factory=dict)
+    model: dict[str, Any] = field(default_factory=dict)
+    accum: int = 2
+
+    @property
+    def world(self) -> int:
+        p = self.parallel
+        return p.get("dp", 1) * p.get("pp", 1) * p.get("tp", 1)
+
+    def config(self, offload_dir: str | None = None) -> Config:
+        par = {"bucket_mb": 0.25, "comm_timeout": 60, **self.parallel}
+        if par.get("offload") == "nvme":
+            par["offload_dir"] = offload_dir
+        dp = par.get("dp", 1)
+        train = {"micro_batch": MB, "global_batch": MB * self.accum * dp, "seq_len": SEQ}
+        train |= {"steps": 2, "progress": False, "eval_every": 0, "out": "/tmp/plait-unused"}
+        over = {"model": self.model, "parallel": par, "data": {"max_bytes": 300_000}}
+        cfg = build_config(self.preset, over | {"train": train})
+        cfg.validate(check_data=False)
+        return cfg
+
+
+def measure(case: Case, offload_dir: str | None = None) -> dict[str, Any]:
+    """This rank's memory in the second step (the first allocates lazily): model states by
+    category and place, the peak of saved activations, buffers and the total."""
+    cfg = case.config(offload_dir and str(Path(offload_dir) / "nvme"))
+    mesh = build_mesh(cfg.parallel.layout, torch.device("cpu"), 60)
+    trainer = Trainer(cfg, mesh, corpus_for(cfg))
+    tracker = trainer.zero.memory
+    trainer.train_step()
+    with tracker.activations():
+        trainer.train_step()
+    states = {c: {p: tracker.persistent(c, p) for p in PLACES} for c in MODEL_STATES}
+    out = {
+        "pp_rank": mesh.coord.pp,
+        "states": states,
+        "activations": tracker.peak("activations"),
+        "comm_buffers": tracker.peak("comm_buffers"),
+        "total": tracker.peak(),
+        "allocator_peak": peak_allocated_bytes(mesh.device),
+    }
+    trainer.close()
+    return out
+
+
+def compare(est: Estimate, measured: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """(estimate, measured) per compared term for the rank that was measured.
+
+    The total compares what the tracker sees: model states, activations and the ZeRO
+    buffers (pipeline receive buffers are plain runtime tensors it does not register)."""
+    rank = est.ranks[measured["pp_rank"]]
+    out = {}
+    for c in MODEL_STATES:
+        line = rank.line(c)
+        out[c] = (line.device + line.host + line.disk, sum(measured["states"][c].values()))
+    out["activations"] = (rank.line("activations").device, measured["activations"])
+    out["total"] = (rank.total() - untracked(rank), measured["total"])
+    return out
+
+
+def untracked(rank: RankEstimate) -> int:
+    """Estimated bytes the tracker cannot see (pipeline receive buffers)."""
+    return rank.line("pipeline_buffers").device
+
+
+def error(pair: tuple[int, int]) -> float:
+    est, meas = pair
+    return 0.0 if est == meas else (est - meas) / max(meas, 1)
