@@ -133,16 +133,20 @@ def launch(cfg: Config) -> None:
         worker(int(os.environ["RANK"]), cfg, env_world, local_world, None)
         return
     restarts = cfg.train.max_restarts
-    for start in range(restarts + 1):
-        os.environ[ATTEMPT_ENV] = str(start)  # workers inherit it: the summary counts restarts
-        try:
-            _run_world(cfg)
-            return
-        except WorkerFailure as failure:
-            if start == restarts:
-                raise
-            _say_restart(failure, start + 1, restarts, Path(cfg.train.out))
-            cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume="latest"))
+    try:
+        for start in range(restarts + 1):
+            os.environ[ATTEMPT_ENV] = str(start)  # workers inherit it: the summary counts them
+            try:
+                _run_world(cfg)
+                return
+            except WorkerFailure as failure:
+                if start == restarts:
+                    raise
+                _say_restart(failure, start + 1, restarts, Path(cfg.train.out))
+                train = dataclasses.replace(cfg.train, resume="latest")
+                cfg = dataclasses.replace(cfg, train=train)
+    finally:  # the launcher's own environment is as it was (a caller may launch again)
+        os.environ.pop(ATTEMPT_ENV, None)
 
 
 def _say_restart(failure: WorkerFailure, n: int, of: int, out: Path) -> None:

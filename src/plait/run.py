@@ -171,8 +171,8 @@ ATTEMPT_ENV = "PLAIT_ATTEMPT"
 
 
 def attempt() -> int:
-    """This world's start: the launcher's count, or torchrun's restart count under torchrun."""
-    return int(os.environ.get(ATTEMPT_ENV) or os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    """This world's start: torchrun's restart count under torchrun, else the launcher's."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or os.environ.get(ATTEMPT_ENV) or 0)
 
 
 def injected_fault(rank: int, step: int | str) -> None:
