@@ -102,8 +102,9 @@ def test_failure_on_one_rank_stops_all_with_its_traceback(tmp_path):
     assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2
 
 
-def _start(args: list[str], marker: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "plait.cli", "train", *TINY, *CONSTANT_LR, *args]
+def _start(args: list[str], marker: str, launcher: list[str] | None = None) -> subprocess.Popen:
+    cmd = (launcher or [sys.executable, "-m", "plait.cli"]) + ["train", *TINY, *CONSTANT_LR]
+    cmd += args
     return subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, marker: "1"}, start_new_session=True,
@@ -171,6 +172,20 @@ def test_a_second_signal_stops_at_once(tmp_path):
     for folder in (tmp_path / "checkpoints").glob("step-*"):  # any committed one is whole
         if store.committed(folder):
             store.verify(folder)
+
+
+def test_sigterm_to_torchrun_reaches_the_workers(tmp_path):
+    """torchrun passes a SIGTERM on to its workers: they finish the step and save, as under
+    plait's launcher; torchrun then reports the signal its own way (exit code 1)."""
+    marker = f"PLAIT_TEST_MARK_{uuid.uuid4().hex}"
+    torchrun = [*TORCHRUN, "--nproc-per-node", "2", "-m", "plait.cli"]
+    proc = _start(["--steps", "100000", "--out", str(tmp_path)], marker, torchrun)
+    err = _signal_after_rows(proc, tmp_path / "metrics.jsonl", lambda: proc.send_signal(15))
+    assert proc.returncode != 0
+    done = len(_losses(tmp_path))
+    assert f"plait: stopped by SIGTERM after step {done}; checkpoint " in err
+    store.verify(store.complete(tmp_path / "checkpoints" / f"step-{done}"))
+    assert _processes_with(marker) == []
 
 
 def test_torchrun_world_must_match_layout(tmp_path):
