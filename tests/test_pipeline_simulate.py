@@ -17,6 +17,7 @@ from plait.parallel.pipeline.plan.schedules import (
     build_schedule,
     gpipe,
     interleaved,
+    naive,
     one_f_one_b,
     two_bw,
     zb_h1,
@@ -32,6 +33,7 @@ def unit(v: int = 1) -> Costs:
 @pytest.mark.parametrize(
     ("schedule", "makespan", "bubble"),
     [
+        (naive(4, 8), 96, Fr(3, 4)),  # one stage busy at a time: (p-1)/p, makespan p·m·T
         (gpipe(4, 8), 33, Fr(3, 11)),  # (p-1)/(m+p-1), makespan (m+p-1)(T_F+T_B)
         (one_f_one_b(4, 8), 33, Fr(3, 11)),
         (interleaved(4, 8, 2), Fr(57, 2), Fr(3, 19)),  # bubble time 9 / v = 4.5 of 24 work
@@ -39,7 +41,7 @@ def unit(v: int = 1) -> Costs:
         (zb_h1(4, 8), 27, Fr(1, 9)),  # bubble time (p-1)(T_F+T_B-T_W) = 3 of 24 work
         (two_bw(4, 8), 57, Fr(3, 19)),  # one fill and drain for 2 steps: (p-1)/(2m+p-1)
     ],
-    ids=["gpipe", "1f1b", "interleaved-v2", "interleaved-v4", "zb-h1", "2bw"],
+    ids=["naive", "gpipe", "1f1b", "interleaved-v2", "interleaved-v4", "zb-h1", "2bw"],
 )
 def test_published_numbers(schedule, makespan, bubble):
     sim = simulate(schedule, unit(schedule.v))

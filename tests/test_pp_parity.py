@@ -40,6 +40,7 @@ def _id(case: dict) -> str:
 
 
 PP2 = [
+    dict(preset="tiny-gpt", schedule="naive", accum=2),
     dict(preset="tiny-gpt", schedule="gpipe", accum=4),
     dict(preset="tiny-gpt", schedule="1f1b", accum=4),
     dict(preset="tiny-llama", schedule="1f1b", accum=3),

@@ -15,10 +15,12 @@ from plait.parallel.pipeline.plan.schedules import (
     build_schedule,
     gpipe,
     interleaved,
+    naive,
     one_f_one_b,
     two_bw,
     zb_h1,
 )
+from plait.parallel.pipeline.plan.simulate import simulate
 from plait.parallel.pipeline.plan.validate import ScheduleError, validate
 
 
@@ -90,6 +92,13 @@ def test_1f1b_reads_as_warmup_steady_cooldown():
     assert compute_order(s, 3) == "F0.0 B0.0 F1.0 B1.0 F2.0 B2.0 F3.0 B3.0 F4.0 B4.0 F5.0 B5.0"
     assert str(s.ranks[3][0]) == "RECV_F0.0<2"
     assert s.ranks[0][-1].kind is Kind.STEP
+
+
+def test_naive_sends_each_microbatch_round_trip_before_the_next():
+    s = naive(3, 2)
+    for rank in range(3):
+        assert compute_order(s, rank) == "F0.0 B0.0 F1.0 B1.0"
+    assert simulate(s).peak_in_flight == (1, 1, 1)
 
 
 def test_gpipe_runs_all_forwards_first():
@@ -262,7 +271,7 @@ def test_2bw_version_errors():
         (lambda: two_bw(2, 2, steps=0), "steps must be a positive integer, got 0"),
         (
             lambda: build_schedule("pipedream", 2, 2),
-            "unknown schedule 'pipedream'; known: gpipe, 1f1b",
+            "unknown schedule 'pipedream'; known: naive, gpipe, 1f1b",
         ),
     ],
 )
@@ -274,4 +283,4 @@ def test_config_errors(call, message):
 def test_registry_is_read_only():
     with pytest.raises(TypeError):
         SCHEDULES["mine"] = gpipe  # type: ignore[index]
-    assert list(SCHEDULES) == ["gpipe", "1f1b", "interleaved", "zb-h1", "2bw"]
+    assert list(SCHEDULES) == ["naive", "gpipe", "1f1b", "interleaved", "zb-h1", "2bw"]

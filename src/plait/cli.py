@@ -80,7 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sched.add_argument("--pp", type=int, required=True, help="pipeline stages (ranks)")
     sched.add_argument("--microbatches", type=int, required=True, help="micro-batches per step")
-    sched.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved, zb-h1, 2bw")
+    sched.add_argument(
+        "--schedule", default="1f1b", help="naive, gpipe, 1f1b, interleaved, zb-h1, 2bw"
+    )
     sched.add_argument("--virtual-stages", type=int, default=1, help="chunks per rank (v)")
     sched.add_argument("--out", default=None, help="folder for the PNG chart and trace JSON")
     _add_checkpoint_commands(sub)

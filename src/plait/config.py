@@ -43,7 +43,8 @@ class ParallelConfig:
         default=False, metadata={"help": "tensor parallel: shard norms/dropout by sequence"}
     )
     schedule: str = field(
-        default="1f1b", metadata={"help": "pipeline schedule: gpipe, 1f1b, interleaved, zb-h1, 2bw"}
+        default="1f1b",
+        metadata={"help": "pipeline schedule: naive, gpipe, 1f1b, interleaved, zb-h1, 2bw"},
     )
     virtual_stages: int = field(
         default=1, metadata={"help": "model chunks per pipeline rank (interleaved schedule)"}

@@ -30,6 +30,8 @@ def unit_costs(schedule: Schedule) -> Costs:
 
 def formula(schedule: Schedule) -> str:
     """The published bubble formula under unit_costs, in the schedule's own terms."""
+    if schedule.name == "naive":
+        return "(p-1)/p"
     if schedule.name == "interleaved":
         return "(p-1)/(v·m+p-1)"
     if schedule.name == "zb-h1":

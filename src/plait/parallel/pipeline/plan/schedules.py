@@ -7,7 +7,8 @@ RECVs right before the compute that needs them (earlier where rendezvous sends n
 order the peer sends (see there why).
 `validate.validate` proves the result; tests run it over a grid of sizes.
 
-Papers: GPipe (Huang et al., 2019); 1F1B (PipeDream-Flush, Narayanan et al., 2021);
+Naive model parallelism is the baseline every course starts from. Papers: GPipe (Huang et
+al., 2019); 1F1B (PipeDream-Flush, Narayanan et al., 2021);
 interleaved 1F1B (Narayanan et al., "Efficient Large-Scale Language Model Training on GPU
 Clusters", 2021); ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", 2023); PipeDream-2BW
 (Narayanan et al., "Memory-Efficient Pipeline-Parallel DNN Training", 2021).
@@ -64,6 +65,18 @@ def gpipe(p: int, m: int, v: int = 1) -> Schedule:
         backwards = [Action(Kind.B, i) for i in range(m)]
         ranks.append([*forwards, *backwards, Action(Kind.STEP)])
     return _with_communication("gpipe", p, m, 1, ranks)
+
+
+def naive(p: int, m: int, v: int = 1) -> Schedule:
+    """Naive model parallelism: each micro-batch makes the whole round trip, forward through
+    every stage and backward through them again, before the next one starts; one stage works
+    at a time, so the bubble is (p-1)/p whatever m is. 1F1B without a warmup: the baseline the
+    pipelined schedules are measured against."""
+    _check_no_interleave("naive", p, m, v)
+    forwards = [Action(Kind.F, i) for i in range(m)]
+    backwards = [Action(Kind.B, i) for i in range(m)]
+    ranks = [[*_one_f_one_b(forwards, backwards, 0), Action(Kind.STEP)] for _ in range(p)]
+    return _with_communication("naive", p, m, 1, ranks)
 
 
 def one_f_one_b(p: int, m: int, v: int = 1) -> Schedule:
@@ -297,6 +310,7 @@ def _recv_for(s: Schedule, msg: Message, peer: int) -> Action:
 def _registry() -> Mapping[str, Builder]:
     return MappingProxyType(
         {
+            "naive": naive,
             "gpipe": gpipe,
             "1f1b": one_f_one_b,
             "interleaved": interleaved,

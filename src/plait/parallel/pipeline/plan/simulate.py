@@ -172,6 +172,7 @@ def predicted_bubble(schedule: Schedule, costs: Costs | None = None) -> Time | N
     """The published bubble fraction for this schedule, or None where no formula applies.
 
     With T = f + b + w (a whole forward and backward of one stage, one micro-batch):
+    naive: the pipe fills and drains for every micro-batch, m·(p-1)·T of m·T work: (p-1)/p.
     gpipe, 1f1b: bubble time (p-1)·T of m·T work, fraction (p-1)/(m+p-1).
     interleaved: (p-1)·T with T per chunk, i.e. the p-stage bubble divided by v, of v·m·T work.
     zb-h1: (p-1)·(f + b - w) of m·T work (Qi et al., 2023).
@@ -183,7 +184,8 @@ def predicted_bubble(schedule: Schedule, costs: Costs | None = None) -> Time | N
         return None
     p, m, v = schedule.p, schedule.m, schedule.v
     t = costs.f + costs.b + costs.w
-    bubble = (p - 1) * (costs.f + costs.b - costs.w if schedule.split_backward else t)
+    fills = m if schedule.name == "naive" else 1
+    bubble = fills * (p - 1) * (costs.f + costs.b - costs.w if schedule.split_backward else t)
     work = schedule.steps * m * v * t
     return _ratio(bubble, work + bubble)
 
