@@ -239,6 +239,40 @@ class Comm:
         work = dist.broadcast(t, src=global_src, group=self.mesh.group(axis), async_op=True)
         self._finish(work, "broadcast", axis, t, None, False)
 
+    # -- to and from one rank (the naive data parallelism a course starts from) -----------
+    def scatter(self, out: torch.Tensor, whole: torch.Tensor | None, axis: str, src: int = 0):
+        """Axis-rank `src` splits `whole` along dim 0 and sends each rank its part (`out`)."""
+        self._rooted("scatter", dist.scatter, out, whole, axis, src, "scatter_list")
+
+    def gather(self, whole: torch.Tensor | None, inp: torch.Tensor, axis: str, dst: int = 0):
+        """Every rank's `inp`, concatenated along dim 0 into `whole` on axis-rank `dst`."""
+        self._rooted("gather", dist.gather, inp, whole, axis, dst, "gather_list")
+
+    def reduce(self, t: torch.Tensor, axis: str, dst: int = 0, tag: str = "") -> None:
+        """Sum `t` over `axis` into axis-rank `dst`'s `t` (the others' `t` is left undefined)."""
+        if self.mesh.size(axis) == 1:
+            return
+        self.stats.record("reduce", axis, t, tag)
+        root, group = self.mesh.ranks(axis)[dst], self.mesh.group(axis)
+        work = dist.reduce(t, dst=root, group=group, async_op=True)
+        self._finish(work, "reduce", axis, t, None, False)
+
+    def _rooted(self, op: str, fn, mine, whole, axis: str, root: int, list_arg: str) -> None:
+        """scatter or gather: `whole` (n parts along dim 0) lives on axis-rank `root` only.
+        Counted as the whole tensor's bytes on every rank, as all_gather counts its output."""
+        n = self.mesh.size(axis)
+        if n == 1:
+            (whole.copy_(mine) if op == "gather" else mine.copy_(whole))
+            return
+        self.stats.record(
+            op, axis, torch.empty((n, *mine.shape), dtype=mine.dtype, device="meta"), ""
+        )
+        ranks, group = self.mesh.ranks(axis), self.mesh.group(axis)
+        parts = list(whole.chunk(n)) if self.mesh.axis_rank(axis) == root else None
+        kw = {list_arg: parts, ("src" if op == "scatter" else "dst"): ranks[root]}
+        work = fn(mine, group=group, async_op=True, **kw)
+        self._finish(work, op, axis, mine, None, False)  # parts are views: `whole` is filled
+
     def p2p(
         self, ops: list[tuple[str, torch.Tensor, int]], axis: str = "pp", tag: str = ""
     ) -> P2PHandle:

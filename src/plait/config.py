@@ -19,6 +19,7 @@ from plait.errors import ConfigError
 from plait.models.config import ModelConfig
 from plait.models.presets import get_preset
 from plait.rules import (
+    check_dp_mode,
     check_pipeline,
     check_recompute,
     check_tensor_parallel,
@@ -41,6 +42,13 @@ class ParallelConfig:
     tp: int = field(default=1, metadata={"help": "tensor-parallel ranks (Megatron style)"})
     sequence_parallel: bool = field(
         default=False, metadata={"help": "tensor parallel: shard norms/dropout by sequence"}
+    )
+    dp_mode: str = field(
+        default="ddp",
+        metadata={
+            "help": "data parallelism: ddp (bucketed all-reduce overlapped with backward) or "
+            "naive (rank 0 scatters inputs, gathers logits, steps alone)"
+        },
     )
     schedule: str = field(
         default="1f1b",
@@ -315,6 +323,7 @@ def validate_config(cfg: Config, check_data: bool = True) -> None:
         par.stage_layer_counts(),
     )
     check_tensor_parallel(cfg.model, par.tp, par.sequence_parallel, t.seq_len)
+    check_dp_mode(par.dp_mode, par.tp, par.pp, par.zero, par.precision, par.offload)
     check_zero(
         par.zero,
         par.offload,

@@ -112,3 +112,18 @@ def check_zero(
             f"on the ZeRO engine (got zero={stage}, precision={precision}, "
             f"offload={offload}; use zero=0, fp32 and no offload)"
         )
+
+
+DP_MODES = ("ddp", "naive")
+
+
+def check_dp_mode(mode: str, tp: int, pp: int, zero: int, precision: str, offload: str) -> None:
+    """Naive data parallelism is the course's baseline: plain replicas, fp32, nothing else."""
+    if mode not in DP_MODES:
+        raise ConfigError(f"dp_mode must be one of {', '.join(DP_MODES)}; got {mode!r}")
+    if mode == "naive" and (tp, pp, zero, precision, offload) != (1, 1, 0, "fp32", "none"):
+        raise ConfigError(
+            f"dp_mode naive is plain data parallelism with one coordinator: it needs tp=1, "
+            f"pp=1, zero=0, precision fp32 and no offload; got tp={tp}, pp={pp}, zero={zero}, "
+            f"precision={precision}, offload={offload}"
+        )

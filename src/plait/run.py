@@ -40,8 +40,9 @@ def _row(r: StepResult, trainer: Trainer, flops_per_token: int, peak: float | No
     }
     if peak:
         row["mfu"] = flops / (peak * trainer.mesh.world_size)
-    if trainer.zero:  # ZeRO engine: what this rank holds, and fp16's scale
-        row["model_state_bytes"] = trainer.zero.memory.model_state_bytes()
+    if trainer.engine.memory:  # what this rank holds
+        row["model_state_bytes"] = trainer.engine.memory.model_state_bytes()
+    if trainer.zero:  # fp16's scale
         row["loss_scale"] = trainer.zero.loss_scale
         row["step_skipped"] = trainer.zero.last_step_skipped
     return row

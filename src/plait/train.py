@@ -30,6 +30,7 @@ from plait.models.config import ModelConfig
 from plait.models.init import init_parameters, initial_values, tie_all
 from plait.models.transformer import Transformer
 from plait.parallel.grads import SplitRules, tied_embedding_params
+from plait.parallel.naive_dp import Coordinator, ScatterGather
 from plait.parallel.optimizer_engine import OptimizerEngine
 from plait.parallel.pipeline.runtime.engine import PipelineEngine
 from plait.parallel.pipeline.runtime.two_bw import TwoBWStream
@@ -162,6 +163,9 @@ class Trainer:
             self.stream = TwoBWStream(self.pipeline, versions, self.batches, cfg.train.steps)
             return versions, self.stream
         apply_recompute(model, cfg.parallel.recompute)
+        if cfg.parallel.dp_mode == "naive":
+            coordinator = Coordinator(model, cfg.train, self.comm)
+            return coordinator, ScatterGather(model, coordinator, self.batches, self.comm)
         engine = _zero_engine(cfg, model, self.comm, self.pipeline is not None)
         if self.pipeline is None:
             return engine, Accumulate(model, engine, self.batches)

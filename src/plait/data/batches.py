@@ -61,12 +61,36 @@ class StepBatches:
 
     def draw(self, step: int) -> list[MicroBatch]:
         """Step `step`'s micro-batches; steps must be drawn in order (the sampler advances)."""
+        idx, keys = self._share(self._next(step), step, self.replica[0])
+        return [self._micro(self.corpus.train, i, k) for i, k in zip(idx, keys, strict=True)]
+
+    def draw_whole(self, step: int) -> list[MicroBatch]:
+        """Step `step`'s micro-batches of the whole global batch, for a rank that hands the
+        replicas their shares (naive data parallelism): micro-batch i holds every replica's
+        micro-batch i, replica after replica, so splitting it dp ways gives each replica
+        exactly what `draw` gives it. Every rank calls it, so the sampler advances alike."""
+        indices = self._next(step)
+        shares = [self._share(indices, step, r) for r in range(self.replica[1])]
+        return [
+            self._micro(
+                self.corpus.train,
+                torch.cat([idx[i] for idx, _ in shares]),
+                torch.cat([keys[i] for _, keys in shares]),
+            )
+            for i in range(len(shares[0][0]))
+        ]
+
+    def _next(self, step: int) -> Tensor:
+        """The next global batch, remembering where the sampler stood before it."""
         self._before = {k: v for k, v in self._before.items() if k >= step - 3}
         self._before[step] = self.sampler.state_dict()
-        share, positions = replica_share(self.sampler.next_batch(), *self.replica)
+        return self.sampler.next_batch()
+
+    def _share(self, indices: Tensor, step: int, dp_rank: int) -> tuple[list, list]:
+        """Replica `dp_rank`'s micro-batches of window indices and dropout keys."""
+        share, positions = replica_share(indices, dp_rank, self.replica[1])
         keys = sample_keys(self.seed, step, positions)
-        idx, keys = split_micro(share, self.micro_batch), split_micro(keys, self.micro_batch)
-        return [self._micro(self.corpus.train, i, k) for i, k in zip(idx, keys, strict=True)]
+        return split_micro(share, self.micro_batch), split_micro(keys, self.micro_batch)
 
     def position(self, step: int) -> dict[str, int]:
         """The sampler state a run resumed at `step` starts from: the state before step

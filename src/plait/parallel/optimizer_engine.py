@@ -6,7 +6,8 @@ object behind this surface:
 
 - `zero.engine.ZeroEngine` (stage 0 is plain data parallelism: one bucketed reduction path);
 - `pipeline.runtime.weight_versions.WeightVersions` (2BW: two weight versions, the update
-  one step late; its stream hands it each step's gradients at a consistent cut).
+  one step late; its stream hands it each step's gradients at a consistent cut);
+- `naive_dp.Coordinator` (naive data parallelism: rank 0 alone holds the optimizer).
 
 The runners call `micro_batch` and `scale_loss` while they run the micro-batches; the step
 calls the rest in the order listed.
@@ -18,6 +19,7 @@ from typing import Any, Protocol
 
 from torch import Tensor, nn
 
+from plait.memory_tracker import MemoryTracker
 from plait.parallel.grads import SplitRules
 from plait.precision import DynamicLossScaler
 
@@ -26,6 +28,7 @@ class OptimizerEngine(Protocol):
     """A rank's gradients and optimizer state, behind the calls of one step."""
 
     last_step_skipped: bool  # fp16: the last step overflowed and changed nothing
+    memory: MemoryTracker | None  # what this rank holds, by category (None: not tracked)
 
     @property
     def loss_scale(self) -> float: ...

@@ -37,9 +37,9 @@ from plait.comm import Comm
 from plait.config import TrainConfig
 from plait.models.transformer import Transformer
 from plait.optim import build_optimizer, set_lr
+from plait.parallel.adam_state import load_moments, whole_pieces
 from plait.parallel.grads import SplitRules
 from plait.parallel.recompute import apply_recompute
-from plait.parallel.zero.state_dict import ParamShardState
 
 
 def weights_of(step: int) -> int:
@@ -51,6 +51,7 @@ class WeightVersions:
     """Two copies of this rank's stages and the optimizer that steps between them."""
 
     last_step_skipped = False  # fp32 only: a step is never skipped
+    memory = None  # the 2BW tests measure its storages directly (`storages`)
     loss_scale = 1.0
 
     def __init__(self, model: Transformer, train: TrainConfig, comm: Comm, recompute: str) -> None:
@@ -170,20 +171,8 @@ class WeightVersions:
         moments. Micro-batches of step k already in flight are not state: a resumed stream
         runs them again on W(k-1), to the same bits."""
         newest, older = self.latest % 2, (self.latest - 1) % 2
-        pieces = []
-        for i, name in enumerate(self.names):
-            param = self.params[newest][i]
-            tensors = {
-                "master": param.detach().reshape(-1).clone(),
-                "previous": self.params[older][i].detach().reshape(-1).clone(),
-            }
-            moments = self.optimizer.state.get(self.shells[i], {})
-            for key in ("exp_avg", "exp_avg_sq"):
-                value = moments.get(key)
-                tensors[key] = (
-                    torch.zeros(param.numel()) if value is None else value.reshape(-1).clone()
-                )
-            pieces.append(ParamShardState(name, tuple(param.shape), 0, param.numel(), tensors))
+        extra = {"previous": self.params[older]}
+        pieces = whole_pieces(self.names, self.params[newest], self.optimizer, self.shells, extra)
         return {"step": self.latest, "loss_scaler": None, "pieces": pieces}
 
     @torch.no_grad()
@@ -193,15 +182,12 @@ class WeightVersions:
         as a run starts them: both copies hold the saved weights."""
         k = int(state["step"])
         newest, older = k % 2, (k - 1) % 2
-        for i, name in enumerate(self.names):
-            saved = state["params"][name]
-            self.params[newest][i].copy_(saved["master"])
-            self.params[older][i].copy_(saved.get("previous", saved["master"]))
-            shape, shell = self.params[newest][i].shape, self.shells[i]
-            self.optimizer.state[shell] = {"step": torch.tensor(float(k))} | {
-                key: saved[key].reshape(shape).to(shell.device, copy=True)
-                for key in ("exp_avg", "exp_avg_sq")
-            }
+        saved = [state["params"][name] for name in self.names]
+        for i, one in enumerate(saved):
+            self.params[newest][i].copy_(one["master"])
+            self.params[older][i].copy_(one.get("previous", one["master"]))
+        shapes = [p.shape for p in self.params[newest]]
+        load_moments(self.optimizer, list(self.shells), shapes, saved, k)
         self.held = [k, k - 1] if newest == 0 else [k - 1, k]
         self.latest = k
 
