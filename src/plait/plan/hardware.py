@@ -101,6 +101,7 @@ class Hardware:
     inter: Link
     precision: str = "bf16"  # the compute dtype the peak is for (the plan's precision)
     overlap: float = 1.0  # share of overlappable communication that hides behind compute
+    pass_overhead_s: float = 0.0  # fixed seconds per block (or head) per F, B or W pass
     note: str = ""
 
     @property
@@ -142,6 +143,7 @@ def from_dict(raw: dict[str, Any]) -> Hardware:
         inter=_link(raw["inter"], "inter"),
         precision=str(raw.get("precision", "bf16")),
         overlap=float(raw.get("overlap", 1.0)),
+        pass_overhead_s=float(raw.get("pass_overhead_s", 0.0)),
         note=str(raw.get("note", "")),
     )
 
@@ -157,6 +159,7 @@ def to_dict(hw: Hardware) -> dict[str, Any]:
         "host_bandwidth": hw.host_bandwidth,
         "disk_bandwidth": hw.disk_bandwidth,
         "overlap": hw.overlap,
+        "pass_overhead_s": hw.pass_overhead_s,
     }
     if hw.note:
         out["note"] = hw.note
