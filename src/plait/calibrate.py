@@ -83,9 +83,7 @@ def _flops(args: argparse.Namespace, comm: Comm) -> dict:
         x = torch.randint(0, cfg.vocab_size, (mb, args.seq_len))
         seconds.append(_median_time(partial(_forward_backward, model, x), args.repeats, barrier))
         tokens.append(x.numel())
-    (fixed, per_token), *_ = np.linalg.lstsq(
-        np.array([[1.0, t] for t in tokens]), np.array(seconds), rcond=None
-    )
+    fixed, per_token = _relative_lstsq([[1.0, t] for t in tokens], seconds)
     rate = matmul_flops_per_token(cfg, args.seq_len) / per_token
     passes = 3 * (cfg.n_layers + 1)  # F, B and W of every block and of the head
     return {"peak": peak, "achievable": rate / peak, "overhead": max(0.0, fixed) / passes}
@@ -168,17 +166,28 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
         dist.destroy_process_group()
 
 
+def _relative_lstsq(x: list[list[float]], y: list[float]) -> list[float]:
+    """Least squares of x·c = y in *relative* error (each row divided by its y), so the small
+    sizes, where latency dominates, count as much as the large ones; no coefficient < 0."""
+    a, b = np.array(x, dtype=float), np.array(y, dtype=float)
+    w = 1 / b
+    coef = np.linalg.lstsq(a * w[:, None], b * w, rcond=None)[0]
+    if coef.min() >= 0:
+        return [float(c) for c in coef]
+    keep = coef > 0  # drop the negative term and refit the rest
+    out = np.zeros_like(coef)
+    out[keep] = np.linalg.lstsq(a[:, keep] * w[:, None], b * w, rcond=None)[0]
+    return [float(max(c, 0.0)) for c in out]
+
+
 def fit(rows: list[tuple[str, int, int, float]]) -> OpCost:
-    """Least squares alpha, 1/beta of time = steps·alpha + bytes·factor/beta (alpha >= 0)."""
+    """alpha and beta of time = steps·alpha + bytes·factor/beta, fitted in relative error."""
     feats = []
     for op, n, nbytes, _ in rows:
         steps, factor = ring_steps_and_factor(op, n)
-        feats.append((steps, nbytes * factor))
-    x, y = np.array(feats, dtype=float), np.array([r[3] for r in rows])
-    (alpha, inv_beta), *_ = np.linalg.lstsq(x, y, rcond=None)
-    if alpha < 0:  # the bandwidth term alone
-        alpha, inv_beta = 0.0, float(np.linalg.lstsq(x[:, 1:], y, rcond=None)[0][0])
-    return OpCost(float(alpha), float(1 / max(inv_beta, 1e-30)))
+        feats.append([float(steps), nbytes * factor])
+    alpha, inv_beta = _relative_lstsq(feats, [r[3] for r in rows])
+    return OpCost(alpha, 1 / max(inv_beta, 1e-30))
 
 
 def profile_of(result: dict, world: int) -> Hardware:

@@ -5,13 +5,10 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from plait.estimate.render import gib
 from plait.plan.search import Dropped, Plan, Ranked
 
 TERMS = ("compute", "recompute", "tp", "bubble", "dp", "offload")
-
-
-def gib(n: float) -> str:
-    return f"{n / 2**30:,.2f} GiB"
 
 
 def seconds(s: float) -> str:
