@@ -25,7 +25,7 @@ norm), data loading; docs/planning.md says what that costs on the measured machi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from plait.config import Config
 from plait.estimate.states import ADAM_STATES, Precision
@@ -64,7 +64,7 @@ class StepTime:
     compute: float  # the busiest rank's model FLOPs at the achievable rate
     recompute: float  # what recomputation adds to it
     tp: float  # the busiest rank's tensor-parallel collectives
-    bubble: float  # pipeline idle time and exposed p2p (makespan - busy)
+    bubble: float  # pipeline idle time and p2p (makespan - compute - recompute - tp)
     dp: float  # exposed data-parallel / ZeRO traffic
     offload: float  # host (and disk) traffic of an offloaded optimizer
 
@@ -81,14 +81,16 @@ class ChunkCost:
     recompute: float
     tp_f: float
     tp_b: float
+    send_f: float = 0.0  # sending the activation on (where sends are not overlapped)
+    send_b: float = 0.0  # sending the input gradient back
 
     @property
     def f(self) -> float:
-        return self.flops + self.tp_f
+        return self.flops + self.tp_f + self.send_f
 
     @property
     def b(self) -> float:
-        return self.flops + self.tp_b + self.recompute
+        return self.flops + self.tp_b + self.recompute + self.send_b
 
     @property
     def w(self) -> float:
@@ -111,6 +113,16 @@ def chunk_cost(cfg: Config, hw: Hardware, links: Links, plan: StagePlan) -> Chun
     if par.recompute == "full":
         extra += hw.pass_overhead_s * len(plan.layers)
     return ChunkCost(tokens * per_token / rate + overhead, extra, tp_f, tp_b)
+
+
+def _sending(cost: ChunkCost, plan: StagePlan, busy: float) -> ChunkCost:
+    """A stage's sends keep it busy for `busy` seconds each where communication does not
+    overlap compute (gloo's sends run on the cores): F sends forward, B sends back."""
+    if not busy:
+        return cost
+    f = 0.0 if plan.last else busy
+    b = 0.0 if plan.first else busy
+    return replace(cost, send_f=f, send_b=b)
 
 
 def _all_plans(cfg: Config) -> list[list[StagePlan]]:
@@ -161,9 +173,14 @@ def step_time(
     par, m = cfg.parallel, cfg.accumulation
     links = Links.of(cfg, hw, gpus_per_node)
     plans = _all_plans(cfg)
-    by_stage = {plan.stage: chunk_cost(cfg, hw, links, plan) for ps in plans for plan in ps}
+    p2p = p2p_seconds(cfg, links.pp)
+    by_stage = {
+        plan.stage: _sending(chunk_cost(cfg, hw, links, plan), plan, (1 - hw.overlap) * p2p)
+        for ps in plans
+        for plan in ps
+    }
     costs = [by_stage[g] for g in range(par.pp * par.virtual_stages)]
-    span = makespan(cfg, costs, p2p_seconds(cfg, links.pp), memo, simulate)
+    span = makespan(cfg, costs, p2p, memo, simulate)
     busy = [[by_stage[plan.stage] for plan in ps] for ps in plans]
     worst = max(busy, key=lambda cs: sum(c.f + c.b + c.w for c in cs))
     compute = m * sum(3 * c.flops for c in worst)
