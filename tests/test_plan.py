@@ -266,3 +266,17 @@ def test_bad_input_names_the_numbers(extra, message, capsys):
     assert message in " ".join(err.split())
     if "nothing fits" in message:
         assert "the closest: dp" in err and "more than" in err
+
+
+def test_calibration_fit_recovers_alpha_and_beta():
+    from plait.calibrate import fit
+    from plait.plan.hardware import ring_steps_and_factor
+
+    rows = []
+    for op in ("all_reduce", "all_gather"):
+        for n in (2, 4):
+            for nbytes in (4096, 65536, 2**20, 2**24):
+                steps, factor = ring_steps_and_factor(op, n)
+                rows.append((op, n, nbytes, steps * 3e-4 + nbytes * factor / 2e9))
+    got = fit(rows)
+    assert got.alpha_s == pytest.approx(3e-4) and got.beta_bytes_per_s == pytest.approx(2e9)
