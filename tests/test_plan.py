@@ -280,3 +280,18 @@ def test_calibration_fit_recovers_alpha_and_beta():
                 rows.append((op, n, nbytes, steps * 3e-4 + nbytes * factor / 2e9))
     got = fit(rows)
     assert got.alpha_s == pytest.approx(3e-4) and got.beta_bytes_per_s == pytest.approx(2e9)
+
+
+def test_ranks_sharing_cores_work_through_the_bubble():
+    """pp2 with one micro-batch: half the step is bubble on dedicated devices; ranks that
+    share cores (contention 2) run twice as fast while the other stage waits."""
+    cfg = _cfg("small-gpt", pp=2, schedule="gpipe", global_batch=2, micro_batch=2)
+    own, shared = _hw(beta=1e30), _hw(beta=1e30, contention=2.0)  # free p2p
+    alone = step_time(cfg, own, 8, Memo())
+    pooled = step_time(cfg, shared, 8, Memo())
+    links = Links.of(cfg, own, 8)
+    costs = [chunk_cost(cfg, own, links, plan) for plan in _plans(cfg)]
+    work = [c.f + c.b + c.w for c in costs]
+    assert alone.total == pytest.approx(sum(work))  # F0 F1 B1 B0 in series
+    assert pooled.total == pytest.approx(max(sum(work) / 2, sum(work) / 2))
+    assert pooled.bubble == pytest.approx(0, abs=1e-12)

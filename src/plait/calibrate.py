@@ -13,7 +13,8 @@ measure together, so every figure is what one rank sees while the others work to
 - host bandwidth: a large tensor copy (what offload to the host costs on a CPU device);
   disk bandwidth: writing and reading back a file in the temporary folder.
 One machine has one link class: `inter` copies `intra`, and the note says so. Computation and
-gloo's threads share the cores, so `overlap` is 0.
+gloo's threads share the cores, so `overlap` is 0; more ranks than cores share them
+(`contention` = ranks x threads per rank / cores).
 """
 
 from __future__ import annotations
@@ -206,9 +207,14 @@ def profile_of(result: dict, world: int) -> Hardware:
         precision="fp32",
         overlap=0.0,
         pass_overhead_s=result["flops"]["overhead"],
+        contention=max(1.0, world * threads_per_worker(world) / _cores()),
         note="measured by plait calibrate; one machine: inter copies intra; gloo shares "
         "the cores with compute, so overlap = 0; memory is the host's RAM / ranks",
     )
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def run_calibrate(args: argparse.Namespace) -> int:

@@ -102,6 +102,7 @@ class Hardware:
     precision: str = "bf16"  # the compute dtype the peak is for (the plan's precision)
     overlap: float = 1.0  # share of overlappable communication that hides behind compute
     pass_overhead_s: float = 0.0  # fixed seconds per block (or head) per F, B or W pass
+    contention: float = 1.0  # ranks sharing one compute unit when all are busy (CPU: > 1)
     note: str = ""
 
     @property
@@ -144,6 +145,7 @@ def from_dict(raw: dict[str, Any]) -> Hardware:
         precision=str(raw.get("precision", "bf16")),
         overlap=float(raw.get("overlap", 1.0)),
         pass_overhead_s=float(raw.get("pass_overhead_s", 0.0)),
+        contention=float(raw.get("contention", 1.0)),
         note=str(raw.get("note", "")),
     )
 
@@ -160,6 +162,7 @@ def to_dict(hw: Hardware) -> dict[str, Any]:
         "disk_bandwidth": hw.disk_bandwidth,
         "overlap": hw.overlap,
         "pass_overhead_s": hw.pass_overhead_s,
+        "contention": hw.contention,
     }
     if hw.note:
         out["note"] = hw.note

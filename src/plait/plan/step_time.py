@@ -21,11 +21,14 @@ step is exposed. Offload moves the gradient shard to the host and the updated pa
 back, and the host's Adam reads and writes the fp32 master and moments (NVMe: also from and
 to disk). Not modelled: the optimizer's own time on the device, scalar collectives (loss,
 norm), data loading; docs/planning.md says what that costs on the measured machine.
+Ranks that share cores (a CPU with fewer cores than ranks, `contention` > 1) speed up while
+others wait in a pipeline bubble: the step is the longer of the ranks' mean work and the
+critical path at the unshared rate (`_shared_makespan`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 from plait.config import Config
 from plait.estimate.states import ADAM_STATES, Precision
@@ -182,15 +185,37 @@ def step_time(
     costs = [by_stage[g] for g in range(par.pp * par.virtual_stages)]
     span = makespan(cfg, costs, p2p, memo, simulate)
     busy = [[by_stage[plan.stage] for plan in ps] for ps in plans]
-    worst = max(busy, key=lambda cs: sum(c.f + c.b + c.w for c in cs))
-    compute = m * sum(3 * c.flops for c in worst)
-    recompute = m * sum(c.recompute for c in worst)
-    tp = m * sum(c.tp_f + c.tp_b for c in worst)
+    counted = [max(busy, key=lambda cs: sum(c.f + c.b + c.w for c in cs))]
+    if hw.contention > 1 and par.pp > 1:
+        span = _shared_makespan(cfg, hw, costs, busy, p2p, memo, simulate)
+        counted = busy  # the pool does every rank's work: the terms are the ranks' mean
+    compute = m * sum(3 * c.flops for cs in counted for c in cs) / len(counted)
+    recompute = m * sum(c.recompute for cs in counted for c in cs) / len(counted)
+    tp = m * sum(c.tp_f + c.tp_b for cs in counted for c in cs) / len(counted)
     dp = off = 0.0
     for ps, cs in zip(plans, busy, strict=True):
         d, o = _after_pipeline(cfg, hw, links, ps, cs, memo)
         dp, off = max(dp, d), max(off, o)
     return StepTime(compute, recompute, tp, span - compute - recompute - tp, dp, off)
+
+
+def _shared_makespan(
+    cfg: Config,
+    hw: Hardware,
+    costs: list[ChunkCost],
+    busy: list[list[ChunkCost]],
+    p2p: float,
+    memo: Memo,
+    exact: bool,
+) -> float:
+    """Ranks sharing cores (`contention` > 1: the costs were measured with every rank busy)
+    run faster while others wait in a bubble. The step is then bounded by the pool (the
+    ranks' mean work at the shared rate) and by the pipeline's critical path at the
+    unshared rate, whichever is longer."""
+    m, k = cfg.accumulation, 1 / hw.contention
+    mean = sum(m * sum(c.f + c.b + c.w for c in cs) for cs in busy) / len(busy)
+    fast = [replace(c, **{f.name: getattr(c, f.name) * k for f in fields(c)}) for c in costs]
+    return max(mean, makespan(cfg, fast, p2p * k, memo, exact))
 
 
 def _after_pipeline(
