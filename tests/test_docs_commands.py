@@ -2,8 +2,8 @@
 
 Each line of a fenced code block that runs `plait` (or `.venv/bin/plait`) is parsed by the
 real command-line parser and validated the way `plait train` validates before it starts
-workers; `plait schedule`, `plait estimate` and `plait presets` lines run for real (they are
-cheap).
+workers; `plait schedule`, `plait estimate`, `plait plan` and `plait presets` lines run for
+real (they are cheap); `plait calibrate` lines are parsed.
 """
 
 from __future__ import annotations
@@ -49,6 +49,14 @@ def test_command_is_valid(where: str, argv: list[str], tmp_path, monkeypatch) ->
     if "--help" in argv or argv[0] == "presets":
         with pytest.raises(SystemExit) if "--help" in argv else nullcontext():
             main(argv)
+        return
+    if argv[0] == "calibrate":  # measures for ~30 s with 4 processes: parsed, not run
+        build_parser().parse_args(argv)
+        return
+    if argv[0] == "plan":  # pure: run it for real, writing its TOML to a temporary folder
+        if "--out" in argv:
+            argv[argv.index("--out") + 1] = str(tmp_path / "plan.toml")
+        assert main(argv) == 0, where
         return
     if argv[0] == "checkpoint":  # names a checkpoint of an earlier run: parsed, not run
         build_parser().parse_args(argv)

@@ -16,6 +16,7 @@ import torch
 
 from plait.comm import Comm
 from plait.errors import ConfigError
+from plait.estimate.formulas import tp_comm_per_microbatch
 from plait.mesh import build_mesh
 from plait.models.config import ModelConfig
 from plait.models.dropout import sample_keys
@@ -162,41 +163,15 @@ def _traffic(tp: int, preset: str, sp: bool, over: dict) -> dict:
 
 
 def _expected(n_layers: int, sp: bool) -> tuple[dict, dict]:
-    """Per micro-batch, with bsh = b*s*h elements (logical: the full buffer) in fp32.
+    """Per micro-batch, in fp32, from the one home of the formula (estimate/formulas.py:
+    Megatron's 2 all-reduces forward and 2 backward per layer; SP's all-gather +
+    reduce-scatter pairs), which the planner also prices."""
+    fwd, bwd = tp_comm_per_microbatch(n_layers, B * S * 64, B * S, sp)
 
-    Without SP (Shoeybi et al., 2019): per layer 2 all-reduces forward (g after attention
-    and MLP) and 2 backward (f before them); the vocab-parallel embedding adds one forward
-    all-reduce (its g), the head one backward all-reduce (its f). With SP (Korthikanti et
-    al., 2022) each all-reduce becomes an all-gather + reduce-scatter pair, of the same
-    bsh logical elements, in both directions. The loss exchanges per-token scalars only:
-    the max (b*s) and the sums of exponentials and target logits together (2*b*s).
-    """
-    bsh, n = B * S * 64, n_layers
+    def with_bytes(table: dict) -> dict:
+        return {k: (calls, el, 4 * el) for k, (calls, el) in table.items()}
 
-    def rec(calls: int, elements: int) -> tuple[int, int, int]:
-        return (calls, elements, 4 * elements)
-
-    loss = {("all_reduce", "tp-loss"): rec(2, 3 * B * S)}
-    if not sp:
-        blocks = {("all_reduce", "tp"): rec(2 * n, 2 * n * bsh)}
-        fwd = {**blocks, ("all_reduce", "tp-embed"): rec(1, bsh), **loss}
-        return fwd, {**blocks, ("all_reduce", "tp-head"): rec(1, bsh)}
-    blocks = {
-        ("all_gather", "tp"): rec(2 * n, 2 * n * bsh),
-        ("reduce_scatter", "tp"): rec(2 * n, 2 * n * bsh),
-    }
-    fwd = {
-        **blocks,
-        ("reduce_scatter", "tp-embed"): rec(1, bsh),
-        ("all_gather", "tp-head"): rec(1, bsh),
-        **loss,
-    }
-    bwd = {
-        **blocks,
-        ("all_gather", "tp-embed"): rec(1, bsh),
-        ("reduce_scatter", "tp-head"): rec(1, bsh),
-    }
-    return fwd, bwd
+    return with_bytes(fwd), with_bytes(bwd)
 
 
 def _partial_elements(preset: str, n_layers: int, h: int = 64, max_seq: int = 64) -> int:

@@ -1,4 +1,5 @@
-"""`plait` command line: `plait train`, `plait estimate`, `plait presets`, `plait schedule`.
+"""`plait` command line: `plait train`, `plait estimate`, `plait plan`, `plait calibrate`,
+`plait presets`, `plait schedule`, `plait checkpoint`.
 
 Flags are generated from the config dataclasses, so a field's help string is its flag's help
 and a new field is a new flag. Everything is validated here, before any worker starts.
@@ -18,6 +19,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from plait.calibrate import add_calibrate_parser
 from plait.checkpoint import inspect
 from plait.checkpoint.store import check_resumable, resolve
 from plait.config import SECTIONS, Config, build_config, flag_name, load_toml
@@ -25,6 +27,7 @@ from plait.device import device_kind
 from plait.errors import ConfigError
 from plait.launch import Interrupted, WorkerFailure, launch, under_torchrun
 from plait.outdir import prepare_out
+from plait.plan.command import add_plan_parser
 
 
 def _version() -> str:
@@ -74,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument(
         "--device-memory", type=float, metavar="GIB", help="fail (exit 2) if a rank needs more"
     )
+    add_plan_parser(sub)
+    add_calibrate_parser(sub)
     sub.add_parser("presets", help="list model presets with their parameter counts")
     sched = sub.add_parser(
         "schedule", help="simulate a pipeline schedule (no model): bubble, memory, chart"
@@ -210,6 +215,17 @@ def _estimate(args: argparse.Namespace, err: Console) -> int:
     return 0
 
 
+def _planning(args: argparse.Namespace, err: Console) -> int:
+    from plait.calibrate import run_calibrate
+    from plait.plan.command import run_plan
+
+    try:
+        return run_plan(args, err) if args.command == "plan" else run_calibrate(args)
+    except ConfigError as e:
+        err.print("[bold red]plait: error:[/] " + escape(str(e)), highlight=False)
+        return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "presets":
@@ -221,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
         return _checkpoint(args, err)
     if args.command == "estimate":
         return _estimate(args, err)
+    if args.command in ("plan", "calibrate"):
+        return _planning(args, err)
     try:
         cfg = config_from_args(args)
         out = Path(cfg.train.out)

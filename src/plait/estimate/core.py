@@ -30,11 +30,15 @@ from plait.parallel.pipeline.plan.simulate import peak_held
 from plait.parallel.pipeline.plan.stages import StagePlan, rank_plans
 
 
-def estimate(cfg: Config) -> Estimate:
-    """Memory per rank of every pipeline stage for `cfg` (validated by the caller)."""
+def estimate(cfg: Config, schedule: Schedule | None = None) -> Estimate:
+    """Memory per rank of every pipeline stage for `cfg` (validated by the caller).
+
+    `schedule`: the pipeline schedule to count in-flight activations on, when the caller
+    already built it (a planner builds each once; its in-flight peak stops growing after a
+    few times p micro-batches for every schedule but gpipe); by default the config's own."""
     par, m = cfg.parallel, cfg.model
     sizes = par.stage_layer_counts()
-    schedule = _schedule(cfg)
+    schedule = schedule or _schedule(cfg)
     ranks = tuple(
         _rank(cfg, r, rank_plans(m.n_layers, par.pp, par.virtual_stages, r, sizes), schedule)
         for r in range(par.pp)

@@ -65,3 +65,36 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool
     if sp:
         return sbh * (34 + 5 * a * s / h) / t
     return sbh * (10 + 24 / t + 5 * a * s / (h * t))
+
+
+def tp_comm_per_microbatch(
+    n_layers: int, bsh: int, bs: int, sp: bool, first: bool = True, last: bool = True
+) -> tuple[dict[tuple[str, str], tuple[int, int]], dict[tuple[str, str], tuple[int, int]]]:
+    """Tensor-parallel collectives of one micro-batch on one rank, forward and backward:
+    {(op, tag): (calls, logical elements)} with bsh = b·s·h and bs = b·s.
+
+    Without sequence parallelism (Shoeybi et al., 2019): per layer 2 all-reduces forward (g
+    after attention and MLP) and 2 backward (f before them); the vocab-parallel embedding
+    adds one forward all-reduce (its g), the head one backward all-reduce (its f). With SP
+    (Korthikanti et al., 2022) each all-reduce becomes an all-gather + reduce-scatter pair, of
+    the same bsh logical elements, in both directions. The loss (on the last stage) exchanges
+    per-token fp32 scalars: the max (bs) and the sums of exponentials and target logits (2bs).
+    A pipeline rank holds `n_layers` blocks, the embedding if `first`, the head if `last`.
+    """
+    n = n_layers
+    loss = {("all_reduce", "tp-loss"): (2, 3 * bs)} if last else {}
+    if not sp:
+        blocks = {("all_reduce", "tp"): (2 * n, 2 * n * bsh)} if n else {}
+        fwd = {**blocks, **({("all_reduce", "tp-embed"): (1, bsh)} if first else {}), **loss}
+        bwd = {**blocks, **({("all_reduce", "tp-head"): (1, bsh)} if last else {})}
+        return fwd, bwd
+    pair = ("all_gather", "reduce_scatter")
+    blocks = {(op, "tp"): (2 * n, 2 * n * bsh) for op in pair} if n else {}
+    fwd, bwd = dict(blocks), dict(blocks)
+    if first:
+        fwd[("reduce_scatter", "tp-embed")] = (1, bsh)
+        bwd[("all_gather", "tp-embed")] = (1, bsh)
+    if last:
+        fwd[("all_gather", "tp-head")] = (1, bsh)
+        bwd[("reduce_scatter", "tp-head")] = (1, bsh)
+    return {**fwd, **loss}, bwd

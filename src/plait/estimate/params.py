@@ -95,6 +95,8 @@ def rank_params(cfg: ModelConfig, tp: int, plans: list[StagePlan]) -> list[Param
 
 
 def total_parameters(cfg: ModelConfig) -> int:
-    """Ψ: the single-process model's unique parameters (`count_parameters` without torch)."""
-    whole = StagePlan(0, range(cfg.n_layers), True, True)
-    return sum(p.numel for p in rank_params(cfg, 1, [whole]))
+    """Ψ: the single-process model's unique parameters (`count_parameters` without torch).
+    Every block has the same shapes, so one block is counted and multiplied (a planner calls
+    this for thousands of layouts)."""
+    ends = rank_params(cfg, 1, [StagePlan(0, range(0), True, True)])
+    return sum(p.numel for p in ends) + cfg.n_layers * sum(p.numel for p in block_params(cfg, 0, 1))

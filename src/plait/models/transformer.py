@@ -258,12 +258,27 @@ def linear_weight_elements(cfg: ModelConfig) -> int:
     return cfg.n_layers * (attn + mlp) + d * cfg.vocab_size
 
 
+def layer_forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
+    """One block's forward matmul FLOPs per token: 2 per Linear weight element (multiply-add)
+    plus attention's q k^T and probs v, 2·2·s·h (no weights; the causal half is counted)."""
+    d, hd, f = cfg.d_model, cfg.head_dim, cfg.ffn_dim
+    attn = 2 * d * cfg.n_heads * hd + 2 * d * cfg.kv_heads * hd
+    mlp = (3 if cfg.mlp == "swiglu" else 2) * d * f
+    return 2 * (attn + mlp) + 4 * seq_len * d
+
+
+def head_forward_flops_per_token(cfg: ModelConfig) -> int:
+    """The output projection's forward FLOPs per token (embedding lookups are no matmuls)."""
+    return 2 * cfg.d_model * cfg.vocab_size
+
+
 def matmul_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     """Training FLOPs per token: 6 N + 12 L s h (Chowdhery et al., PaLM, 2022, appendix B).
 
     N counts every Linear weight including the head (embedding lookups are not matmuls);
     6 = 2 (multiply-add) x 3 (forward, and backward for activations and weights). The
     second term is attention's q k^T and probs v, which have no weights; with causal
-    masking half of it is wasted work, and the convention counts it anyway.
+    masking half of it is wasted work, and the convention counts it anyway. It is three
+    forwards: 3 (L x layer_forward_flops_per_token + head_forward_flops_per_token).
     """
     return 6 * linear_weight_elements(cfg) + 12 * cfg.n_layers * seq_len * cfg.d_model

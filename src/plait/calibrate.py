@@ -1,0 +1,240 @@
+"""`plait calibrate`: measure this machine and write a hardware profile for `plait plan`.
+
+N gloo processes (as `plait train` would start them, each with its share of the cores)
+measure together, so every figure is what one rank sees while the others work too:
+- peak FLOP/s: the best rate of a large fp32 matmul on every rank at once;
+- achievable and pass overhead: a model's forward and backward (`--model`, `--seq-len`) at
+  1 to 8 sequences, fitted as time = fixed + tokens x FLOPs per token (`matmul_flops_per_token`)
+  / rate: the rate as a fraction of that peak, the fixed part per block (and head) pass;
+- alpha and beta of all_reduce, all_gather, reduce_scatter over the whole world and over
+  pairs (all pairs at once, as tensor-parallel groups run), and of one p2p message (a ping
+  -pong between ranks 0 and 1), each through `comm.py` over sizes from 4 KiB to 16 MiB;
+  least squares fits time = steps(op, n)·alpha + bytes·factor(op, n)/beta (plan/hardware.py);
+- host bandwidth: a large tensor copy (what offload to the host costs on a CPU device);
+  disk bandwidth: writing and reading back a file in the temporary folder.
+One machine has one link class: `inter` copies `intra`, and the note says so. Computation and
+gloo's threads share the cores, so `overlap` is 0; more ranks than cores share them
+(`contention` = ranks x threads per rank / cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from plait.comm import Comm
+from plait.device import threads_per_worker
+from plait.errors import ConfigError
+from plait.launch import free_port
+from plait.mesh import build_mesh
+from plait.models.presets import get_preset
+from plait.models.transformer import Transformer, matmul_flops_per_token
+from plait.plan.hardware import Hardware, Link, OpCost, ring_steps_and_factor, save_hardware
+from plait.topology import Layout
+
+SIZES = [2**k for k in range(10, 23, 2)]  # fp32 elements: 4 KiB to 16 MiB
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+MICRO_BATCHES = (1, 2, 4, 8)  # sequences per forward when fitting rate and overhead
+
+
+def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("calibrate", help="measure this machine; write a hardware profile")
+    p.add_argument("--ranks", type=int, default=4, help="gloo processes to measure with")
+    p.add_argument("--out", default="hardware.toml", help="the hardware TOML to write")
+    p.add_argument("--model", default="small-gpt", help="the model whose step sets 'achievable'")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    p.add_argument("--repeats", type=int, default=7, help="timed repeats per figure (median)")
+
+
+def _median_time(fn, repeats: int, sync=None) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        if sync:
+            sync()
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _flops(args: argparse.Namespace, comm: Comm) -> dict:
+    """The peak (a large matmul) and a model's forward + backward at several micro-batch
+    sizes, fitted as time = passes·overhead + tokens·FLOPs per token / rate."""
+    n = 1024
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    barrier = comm.barrier  # every rank starts each repeat together
+    peak = 2 * n**3 / _median_time(lambda: a @ b, args.repeats, barrier)
+    cfg = get_preset(args.model)
+    model = Transformer(cfg)
+    tokens, seconds = [], []
+    for mb in MICRO_BATCHES:
+        x = torch.randint(0, cfg.vocab_size, (mb, args.seq_len))
+        seconds.append(_median_time(partial(_forward_backward, model, x), args.repeats, barrier))
+        tokens.append(x.numel())
+    fixed, per_token = _relative_lstsq([[1.0, t] for t in tokens], seconds)
+    rate = matmul_flops_per_token(cfg, args.seq_len) / per_token
+    passes = 3 * (cfg.n_layers + 1)  # F, B and W of every block and of the head
+    return {"peak": peak, "achievable": rate / peak, "overhead": max(0.0, fixed) / passes}
+
+
+def _forward_backward(model: Transformer, x: torch.Tensor) -> None:
+    model(x, x).backward()
+
+
+def _collectives(comm: Comm, repeats: int) -> list[tuple[str, int, int, float]]:
+    """(op, ranks, logical bytes, seconds) for each op, group and size."""
+    rows = []
+    axes = ["world"] + (["tp"] if comm.mesh.size("tp") > 1 else [])
+    for axis in axes:
+        n = comm.mesh.size(axis)
+        for size in SIZES:
+            full, part = torch.ones(size * n), torch.ones(size)
+            ops = {
+                "all_reduce": partial(comm.all_reduce, full, axis),
+                "all_gather": partial(comm.all_gather, full, part, axis),
+                "reduce_scatter": partial(comm.reduce_scatter, part, full, axis),
+            }
+            for op, fn in ops.items():
+                seconds = _median_time(fn, repeats, lambda: comm.barrier())
+                rows.append((op, n, full.numel() * 4, seconds))
+    return rows
+
+
+def _p2p(comm: Comm, repeats: int) -> list[tuple[str, int, int, float]]:
+    rows = []
+    for size in SIZES:
+        ping = partial(_ping, comm, torch.ones(size))
+        rows.append(("p2p", 2, size * 4, _median_time(ping, repeats, comm.barrier) / 2))
+    return rows
+
+
+def _ping(comm: Comm, t: torch.Tensor) -> None:
+    """Rank 0 sends `t` to rank 1 and gets it back (the others wait at the barrier)."""
+    me = comm.mesh.rank
+    if me < 2:
+        peer = 1 - me
+        first, second = ("send", "recv") if me == 0 else ("recv", "send")
+        comm.p2p([(first, t, peer)], "world").wait()
+        comm.p2p([(second, t, peer)], "world").wait()
+
+
+def _bandwidths() -> dict:
+    src = torch.ones(2**24)  # 64 MiB
+    dst = torch.empty_like(src)
+    host = src.numel() * 4 / _median_time(lambda: dst.copy_(src), 5)
+    data = src.numpy().tobytes()
+    with tempfile.TemporaryDirectory(prefix="plait-calibrate-") as d:
+        path = Path(d, "probe.bin")
+        t = time.perf_counter()
+        with path.open("wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        _ = path.read_bytes()
+        disk = 2 * len(data) / (time.perf_counter() - t)
+    return {"host": host, "disk": disk}
+
+
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(threads_per_worker(world))
+    timeout = datetime.timedelta(seconds=300)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
+    try:
+        tp = 2 if world % 2 == 0 and world > 2 else 1
+        comm = Comm(build_mesh(Layout(dp=world // tp, tp=tp), torch.device("cpu")))
+        torch.manual_seed(rank)
+        result = {"flops": _flops(args, comm), "rows": _collectives(comm, args.repeats)}
+        result["rows"] += _p2p(comm, args.repeats)
+        if rank == 0:
+            result["bandwidth"] = _bandwidths()
+            Path(out).write_text(json.dumps(result))
+        comm.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _relative_lstsq(x: list[list[float]], y: list[float]) -> list[float]:
+    """Least squares of x·c = y in *relative* error (each row divided by its y), so the small
+    sizes, where latency dominates, count as much as the large ones; no coefficient < 0."""
+    a, b = np.array(x, dtype=float), np.array(y, dtype=float)
+    w = 1 / b
+    coef = np.linalg.lstsq(a * w[:, None], b * w, rcond=None)[0]
+    if coef.min() >= 0:
+        return [float(c) for c in coef]
+    keep = coef > 0  # drop the negative term and refit the rest
+    out = np.zeros_like(coef)
+    out[keep] = np.linalg.lstsq(a[:, keep] * w[:, None], b * w, rcond=None)[0]
+    return [float(max(c, 0.0)) for c in out]
+
+
+def fit(rows: list[tuple[str, int, int, float]]) -> OpCost:
+    """alpha and beta of time = steps·alpha + bytes·factor/beta, fitted in relative error."""
+    feats = []
+    for op, n, nbytes, _ in rows:
+        steps, factor = ring_steps_and_factor(op, n)
+        feats.append([float(steps), nbytes * factor])
+    alpha, inv_beta = _relative_lstsq(feats, [r[3] for r in rows])
+    return OpCost(alpha, 1 / max(inv_beta, 1e-30))
+
+
+def profile_of(result: dict, world: int) -> Hardware:
+    rows = result["rows"]
+    link = Link({op: fit([r for r in rows if r[0] == op]) for op in (*COLLECTIVES, "p2p")})
+    pages = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return Hardware(
+        name=f"this machine, {world} gloo ranks",
+        peak_flops=result["flops"]["peak"],
+        achievable=min(1.0, result["flops"]["achievable"]),
+        memory=pages // world,
+        host_bandwidth=result["bandwidth"]["host"],
+        disk_bandwidth=result["bandwidth"]["disk"],
+        intra=link,
+        inter=link,
+        precision="fp32",
+        overlap=0.0,
+        pass_overhead_s=result["flops"]["overhead"],
+        contention=max(1.0, world * threads_per_worker(world) / _cores()),
+        note="measured by plait calibrate; one machine: inter copies intra; gloo shares "
+        "the cores with compute, so overlap = 0; memory is the host's RAM / ranks",
+    )
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    if args.ranks < 2:
+        raise ConfigError(f"--ranks must be >= 2 (collectives need two ranks), got {args.ranks}")
+    get_preset(args.model)
+    with tempfile.TemporaryDirectory(prefix="plait-calibrate-") as d:
+        out = str(Path(d, "result.json"))
+        mp.start_processes(
+            _worker,
+            args=(args.ranks, free_port(), args, out),
+            nprocs=args.ranks,
+            start_method="spawn",
+        )
+        result = json.loads(Path(out).read_text())
+    hw = profile_of(result, args.ranks)
+    save_hardware(hw, args.out)
+    print(
+        f"wrote {args.out}: peak {hw.peak_flops / 1e9:.1f} GFLOP/s per rank, achievable "
+        f"{hw.achievable:.2f}, all_reduce alpha {hw.intra.cost('all_reduce').alpha_s * 1e6:.0f} us "
+        f"beta {hw.intra.cost('all_reduce').beta_bytes_per_s / 1e9:.2f} GB/s"
+    )
+    return 0

@@ -1,0 +1,190 @@
+"""Which layouts to consider: the axes that divide the model, the GPUs and the batch.
+
+A *shape* fixes how the work is cut (tp, pp, dp, schedule, virtual stages, micro-batch);
+its *knobs* (ZeRO stage, offload, recompute, sequence parallelism) trade memory for time
+without changing the cut. Only balanced cuts are listed: tp divides the heads, key/value
+heads and MLP columns and stays within a node (its collectives are the busiest); pp x v
+divides the layers (plait also runs uneven splits, `--stage-layers`, which a plan does not
+propose); dp divides the global batch. Which combinations run at all is `rules.py`'s call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+from plait.errors import ConfigError
+from plait.models.config import ModelConfig
+from plait.rules import check_tensor_parallel, check_zero
+
+INTERLEAVE = (2, 4)  # virtual stages an interleaved schedule is offered with
+FRUGAL = {"none": 0, "selective": 1, "full": 2, "cpu": 1, "nvme": 2}
+"""How much device memory an offload or recompute setting saves, in order (none saves none)."""
+GPIPE_UP_TO = 3  # gpipe holds every micro-batch: offered for m <= 3p only (1F1B's bubble)
+
+
+@dataclass(frozen=True)
+class Request:
+    """What `plait plan` was asked: the model, the machine, the batch, fixed axes."""
+
+    model: ModelConfig
+    preset: str
+    gpus: int
+    gpus_per_node: int
+    global_batch: int
+    seq_len: int
+    precision: str
+    max_micro_batch: int = 8
+    offload_dir: str | None = None
+    fixed: tuple[tuple[str, int], ...] = ()  # ("tp", 2): axes the user pinned
+
+    def pinned(self, axis: str) -> int | None:
+        return dict(self.fixed).get(axis)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout: a shape and its knobs, as `plait train` flags."""
+
+    dp: int
+    tp: int
+    pp: int
+    schedule: str
+    virtual_stages: int
+    micro_batch: int
+    zero: int = 0
+    offload: str = "none"
+    recompute: str = "none"
+    sequence_parallel: bool = False
+
+    @property
+    def shape(self) -> tuple:
+        return (self.dp, self.tp, self.pp, self.schedule, self.virtual_stages, self.micro_batch)
+
+    def overrides(self, req: Request) -> dict[str, dict[str, Any]]:
+        """The config sections this layout sets (`build_config`'s overrides)."""
+        par: dict[str, Any] = {
+            "dp": self.dp,
+            "tp": self.tp,
+            "pp": self.pp,
+            "sequence_parallel": self.sequence_parallel,
+            "zero": self.zero,
+            "precision": req.precision,
+            "offload": self.offload,
+            "recompute": self.recompute,
+        }
+        if self.pp > 1:
+            par |= {"schedule": self.schedule, "virtual_stages": self.virtual_stages}
+        if self.offload == "nvme":
+            par["offload_dir"] = req.offload_dir
+        train = {
+            "global_batch": req.global_batch,
+            "micro_batch": self.micro_batch,
+            "seq_len": req.seq_len,
+        }
+        return {"parallel": par, "train": train}
+
+    def describe(self) -> str:
+        parts = [f"dp{self.dp}", f"tp{self.tp}" + ("+sp" if self.sequence_parallel else "")]
+        parts.append(f"pp{self.pp}")
+        if self.pp > 1:
+            v = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
+            parts.append(self.schedule + v)
+        parts += [f"mb{self.micro_batch}", f"zero{self.zero}"]
+        if self.offload != "none":
+            parts.append(f"offload {self.offload}")
+        if self.recompute != "none":
+            parts.append(f"recompute {self.recompute}")
+        return " ".join(parts)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def tp_sizes(req: Request) -> list[int]:
+    """tp values that split the model and stay within a node."""
+    out = []
+    for t in divisors(req.gpus):
+        try:
+            check_tensor_parallel(req.model, t)
+        except ConfigError:
+            continue
+        if t <= req.gpus_per_node:
+            out.append(t)
+    return out
+
+
+def pp_sizes(req: Request, rest: int) -> list[int]:
+    return [p for p in divisors(rest) if req.model.n_layers % p == 0]
+
+
+def _schedules(req: Request, pp: int, m: int) -> Iterator[tuple[str, int]]:
+    if pp == 1:
+        yield "1f1b", 1
+        return
+    yield "1f1b", 1
+    yield "zb-h1", 1
+    if m <= GPIPE_UP_TO * pp:
+        yield "gpipe", 1
+    for v in INTERLEAVE:
+        if req.model.n_layers % (pp * v) == 0 and m % pp == 0:
+            yield "interleaved", v
+    if req.precision == "fp32" and m >= pp:
+        yield "2bw", 1
+
+
+def shapes(req: Request) -> Iterator[Candidate]:
+    """Every balanced cut of the model over `gpus` GPUs (pinned axes respected)."""
+    for tp in tp_sizes(req):
+        for pp in pp_sizes(req, req.gpus // tp):
+            dp = req.gpus // (tp * pp)
+            axes = {"tp": tp, "pp": pp, "dp": dp}
+            if any(axes[a] != v for a, v in req.fixed) or req.global_batch % dp:
+                continue
+            per_replica = req.global_batch // dp
+            for mb in (b for b in divisors(per_replica) if b & (b - 1) == 0):
+                if mb > req.max_micro_batch:
+                    continue
+                for name, v in _schedules(req, pp, per_replica // mb):
+                    yield Candidate(dp, tp, pp, name, v, mb)
+
+
+def knobs(req: Request, shape: Candidate) -> list[Candidate]:
+    """The shape with every ZeRO stage, offload, recompute and SP setting plait accepts."""
+    offloads = ["none", "cpu"] + (["nvme"] if req.offload_dir else [])
+    # Sequence parallelism moves the same bytes as tp alone (all-gather + reduce-scatter =
+    # all-reduce in the ring model) and holds less: with tp it is on wherever seq divides.
+    sp = shape.tp > 1 and req.seq_len % shape.tp == 0
+    out = []
+    for zero in (0, 1, 2, 3):
+        for off in offloads:
+            try:
+                check_zero(
+                    zero,
+                    off,
+                    req.offload_dir if off == "nvme" else None,
+                    shape.pp,
+                    req.precision,
+                    None,
+                    shape.schedule,
+                )
+            except ConfigError:
+                continue
+            if shape.dp == 1 and zero > 0:
+                continue  # nothing to shard over one replica
+            for rc in ("none", "selective", "full"):
+                out.append(
+                    replace(shape, zero=zero, offload=off, recompute=rc, sequence_parallel=sp)
+                )
+    return out
+
+
+def most_frugal(options: list[Candidate]) -> Candidate:
+    """The knobs that need the least device memory: ZeRO highest, offloaded, full recompute,
+    sequence parallel (memory falls with each of them)."""
+    return max(
+        options,
+        key=lambda c: (c.zero, FRUGAL[c.offload], FRUGAL[c.recompute], c.sequence_parallel),
+    )

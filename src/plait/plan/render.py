@@ -1,0 +1,80 @@
+"""`plait plan` output: the ranked layouts as a table, why each beats the next, the drops."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from plait.estimate.render import gib
+from plait.plan.search import Dropped, Plan, Ranked
+
+TERMS = ("compute", "recompute", "tp", "bubble", "dp", "offload")
+
+
+def seconds(s: float) -> str:
+    return f"{s * 1e3:,.1f} ms" if s < 1 else f"{s:,.2f} s"
+
+
+def why_better(a: Ranked, b: Ranked) -> str:
+    """The term that makes `a` faster than `b` (the largest saving), or its memory."""
+    gaps = {k: getattr(b.time, k) - getattr(a.time, k) for k in TERMS}
+    term = max(gaps, key=lambda k: gaps[k])
+    if b.time.total - a.time.total <= 1e-9 * b.time.total or gaps[term] <= 0:
+        return f"same time, {gib(b.memory - a.memory)} less memory"
+    return f"{term} {seconds(gaps[term])} less than the next"
+
+
+def plan_table(out: Plan, top: int) -> Table:
+    req = out.request
+    table = Table(
+        title=f"{req.preset} on {req.gpus} x {out.hardware.name} ({gib(out.memory)} each), "
+        f"global batch {req.global_batch} x {req.seq_len} tokens",
+        title_justify="left",
+    )
+    left = ("layout", "where the time goes", "why it beats the next")
+    for col in ("#", "layout", "memory", "step", "tokens/s", "MFU", *left[1:]):
+        table.add_column(col, justify="left" if col in left else "right")
+    shown = out.ranked[:top]
+    for i, r in enumerate(shown):
+        nxt = out.ranked[i + 1] if i + 1 < len(out.ranked) else None
+        table.add_row(
+            str(i + 1),
+            r.candidate.describe(),
+            gib(r.memory),
+            seconds(r.time.total),
+            f"{r.tokens_per_s():,.0f}",
+            f"{r.mfu(out.hardware, req.gpus):.1%}",
+            ", ".join(f"{k} {seconds(v)}" for k in TERMS if (v := getattr(r.time, k)) > 0),
+            why_better(r, nxt) if nxt else "",
+        )
+    return table
+
+
+def dropped_line(d: Dropped, memory: int) -> str:
+    return (
+        f"{d.candidate.describe()} needs {gib(d.need)} ({gib(d.need - memory)} more than "
+        f"{gib(memory)}; largest term {d.largest} {gib(d.largest_bytes)})"
+    )
+
+
+def wide_console() -> Console:
+    """A terminal's own width; 160 columns when printing to a file or a pipe."""
+    console = Console()
+    return console if console.is_terminal else Console(width=160)
+
+
+def print_plan(out: Plan, console: Console, top: int) -> None:
+    console.print(plan_table(out, top))
+    seen: set[tuple] = set()
+    closest = []
+    for d in out.dropped:  # closest to fitting first, one per cut
+        if d.candidate.shape not in seen:
+            seen.add(d.candidate.shape)
+            closest.append(d)
+    console.print(
+        f"{out.considered:,} layouts considered; {len(out.ranked)} timed; "
+        f"{len(out.dropped):,} do not fit in {gib(out.memory)}"
+        + (", the closest:" if closest else ".")
+    )
+    for d in closest[:5]:
+        console.print("  " + dropped_line(d, out.memory), highlight=False)

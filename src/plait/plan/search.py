@@ -1,0 +1,150 @@
+"""The planner: enumerate layouts, drop those that do not fit, rank the rest by step time.
+
+1. Every shape (enumerate.py) is tried first with its most frugal knobs (ZeRO highest,
+   offloaded, full recompute, sequence parallel): if even that does not fit on the device,
+   no setting of the shape does, and the shape is dropped with the estimator's reason.
+2. The remaining layouts are sorted by a lower bound of their step time (the busiest rank's
+   compute and collectives, no bubble), then walked in that order: each is checked against
+   the memory (`estimate`) and, if it fits, timed exactly (`step_time`, which simulates the
+   pipeline). The walk stops once `top` layouts fit and the next bound is slower than the
+   slowest of them, so the simulator runs for a few dozen layouts, not thousands.
+Per shape, only its fastest fitting knobs are ranked (slower settings of the same cut only
+save memory the winner does not need).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from plait.config import Config, build_config
+from plait.estimate import Estimate, estimate
+from plait.models.transformer import matmul_flops_per_token
+from plait.plan.enumerate import FRUGAL, Candidate, Request, knobs, most_frugal, shapes
+from plait.plan.hardware import Hardware
+from plait.plan.step_time import EXACT_UP_TO, Memo, StepTime, step_time
+
+
+@dataclass(frozen=True)
+class Ranked:
+    """A layout that fits, with its predicted memory and time."""
+
+    candidate: Candidate
+    config: Config
+    time: StepTime
+    memory: int  # device bytes of the most loaded rank
+
+    def tokens_per_s(self) -> float:
+        t = self.config.train
+        return t.global_batch * t.seq_len / self.time.total
+
+    def mfu(self, hw: Hardware, gpus: int) -> float:
+        flops = matmul_flops_per_token(self.config.model, self.config.train.seq_len)
+        return self.tokens_per_s() * flops / (hw.peak_flops * gpus)
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """A layout that does not fit: what it needs and its largest term."""
+
+    candidate: Candidate
+    need: int
+    largest: str
+    largest_bytes: int
+
+
+@dataclass
+class Plan:
+    """What the planner found."""
+
+    request: Request
+    hardware: Hardware
+    memory: int
+    ranked: list[Ranked] = field(default_factory=list)
+    dropped: list[Dropped] = field(default_factory=list)  # cheapest-need first
+    considered: int = 0
+
+
+def config_of(req: Request, cand: Candidate) -> Config:
+    cfg = build_config(req.preset, cand.overrides(req))
+    cfg.model = req.model
+    return cfg
+
+
+def memory_schedule(cfg: Config, memo: Memo):
+    """The schedule whose in-flight peak the estimator counts: the real one, or one of 3p
+    micro-batches (the same peak for every schedule but gpipe, which is built whole)."""
+    par, m = cfg.parallel, cfg.accumulation
+    if par.pp == 1:
+        return None
+    name = "1f1b" if par.two_bw else par.schedule
+    k = m if name == "gpipe" or m <= EXACT_UP_TO * par.pp else EXACT_UP_TO * par.pp
+    return memo.get(name, par.pp, k, par.virtual_stages)
+
+
+def fits(cfg: Config, memory: int, memo: Memo) -> tuple[bool, Estimate]:
+    est = estimate(cfg, memory_schedule(cfg, memo))
+    return est.most_loaded.total() <= memory, est
+
+
+def _dropped(cand: Candidate, est: Estimate) -> Dropped:
+    worst = est.most_loaded
+    big = max(worst.lines, key=lambda line: line.device)
+    return Dropped(cand, worst.total(), big.name, big.device)
+
+
+def plan(req: Request, hw: Hardware, memory: int, top: int = 8) -> Plan:
+    """Rank the layouts of `req` on `hw` devices of `memory` bytes (module doc)."""
+    out, memo = Plan(req, hw, memory), Memo()
+    pool: list[tuple[float, Candidate, Config]] = []
+    for shape in shapes(req):
+        options = knobs(req, shape)
+        out.considered += len(options)
+        frugal = most_frugal(options)
+        ok, est = fits(config_of(req, frugal), memory, memo)
+        if not ok:
+            out.dropped.append(_dropped(frugal, est))
+            continue
+        for cand in options:
+            c = config_of(req, cand)
+            pool.append((busy_bound(c, hw, req.gpus_per_node, memo), cand, c))
+    _walk(out, sorted(pool, key=lambda x: x[0]), top, memo)
+    out.dropped.sort(key=lambda d: d.need)
+    return out
+
+
+def busy_bound(cfg: Config, hw: Hardware, gpus_per_node: int, memo: Memo) -> float:
+    """A lower bound of the step time: everything but the bubble."""
+    t = step_time(cfg, hw, gpus_per_node, memo, simulate=False)
+    return t.total - t.bubble
+
+
+def needs_less(a: Candidate, b: Candidate) -> bool:
+    """Whether `a`'s knobs save at least as much memory as `b`'s on every axis."""
+    return (
+        a.zero >= b.zero
+        and FRUGAL[a.offload] >= FRUGAL[b.offload]
+        and FRUGAL[a.recompute] >= FRUGAL[b.recompute]
+        and a.sequence_parallel >= b.sequence_parallel
+    )
+
+
+def _walk(out: Plan, pool: list, top: int, memo: Memo) -> None:
+    req, hw = out.request, out.hardware
+    best: dict[tuple, Ranked] = {}
+    failed: dict[tuple, list[Candidate]] = {}
+    for bound, cand, cfg in pool:
+        slowest = sorted(r.time.total for r in best.values())[top - 1 : top]
+        if slowest and bound > slowest[0]:
+            break
+        if cand.shape in best:
+            continue  # its first fitting setting by bound: the rest differ by little time
+        if any(needs_less(f, cand) for f in failed.get(cand.shape, [])):
+            continue  # a setting of this cut that saves more memory did not fit either
+        ok, est = fits(cfg, out.memory, memo)
+        if not ok:
+            out.dropped.append(_dropped(cand, est))
+            failed.setdefault(cand.shape, []).append(cand)
+            continue
+        t = step_time(cfg, hw, req.gpus_per_node, memo)
+        best[cand.shape] = Ranked(cand, cfg, t, est.most_loaded.total())
+    out.ranked = sorted(best.values(), key=lambda r: (r.time.total, r.memory))

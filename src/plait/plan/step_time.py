@@ -1,0 +1,256 @@
+"""Predicted step time of one layout: compute, pipeline bubble, communication, offload.
+
+  step = makespan(pipeline of per-stage costs) + exposed dp traffic + offload traffic
+
+Per micro-batch and chunk (one pipeline stage's layers and ends), with R = peak·achievable
+and o the fixed overhead of one pass of a block or the head (`pass_overhead_s`: kernel
+launches, Python; calibrate measures it, it matters for small models only):
+  F = forward FLOPs / tp / R + o·units + tp forward collectives
+  B = F's compute + tp backward collectives + recompute (full: F's FLOPs, overhead and
+      collectives again; selective: attention's q k^T and probs v again)
+  W = F's compute (the weight gradients: backward = 2 x forward)
+The pipeline's simulator (`parallel/pipeline/plan/simulate.py`) runs the schedule under these
+costs with each p2p message taking its alpha-beta time, so the bubble, uneven ends (the
+head on the last stage) and p2p latency come out of one simulation; without a pipeline the
+makespan is m·(F + B + W). Tensor-parallel collectives are synchronous in plait: they sit
+inside F and B, never overlapped. The data-parallel gradient reduction is launched bucket by
+bucket during the backward (stages 0-2), so up to `overlap` of it hides behind the last
+micro-batch's backward (ZeRO-2/3: behind every backward; ZeRO-3's gathers are prefetched
+behind the forward and backward too); ZeRO-1/2's parameter all-gather after the optimizer
+step is exposed. Offload moves the gradient shard to the host and the updated parameters
+back, and the host's Adam reads and writes the fp32 master and moments (NVMe: also from and
+to disk). Not modelled: the optimizer's own time on the device, scalar collectives (loss,
+norm), data loading; docs/planning.md says what that costs on the measured machine.
+Ranks that share cores (a CPU with fewer cores than ranks, `contention` > 1) speed up while
+others wait in a pipeline bubble: the step is the longer of the ranks' mean work and the
+critical path at the unshared rate (`_shared_makespan`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+
+from plait.config import Config
+from plait.estimate.states import ADAM_STATES, Precision
+from plait.models.transformer import head_forward_flops_per_token, layer_forward_flops_per_token
+from plait.parallel.pipeline.plan.actions import Schedule
+from plait.parallel.pipeline.plan.schedules import build_schedule
+from plait.parallel.pipeline.plan.simulate import Costs, simulate
+from plait.parallel.pipeline.plan.stages import StagePlan, rank_plans
+from plait.plan.hardware import Hardware
+from plait.plan.traffic import FP32, Links, dp_traffic, p2p_seconds, tp_seconds
+
+EXACT_UP_TO = 3  # the in-flight peak of every schedule but gpipe is reached by 3p micro-batches
+PERIOD = 2  # a steady pipeline repeats every 2p micro-batches (p when compute dominates p2p)
+
+
+@dataclass
+class Memo:
+    """What a plan computes once and reuses across layouts: schedules per (name, p, m, v)
+    (building them is the slow part), simulated makespans per costs, flat groups."""
+
+    built: dict[tuple[str, int, int, int], Schedule] = field(default_factory=dict)
+    spans: dict[tuple, float] = field(default_factory=dict)
+    groups: dict[tuple, list[tuple[int, int]]] = field(default_factory=dict)
+
+    def get(self, name: str, p: int, m: int, v: int) -> Schedule:
+        key = (name, p, m, v)
+        if key not in self.built:
+            self.built[key] = build_schedule(name, p, m, v)
+        return self.built[key]
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds per optimizer step, by term; `total` is the prediction."""
+
+    compute: float  # the busiest rank's model FLOPs at the achievable rate
+    recompute: float  # what recomputation adds to it
+    tp: float  # the busiest rank's tensor-parallel collectives
+    bubble: float  # pipeline idle time and p2p (makespan - compute - recompute - tp)
+    dp: float  # exposed data-parallel / ZeRO traffic
+    offload: float  # host (and disk) traffic of an offloaded optimizer
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.recompute + self.tp + self.bubble + self.dp + self.offload
+
+
+@dataclass(frozen=True)
+class ChunkCost:
+    """One micro-batch on one chunk, split by term (seconds)."""
+
+    flops: float  # one pass (F, B or W) at the achievable rate, plus its fixed overhead
+    recompute: float
+    tp_f: float
+    tp_b: float
+    send_f: float = 0.0  # sending the activation on (where sends are not overlapped)
+    send_b: float = 0.0  # sending the input gradient back
+
+    @property
+    def f(self) -> float:
+        return self.flops + self.tp_f + self.send_f
+
+    @property
+    def b(self) -> float:
+        return self.flops + self.tp_b + self.recompute + self.send_b
+
+    @property
+    def w(self) -> float:
+        return self.flops
+
+
+def chunk_cost(cfg: Config, hw: Hardware, links: Links, plan: StagePlan) -> ChunkCost:
+    m, t, par = cfg.model, cfg.train, cfg.parallel
+    tokens = t.micro_batch * t.seq_len
+    per_token = len(plan.layers) * layer_forward_flops_per_token(m, t.seq_len)
+    per_token += head_forward_flops_per_token(m) if plan.last else 0
+    rate = hw.flop_rate * par.tp
+    extra = 0.0
+    if par.recompute == "full":
+        extra = tokens * len(plan.layers) * layer_forward_flops_per_token(m, t.seq_len) / rate
+    elif par.recompute == "selective":
+        extra = tokens * len(plan.layers) * 4 * t.seq_len * m.d_model / rate
+    tp_f, tp_b = tp_seconds(cfg, links.tp, plan, par.recompute == "full")
+    overhead = hw.pass_overhead_s * (len(plan.layers) + (1 if plan.last else 0))
+    if par.recompute == "full":
+        extra += hw.pass_overhead_s * len(plan.layers)
+    return ChunkCost(tokens * per_token / rate + overhead, extra, tp_f, tp_b)
+
+
+def _sending(cost: ChunkCost, plan: StagePlan, busy: float) -> ChunkCost:
+    """A stage's sends keep it busy for `busy` seconds each where communication does not
+    overlap compute (gloo's sends run on the cores): F sends forward, B sends back."""
+    if not busy:
+        return cost
+    f = 0.0 if plan.last else busy
+    b = 0.0 if plan.first else busy
+    return replace(cost, send_f=f, send_b=b)
+
+
+def _all_plans(cfg: Config) -> list[list[StagePlan]]:
+    par = cfg.parallel
+    sizes = par.stage_layer_counts()
+    return [
+        rank_plans(cfg.model.n_layers, par.pp, par.virtual_stages, r, sizes) for r in range(par.pp)
+    ]
+
+
+def makespan(
+    cfg: Config, costs: list[ChunkCost], comm: float, memo: Memo, exact: bool = True
+) -> float:
+    """The pipeline's simulated makespan for m micro-batches; costs per global stage. Beyond
+    6p micro-batches the steady state adds the same time every 2p micro-batches, so two
+    shorter simulations, 2p apart and congruent to m, are extrapolated (tested against whole
+    simulations).
+    `exact=False`: the busiest rank's busy time, a lower bound, without simulating."""
+    par, m = cfg.parallel, cfg.accumulation
+    if par.pp == 1:
+        c = costs[0]
+        return m * (c.f + c.b + c.w)
+    name = "1f1b" if par.two_bw else par.schedule
+    sim_costs = Costs([c.f for c in costs], [c.b for c in costs], [c.w for c in costs], comm)
+    p, v = par.pp, par.virtual_stages
+
+    def run(k: int) -> float:
+        key = (name, p, k, v, tuple(sim_costs.f), tuple(sim_costs.b), tuple(sim_costs.w), comm)
+        if key not in memo.spans:
+            sim = simulate(memo.get(name, p, k, v), sim_costs)
+            memo.spans[key] = float(sim.makespan)
+        return memo.spans[key]
+
+    if par.two_bw or not exact:  # 2BW: no flush, each step's share of one fill and drain ~0
+        return max(m * sum(c.f + c.b + c.w for c in costs[r::p]) for r in range(p))
+    if m <= 3 * PERIOD * p:
+        return run(m)
+    lo = PERIOD * p + m % (PERIOD * p)  # m - lo is a whole number of periods
+    t_lo, t_hi = run(lo), run(lo + PERIOD * p)
+    return t_hi + (m - lo - PERIOD * p) // (PERIOD * p) * (t_hi - t_lo)
+
+
+def step_time(
+    cfg: Config, hw: Hardware, gpus_per_node: int, memo: Memo, simulate: bool = True
+) -> StepTime:
+    """The predicted seconds of one optimizer step of `cfg` (validated) on `hw`;
+    `simulate=False` leaves the pipeline's bubble out (a lower bound, for pruning)."""
+    par, m = cfg.parallel, cfg.accumulation
+    links = Links.of(cfg, hw, gpus_per_node)
+    plans = _all_plans(cfg)
+    p2p = p2p_seconds(cfg, links.pp)
+    by_stage = {
+        plan.stage: _sending(chunk_cost(cfg, hw, links, plan), plan, (1 - hw.overlap) * p2p)
+        for ps in plans
+        for plan in ps
+    }
+    costs = [by_stage[g] for g in range(par.pp * par.virtual_stages)]
+    span = makespan(cfg, costs, p2p, memo, simulate)
+    busy = [[by_stage[plan.stage] for plan in ps] for ps in plans]
+    counted = [max(busy, key=lambda cs: sum(c.f + c.b + c.w for c in cs))]
+    if hw.contention > 1 and par.pp > 1:
+        span = _shared_makespan(cfg, hw, costs, busy, p2p, memo, simulate)
+        counted = busy  # the pool does every rank's work: the terms are the ranks' mean
+    compute = m * sum(3 * c.flops for cs in counted for c in cs) / len(counted)
+    recompute = m * sum(c.recompute for cs in counted for c in cs) / len(counted)
+    tp = m * sum(c.tp_f + c.tp_b for cs in counted for c in cs) / len(counted)
+    dp = off = 0.0
+    for ps, cs in zip(plans, busy, strict=True):
+        d, o = _after_pipeline(cfg, hw, links, ps, cs, memo)
+        dp, off = max(dp, d), max(off, o)
+    return StepTime(compute, recompute, tp, span - compute - recompute - tp, dp, off)
+
+
+def _shared_makespan(
+    cfg: Config,
+    hw: Hardware,
+    costs: list[ChunkCost],
+    busy: list[list[ChunkCost]],
+    p2p: float,
+    memo: Memo,
+    exact: bool,
+) -> float:
+    """Ranks sharing cores (`contention` > 1: the costs were measured with every rank busy)
+    run faster while others wait in a bubble. The step is then bounded by the pool (the
+    ranks' mean work at the shared rate) and by the pipeline's critical path at the
+    unshared rate, whichever is longer."""
+    m, k = cfg.accumulation, 1 / hw.contention
+    mean = sum(m * sum(c.f + c.b + c.w for c in cs) for cs in busy) / len(busy)
+    fast = [replace(c, **{f.name: getattr(c, f.name) * k for f in fields(c)}) for c in costs]
+    return max(mean, makespan(cfg, fast, p2p * k, memo, exact))
+
+
+def _after_pipeline(
+    cfg: Config,
+    hw: Hardware,
+    links: Links,
+    plans: list[StagePlan],
+    costs: list[ChunkCost],
+    memo: Memo,
+) -> tuple[float, float]:
+    """(exposed dp seconds, offload seconds) of one pipeline rank (module doc)."""
+    par, m = cfg.parallel, cfg.accumulation
+    traffic = dp_traffic(cfg, links.dp, plans, memo.groups)
+    backward = sum(c.b + c.w for c in costs)  # one micro-batch's backward on this rank
+    if par.zero == 3:  # reduce-scatters and prefetched gathers run beside every F and B
+        window = m * sum(c.f for c in costs) + m * backward
+        overlappable = traffic.reduce_s + traffic.gather_s
+        exposed = overlappable - hw.overlap * min(overlappable, window)
+    else:  # the gradient buckets go out during the backward; the gathers follow the step
+        window = backward * (m if par.zero == 2 else 1)
+        exposed = traffic.reduce_s - hw.overlap * min(traffic.reduce_s, window)
+        exposed += traffic.gather_s
+    return exposed, _offload_seconds(cfg, hw, traffic.shard)
+
+
+def _offload_seconds(cfg: Config, hw: Hardware, shard: int) -> float:
+    """Gradient shard down, parameters up, and the host Adam's reads and writes of the fp32
+    master and moments (plus the gradient it reads); NVMe reads and writes them on disk."""
+    par = cfg.parallel
+    if par.offload == "none":
+        return 0.0
+    prec = Precision.of(par.precision, par.reduce_dtype)
+    states = (1 + ADAM_STATES) * FP32 * shard
+    host = shard * (prec.reduce + prec.param) + 2 * states + shard * FP32
+    seconds = host / hw.host_bandwidth
+    if par.offload == "nvme":
+        seconds += 2 * states / hw.disk_bandwidth
+    return seconds

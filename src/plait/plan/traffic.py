@@ -1,0 +1,120 @@
+"""The bytes plait's comm layer moves for a layout, per rank, with the time each takes.
+
+Every figure comes from the formula the tests assert against `comm.py`'s counts
+(`estimate/formulas.py`): tensor parallel per micro-batch (`tp_comm_per_microbatch`), the
+data-parallel / ZeRO reductions per step (`zero_comm_elements`), and the pipeline's
+point-to-point activations (b·s·h fp32, s/t under sequence parallelism: runtime/engine.py).
+The link an axis uses follows plait's rank order (topology.py): tp fastest, then dp, then pp,
+so a tp group spans tp consecutive ranks, a dp group tp·dp, a pp group the whole world.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from plait.config import Config
+from plait.estimate.formulas import tp_comm_per_microbatch, zero_comm_elements
+from plait.estimate.params import rank_params
+from plait.estimate.states import Precision, flat_groups
+from plait.parallel.pipeline.plan.stages import StagePlan
+from plait.plan.hardware import Hardware, Link
+
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class Links:
+    """The link class of each axis for one layout on nodes of `gpus_per_node`."""
+
+    tp: Link
+    dp: Link
+    pp: Link
+
+    @classmethod
+    def of(cls, cfg: Config, hw: Hardware, gpus_per_node: int) -> Links:
+        par = cfg.parallel
+        return cls(
+            hw.link(par.tp, gpus_per_node),
+            hw.link(par.tp * par.dp, gpus_per_node),
+            hw.link(par.tp * par.dp * par.pp, gpus_per_node),
+        )
+
+
+def tp_seconds(
+    cfg: Config, link: Link, plan: StagePlan, recompute_full: bool
+) -> tuple[float, float]:
+    """(forward, backward) seconds of one micro-batch's tp collectives on one chunk. Full
+    recomputation runs each block's forward again inside the backward, collectives included."""
+    par, t = cfg.parallel, cfg.train
+    if par.tp == 1:
+        return 0.0, 0.0
+    e = Precision.of(par.precision, par.reduce_dtype).param
+    bs = t.micro_batch * t.seq_len
+    fwd, bwd = tp_comm_per_microbatch(
+        len(plan.layers), bs * cfg.model.d_model, bs, par.sequence_parallel, plan.first, plan.last
+    )
+    again = (
+        tp_comm_per_microbatch(
+            len(plan.layers), bs * cfg.model.d_model, bs, par.sequence_parallel, False, False
+        )[0]
+        if recompute_full
+        else {}
+    )
+
+    def seconds(table: dict) -> float:
+        total = 0.0
+        for (op, tag), (calls, elements) in table.items():
+            width = FP32 if tag == "tp-loss" else e
+            total += link.time(op, par.tp, elements * width, calls)
+        return total
+
+    return seconds(fwd), seconds(bwd) + seconds(again)
+
+
+def p2p_seconds(cfg: Config, link: Link) -> float:
+    """One activation (or its gradient) crossing a pipeline boundary: fp32, (b, s/t?, h)."""
+    par, t = cfg.parallel, cfg.train
+    seq = t.seq_len // (par.tp if par.sequence_parallel else 1)
+    return link.time("p2p", 2, t.micro_batch * seq * cfg.model.d_model * FP32)
+
+
+@dataclass(frozen=True)
+class DpTraffic:
+    """One rank's data-parallel traffic per step: seconds of the gradient reduction (which
+    the engine launches during backward, stages 0-2) and of the parameter gathers, and the
+    shard it owns (elements) for offload."""
+
+    reduce_s: float
+    gather_s: float
+    shard: int
+
+
+def dp_traffic(
+    cfg: Config, link: Link, plans: list[StagePlan], memo: dict | None = None
+) -> DpTraffic:
+    """ZeRO's per-step traffic on one pipeline rank (`zero_comm_elements` on its padded
+    flat groups, one call per group and per reduction); `memo` keeps the groups by cut."""
+    par = cfg.parallel
+    prec = Precision.of(par.precision, par.reduce_dtype)
+    memo = {} if memo is None else memo
+    key = (par.tp, par.zero, par.bucket_mb, par.dp, tuple((p.stage, p.layers) for p in plans))
+    if key not in memo:
+        params = rank_params(cfg.model, par.tp, plans)
+        memo[key] = flat_groups(params, par.zero, par.bucket_mb, par.dp)
+    groups = memo[key]
+    padded = sum(p for _, p in groups)
+    shard = padded if par.zero == 0 else padded // par.dp
+    if par.dp == 1:
+        return DpTraffic(0.0, 0.0, shard)
+    k = cfg.accumulation
+    elements = zero_comm_elements(par.zero, padded, k)
+    per_step = {"all_reduce": 1, "reduce_scatter": k if par.zero >= 2 else 1}
+    per_step["all_gather"] = 2 * k if par.zero == 3 else 1
+    reduce_s = gather_s = 0.0
+    for op, n in elements.items():
+        calls = per_step[op] * len(groups)
+        if op == "all_gather":
+            gather_s += link.time(op, par.dp, n * prec.param, calls)
+        else:
+            reduce_s += link.time(op, par.dp, n * prec.reduce, calls)
+    return DpTraffic(reduce_s, gather_s, shard)
