@@ -50,6 +50,12 @@ def test_command_is_valid(where: str, argv: list[str], tmp_path, monkeypatch) ->
         with pytest.raises(SystemExit) if "--help" in argv else nullcontext():
             main(argv)
         return
+    if argv[0] in ("checkpoint", "tokenizer", "data"):  # write files: parsed, not run
+        build_parser().parse_args(argv)
+        return
+    if "--tokenizer" in argv and not Path(argv[argv.index("--tokenizer") + 1]).exists():
+        build_parser().parse_args(argv)  # names a tokenizer trained by a line above
+        return
     if argv[0] == "checkpoint":  # names a checkpoint of an earlier run: parsed, not run
         build_parser().parse_args(argv)
         return
