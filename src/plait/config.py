@@ -366,6 +366,7 @@ def _validate_corpus(cfg: Config) -> None:
     t = cfg.train
     available = stream_length(cfg.data.path, cfg.data.tokenizer, cfg.data.max_bytes)
     source = cfg.data.path or "the default corpus"
+    unit = "bytes" if cfg.data.tokenizer_hash is None else "tokens"
     if available == 0:
         raise ConfigError(f"corpus {source!r} holds no text (empty and binary files are skipped)")
     val_tokens = int(available * cfg.data.val_fraction)  # the same arithmetic as split_tokens
@@ -373,7 +374,7 @@ def _validate_corpus(cfg: Config) -> None:
     val_windows = max(0, (val_tokens - 1) // t.seq_len)
     if train_windows < t.global_batch or val_windows < 1:
         raise ConfigError(
-            f"corpus {source!r} has {available} tokens: {train_windows} training and "
+            f"corpus {source!r} has {available} {unit}: {train_windows} training and "
             f"{val_windows} validation sequences of seq_len {t.seq_len}, but one global batch "
             f"needs {t.global_batch} training sequences and validation at least 1"
         )
