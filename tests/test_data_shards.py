@@ -163,3 +163,11 @@ def test_shard_windows_cross_files(made) -> None:
     tail = stream[100:]
     assert len(tail) == len(stream) - 100
     assert torch.equal(torch.from_numpy(tail.read(0, 5)), torch.from_numpy(whole[100:105]))
+
+
+def test_token_dtype_follows_the_vocabulary() -> None:
+    from plait.data.tokenizer import BYTES, TokenizerSpec
+
+    assert BYTES.dtype == np.uint16
+    assert TokenizerSpec("t.json", 2**16, 0, "h").dtype == np.uint16
+    assert TokenizerSpec("t.json", 2**16 + 1, 0, "h").dtype == np.uint32

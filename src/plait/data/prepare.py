@@ -27,6 +27,7 @@ from plait.data.shards import ShardWriter, write_index
 from plait.data.sources import (
     PIECE_BYTES,
     Piece,
+    batched,
     check_sources,
     piece_bytes,
     plan_pieces,
@@ -41,7 +42,8 @@ SHARD_TOKENS = 1 << 27  # 256 MiB of uint16 per shard
 
 @dataclass(frozen=True)
 class PrepareJob:
-    """One `data prepare` request, checked by `check()` before anything runs."""
+    """One `data prepare` request, checked by `check()` before anything runs. Pieces are
+    about `piece_bytes` of input, and one worker task is about that much too."""
 
     data: str | None
     out: Path
@@ -77,13 +79,22 @@ def _quiet_tokenizer() -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 
-def _encode(piece: Piece, text_key: str, spec: TokenizerSpec) -> tuple[np.ndarray, int]:
-    docs = read_piece(piece, text_key)
-    return _encoder(spec).encode(docs), len(docs)
+def _encode(batch: list[Piece], text_key: str, spec: TokenizerSpec) -> list[tuple[np.ndarray, int]]:
+    """Each piece's tokens (its documents joined) and document count; the whole batch goes
+    through the tokenizer in one call."""
+    encoder = _encoder(spec)
+    docs = [read_piece(piece, text_key) for piece in batch]
+    flat = encoder.encode_docs([d for piece_docs in docs for d in piece_docs])
+    out, at = [], 0
+    for piece_docs in docs:
+        out.append((encoder.join(flat[at : at + len(piece_docs)]), len(piece_docs)))
+        at += len(piece_docs)
+    return out
 
 
 class _InProcess(Executor):
-    """One worker: encode in this process (no pool to start, the same code path)."""
+    """One worker: encode in this process (no pool to start, the same code path; the
+    tokenizer's own threads may use every core)."""
 
     def submit(self, fn: Callable, /, *args: Any, **kwargs: Any) -> Future:
         future: Future = Future()
@@ -92,18 +103,27 @@ class _InProcess(Executor):
 
 
 def _ordered(
-    pool: Executor, pieces: Iterator[Piece], text_key: str, spec: TokenizerSpec, window: int
+    pool: Executor,
+    batches: Iterator[list[Piece]],
+    text_key: str,
+    spec: TokenizerSpec,
+    window: int,
 ) -> Iterator[tuple[Piece, np.ndarray, int]]:
-    """Results in piece order with at most `window` pieces submitted and not yet consumed."""
-    pending: deque[tuple[Piece, Future]] = deque()
-    for piece in pieces:
-        pending.append((piece, pool.submit(_encode, piece, text_key, spec)))
+    """(piece, tokens, documents) in source order, with at most `window` batches submitted
+    and not yet consumed: the bound on memory."""
+    pending: deque[tuple[list[Piece], Future]] = deque()
+
+    def finished() -> Iterator[tuple[Piece, np.ndarray, int]]:
+        batch, future = pending.popleft()
+        for piece, (tokens, docs) in zip(batch, future.result(), strict=True):
+            yield piece, tokens, docs
+
+    for batch in batches:
+        pending.append((batch, pool.submit(_encode, batch, text_key, spec)))
         if len(pending) >= window:
-            done, future = pending.popleft()
-            yield done, *future.result()
+            yield from finished()
     while pending:
-        done, future = pending.popleft()
-        yield done, *future.result()
+        yield from finished()
 
 
 def prepare(job: PrepareJob, advance: Callable[[int], None] | None = None) -> dict[str, Any]:
@@ -118,8 +138,8 @@ def prepare(job: PrepareJob, advance: Callable[[int], None] | None = None) -> di
     documents, first = 0, True
     try:
         with _pool(job.workers) as pool:
-            pieces = plan_pieces(files, job.piece_bytes)
-            for piece, tokens, docs in _ordered(pool, pieces, job.text_key, spec, 2 * job.workers):
+            batches = batched(plan_pieces(files, job.piece_bytes), job.piece_bytes)
+            for piece, tokens, docs in _ordered(pool, batches, job.text_key, spec, 2 * job.workers):
                 if piece.starts_doc and not first and docs:
                     writer.write(eos)
                 writer.write(tokens)
@@ -146,7 +166,10 @@ def prepare(job: PrepareJob, advance: Callable[[int], None] | None = None) -> di
 def _pool(workers: int) -> Executor:
     if workers == 1:
         return _InProcess()
-    # fork starts a worker in milliseconds and inherits the imported modules; the
-    # tokenizer is loaded inside each worker, never shared across the fork.
-    ctx = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
+    # forkserver: workers fork from a clean server process that imported this module once,
+    # never from this one (whose threads, a progress bar's among them, a fork would cut).
+    method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    ctx = multiprocessing.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload([__name__])
     return ProcessPoolExecutor(workers, mp_context=ctx, initializer=_quiet_tokenizer)

@@ -118,6 +118,21 @@ def plan_pieces(files: list[Path], piece_bytes: int = PIECE_BYTES) -> Iterator[P
                 start = end
 
 
+def batched(pieces: Iterator[Piece], batch_bytes: int) -> Iterator[list[Piece]]:
+    """Consecutive pieces grouped to about `batch_bytes` of input: one task for a worker,
+    so a folder of small files is not one round trip per file."""
+    batch: list[Piece] = []
+    size = 0
+    for piece in pieces:
+        batch.append(piece)
+        size += piece_bytes(piece)
+        if size >= batch_bytes:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
 def _line_end(fh, at: int, size: int) -> int:
     """The offset just past the first newline at or after `at` (or the end of the file)."""
     if at >= size:

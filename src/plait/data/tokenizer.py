@@ -105,22 +105,29 @@ class Encoder:
         self.spec = spec
         self._tok = _load(Path(spec.path)) if spec.path else None
 
-    def encode(self, docs: Sequence[bytes | str]) -> np.ndarray:
-        """The documents' tokens joined by end-of-document ids, in the spec's dtype."""
-        parts: list[np.ndarray] = []
+    def encode_docs(self, docs: Sequence[bytes | str]) -> list[np.ndarray]:
+        """Each document's tokens, in one `encode_batch` call (no special tokens added:
+        only the end-of-document id separates documents, placed by `join`)."""
         if self._tok is None:
-            parts = [np.frombuffer(_as_bytes(d), dtype=np.uint8) for d in docs]
-        else:
-            texts = [d.decode("utf-8", errors="replace") if isinstance(d, bytes) else d
-                     for d in docs]  # fmt: skip
-            parts = [np.asarray(e.ids, dtype=np.int64) for e in self._tok.encode_batch(texts)]
+            return [np.frombuffer(_as_bytes(d), dtype=np.uint8).astype(self.spec.dtype)
+                    for d in docs]  # fmt: skip
+        texts = [d.decode("utf-8", errors="replace") if isinstance(d, bytes) else d for d in docs]
+        encoded = self._tok.encode_batch(texts, add_special_tokens=False)
+        return [np.asarray(e.ids, dtype=self.spec.dtype) for e in encoded]
+
+    def join(self, parts: Sequence[np.ndarray]) -> np.ndarray:
+        """The documents' tokens with the end-of-document id between them."""
         eos = np.array([self.spec.eos_id], dtype=self.spec.dtype)
         joined: list[np.ndarray] = []
         for i, part in enumerate(parts):
             if i:
                 joined.append(eos)
-            joined.append(part.astype(self.spec.dtype))
+            joined.append(part)
         return np.concatenate(joined) if joined else np.empty(0, self.spec.dtype)
+
+    def encode(self, docs: Sequence[bytes | str]) -> np.ndarray:
+        """The documents' tokens joined by end-of-document ids, in the spec's dtype."""
+        return self.join(self.encode_docs(docs))
 
     def encode_text(self, text: bytes) -> np.ndarray:
         """One stream of raw text (the in-memory `--data` path) as tokens."""
