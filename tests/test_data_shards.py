@@ -171,3 +171,21 @@ def test_token_dtype_follows_the_vocabulary() -> None:
     assert BYTES.dtype == np.uint16
     assert TokenizerSpec("t.json", 2**16, 0, "h").dtype == np.uint16
     assert TokenizerSpec("t.json", 2**16 + 1, 0, "h").dtype == np.uint32
+
+
+def test_a_failure_midway_leaves_nothing_that_looks_complete(tmp_path, monkeypatch) -> None:
+    from plait.data import prepare as prepare_module
+
+    real, calls = prepare_module.read_piece, []
+
+    def failing(piece, key):
+        calls.append(piece)
+        if len(calls) == 3:
+            raise OSError("disk went away")
+        return real(piece, key)
+
+    monkeypatch.setattr(prepare_module, "read_piece", failing)
+    out = tmp_path / "shards"
+    with pytest.raises(OSError, match="disk went away"):
+        prepare(PrepareJob(str(STDLIB_PART), out, piece_bytes=2_000))
+    assert not out.exists() and not (tmp_path / "shards.partial").exists()
