@@ -7,6 +7,8 @@ after 10 steps must agree.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -84,3 +86,36 @@ def test_dropout_changes_the_trajectory(world2):
     with_dropout = world2.run(_parity, dp=2, preset="tiny-gpt", dropout=0.1, steps=3)[0]
     without = world2.run(_parity, dp=2, preset="tiny-gpt", dropout=0.0, steps=3)[0]
     assert with_dropout["losses"][0] != without["losses"][0]
+
+
+def _shard_parity(shards: str) -> list[float]:
+    """dp2 reading memory-mapped shards (a BPE vocabulary) against one process."""
+    from plait.config import follow_tokenizer
+    from plait.data.shards import ShardStream
+    from plait.train import corpus_from_tokens
+
+    cfg = small_config(dp=2, accum=2)
+    cfg.data.path = shards
+    follow_tokenizer(cfg, None)
+    mesh = build_mesh(cfg.parallel.layout, torch.device("cpu"), cfg.parallel.comm_timeout)
+    trainer = Trainer(cfg, mesh)  # reads the shards itself (no corpus handed in)
+    losses = [trainer.train_step().loss for _ in range(cfg.train.steps)]
+    trainer.close()
+    mapped = ShardStream(shards)
+    ref = reference_run(cfg, corpus_from_tokens(mapped.read(0, len(mapped)), cfg))[0]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=RTOL, atol=0)
+    return losses
+
+
+def test_dp2_on_shards_matches_single_process(world2, tmp_path) -> None:
+    import json
+
+    from plait.data.prepare import PrepareJob, prepare
+    from plait.data.sources import iter_texts, source_files
+    from plait.data.tokenizer import train_bpe
+
+    part = str(Path(json.__file__).parent)
+    train_bpe(iter_texts(source_files(part), "text"), 320, tmp_path / "tok.json", None, False)
+    prepare(PrepareJob(part, tmp_path / "shards", str(tmp_path / "tok.json"), shard_tokens=3000))
+    results = world2.run(_shard_parity, str(tmp_path / "shards"))
+    assert results[0] == results[1]

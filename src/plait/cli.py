@@ -1,5 +1,6 @@
 """`plait` command line: `plait train`, `plait estimate`, `plait plan`, `plait calibrate`,
-`plait presets`, `plait schedule`, `plait checkpoint`.
+`plait presets`, `plait schedule`, `plait checkpoint`, and the data commands `plait
+tokenizer`, `plait data` (data_cli.py).
 
 Flags are generated from the config dataclasses, so a field's help string is its flag's help
 and a new field is a new flag. Everything is validated here, before any worker starts.
@@ -23,6 +24,8 @@ from plait.calibrate import add_calibrate_parser
 from plait.checkpoint import inspect
 from plait.checkpoint.store import check_resumable, resolve
 from plait.config import SECTIONS, Config, build_config, flag_name, load_toml
+from plait.data_cli import COMMANDS as DATA_COMMANDS
+from plait.data_cli import add_data_commands, run_data_command
 from plait.device import device_kind
 from plait.errors import ConfigError
 from plait.launch import Interrupted, WorkerFailure, launch, under_torchrun
@@ -51,6 +54,8 @@ def _value_type(f: dataclasses.Field) -> Any:
 def _add_section(parser: argparse.ArgumentParser, section: str, cls: type) -> None:
     group = parser.add_argument_group(section)
     for f in dataclasses.fields(cls):
+        if f.metadata.get("derived"):  # computed from other fields, never given
+            continue
         kind = _value_type(f)
         kwargs: dict[str, Any] = {"dest": f"{section}.{f.name}", "default": argparse.SUPPRESS}
         default = "the preset's" if section == "model" else f.default
@@ -91,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     sched.add_argument("--virtual-stages", type=int, default=1, help="chunks per rank (v)")
     sched.add_argument("--out", default=None, help="folder for the PNG chart and trace JSON")
     _add_checkpoint_commands(sub)
+    add_data_commands(sub)
     return parser
 
 
@@ -235,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         return _schedule(args, err)
     if args.command == "checkpoint":
         return _checkpoint(args, err)
+    if args.command in DATA_COMMANDS:
+        return run_data_command(args, err)
     if args.command == "estimate":
         return _estimate(args, err)
     if args.command in ("plan", "calibrate"):

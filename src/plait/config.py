@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from plait.data import corpus_bytes_available
+from plait.data import data_tokenizer, stream_length
 from plait.device import cuda_available
 from plait.errors import ConfigError
 from plait.models.config import ModelConfig
@@ -120,6 +120,14 @@ class DataConfig:
     )
     max_bytes: int = field(default=8_000_000, metadata={"help": "read at most this many bytes"})
     val_fraction: float = field(default=0.05, metadata={"help": "tail share held out"})
+    tokenizer: str | None = field(
+        default=None,
+        metadata={"help": "tokenizer.json or Hugging Face tokenizer folder; default: bytes"},
+    )
+    tokenizer_hash: str | None = field(
+        default=None,
+        metadata={"help": "SHA-256 of the tokenizer (bytes: none); derived", "derived": True},
+    )
 
 
 @dataclass
@@ -219,7 +227,24 @@ def build_config(preset: str, overrides: dict[str, dict[str, Any]]) -> Config:
                 )
             setattr(target, key, value)
     _derive_micro_batch(cfg)
+    follow_tokenizer(cfg, overrides.get("model", {}).get("vocab_size"))
     return cfg
+
+
+def follow_tokenizer(cfg: Config, explicit_vocab: int | None) -> None:
+    """The model's vocabulary follows a tokenizer (given, or the one the shards were made
+    with); the byte tokenizer keeps the preset's. An explicit, different vocab_size is an
+    error naming both. The tokenizer's hash goes into the config, so a resumed run checks it."""
+    spec = data_tokenizer(cfg.data.path, cfg.data.tokenizer)
+    cfg.data.tokenizer_hash = spec.identity
+    if spec.identity is None:
+        return
+    if explicit_vocab is not None and explicit_vocab != spec.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size {explicit_vocab} does not match the vocabulary of tokenizer "
+            f"{spec.name}, {spec.vocab_size}; leave --vocab-size out to follow the tokenizer"
+        )
+    cfg.model.vocab_size = spec.vocab_size
 
 
 def _derive_micro_batch(cfg: Config) -> None:
@@ -337,7 +362,7 @@ def validate_config(cfg: Config, check_data: bool = True) -> None:
         raise ConfigError(f"device must be auto, cpu or cuda; got {t.device!r}")
     if t.device == "cuda" and not cuda_available():
         raise ConfigError("device 'cuda' was asked for, but this torch sees no CUDA device")
-    if cfg.model.vocab_size < 256:
+    if cfg.data.tokenizer_hash is None and cfg.model.vocab_size < 256:
         raise ConfigError(
             f"model.vocab_size {cfg.model.vocab_size} is smaller than the byte tokenizer's 256"
         )
@@ -349,8 +374,9 @@ def validate_config(cfg: Config, check_data: bool = True) -> None:
 
 def _validate_corpus(cfg: Config) -> None:
     t = cfg.train
-    available = corpus_bytes_available(cfg.data.path, cfg.data.max_bytes)
+    available = stream_length(cfg.data.path, cfg.data.tokenizer, cfg.data.max_bytes)
     source = cfg.data.path or "the default corpus"
+    unit = "bytes" if cfg.data.tokenizer_hash is None else "tokens"
     if available == 0:
         raise ConfigError(f"corpus {source!r} holds no text (empty and binary files are skipped)")
     val_tokens = int(available * cfg.data.val_fraction)  # the same arithmetic as split_tokens
@@ -358,7 +384,7 @@ def _validate_corpus(cfg: Config) -> None:
     val_windows = max(0, (val_tokens - 1) // t.seq_len)
     if train_windows < t.global_batch or val_windows < 1:
         raise ConfigError(
-            f"corpus {source!r} has {available} bytes: {train_windows} training and "
+            f"corpus {source!r} has {available} {unit}: {train_windows} training and "
             f"{val_windows} validation sequences of seq_len {t.seq_len}, but one global batch "
             f"needs {t.global_batch} training sequences and validation at least 1"
         )

@@ -22,9 +22,10 @@ from plait.checkpoint import io as ckpt_io
 from plait.checkpoint import store
 from plait.comm import Comm
 from plait.config import Config
-from plait.data import load_tokens, split_tokens, unigram_entropy
+from plait.data import baseline_sample, load_stream, split_tokens, unigram_entropy
 from plait.data.batches import Corpus, StepBatches
 from plait.data.sampler import TokenWindows
+from plait.data.shards import ShardStream
 from plait.mesh import Mesh
 from plait.models.config import ModelConfig
 from plait.models.init import init_parameters, initial_values, tie_all
@@ -87,14 +88,16 @@ def _to_device_without_storage(model: nn.Module, device: torch.device) -> None:
 
 
 def load_corpus(cfg: Config) -> Corpus:
-    tokens = load_tokens(cfg.data.path, cfg.data.max_bytes)
+    """Raw text read into memory, or prepared shards memory-mapped (data/stream.py)."""
+    tokens = load_stream(cfg.data.path, cfg.data.tokenizer, cfg.data.max_bytes)
     return corpus_from_tokens(tokens, cfg)
 
 
-def corpus_from_tokens(tokens: np.ndarray, cfg: Config) -> Corpus:
+def corpus_from_tokens(tokens: np.ndarray | ShardStream, cfg: Config) -> Corpus:
     train, val = split_tokens(tokens, cfg.data.val_fraction)
     seq = cfg.train.seq_len
-    return Corpus(TokenWindows(train, seq), TokenWindows(val, seq), unigram_entropy(train))
+    baseline = unigram_entropy(baseline_sample(train))
+    return Corpus(TokenWindows(train, seq), TokenWindows(val, seq), baseline)
 
 
 def _streams_init(cfg: Config) -> bool:

@@ -102,7 +102,7 @@ def read_trainer(path: Path) -> dict[str, Any]:
 
 
 KEPT = (("train", "global_batch"), ("train", "seq_len"), ("train", "seed"), ("data", "path"),
-        ("data", "max_bytes"), ("data", "val_fraction"))  # fmt: skip
+        ("data", "max_bytes"), ("data", "val_fraction"), ("data", "tokenizer_hash"))  # fmt: skip
 """What a resumed run must share with the saved one besides the model: the global batch and
 the data, or the continued trajectory would not be the saved run's."""
 

@@ -1,4 +1,5 @@
-"""Data: the corpus as byte tokens (corpus.py) and the global-batch sampler (sampler.py)."""
+"""Data: the corpus (corpus.py, sources.py), tokenizers (tokenizer.py), token shards
+(prepare.py, shards.py), the run's token stream (stream.py) and the sampler (sampler.py)."""
 
 from plait.data.corpus import (
     ByteTokenizer,
@@ -16,18 +17,23 @@ from plait.data.sampler import (
     replica_share,
     split_micro,
 )
+from plait.data.stream import baseline_sample, data_tokenizer, load_stream, stream_length
 
 __all__ = [
     "ByteTokenizer",
     "GlobalBatchSampler",
     "TokenWindows",
+    "baseline_sample",
     "corpus_bytes_available",
     "corpus_files",
+    "data_tokenizer",
     "default_corpus_dir",
     "eval_indices",
+    "load_stream",
     "load_tokens",
     "replica_share",
     "split_micro",
     "split_tokens",
+    "stream_length",
     "unigram_entropy",
 ]

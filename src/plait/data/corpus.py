@@ -11,11 +11,14 @@ import os
 import sysconfig
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
 
 from plait.errors import ConfigError
+
+TokensT = TypeVar("TokensT")  # an array, or a ShardStream (which slices like one)
 
 # Directory names never descended into: bytecode caches and third-party packages are
 # not "the text this machine has", and site-packages differs between machines.
@@ -101,15 +104,17 @@ def _file_is_binary(file: Path) -> bool:
         return True
 
 
-def _candidates(path: str | Path | None) -> tuple[Path, Iterator[tuple[Path, int]], bool]:
+def _candidates(
+    path: str | Path | None, binary_ok: tuple[str, ...] = ()
+) -> tuple[Path, Iterator[tuple[Path, int]], bool]:
     """The resolved corpus path (None: the stdlib), files that may belong to it, and
     whether to probe them for binary (and skip those). A single file is the user's choice,
     but one that is not text (a NUL byte in its head) is refused rather than trained on
-    as machine code.
+    as machine code, unless its suffix is in `binary_ok` (a format that holds text).
     """
     path = default_corpus_dir() if path is None else Path(path)
     if path.is_file():
-        if _file_is_binary(path):
+        if path.suffix not in binary_ok and _file_is_binary(path):
             raise ConfigError(
                 f"corpus file {str(path)!r} is not text (it has NUL bytes in its first "
                 f"{_BINARY_PROBE_BYTES} bytes); give a text file or a folder of text files"
@@ -122,15 +127,21 @@ def _candidates(path: str | Path | None) -> tuple[Path, Iterator[tuple[Path, int
     raise ConfigError(f"corpus path {str(path)!r} is neither a regular file nor a directory")
 
 
-def corpus_files(path: Path) -> list[Path]:
+def corpus_files(path: Path | None, binary_ok: tuple[str, ...] = ()) -> list[Path]:
     """The corpus files at ``path`` in the order ``load_tokens`` concatenates them.
 
     A file gives itself. A folder gives its non-empty regular files recursively, sorted
     by relative path, skipping hidden entries, ``__pycache__`` and ``site-packages``;
-    the default (stdlib) folder keeps only ``*.py``, a user folder skips binary files.
+    the default (stdlib, ``path=None``) folder keeps only ``*.py``, a user folder skips
+    binary files except those whose suffix is in ``binary_ok`` (``data prepare`` reads
+    ``.parquet``).
     """
-    _, files, probe = _candidates(path)
-    return [file for file, _ in files if not (probe and _file_is_binary(file))]
+    _, files, probe = _candidates(path, binary_ok)
+    return [
+        file
+        for file, _ in files
+        if not (probe and file.suffix not in binary_ok and _file_is_binary(file))
+    ]
 
 
 def _check_max_bytes(max_bytes: int) -> None:
@@ -190,9 +201,10 @@ def corpus_bytes_available(path: str | Path | None, max_bytes: int) -> int:
     return total
 
 
-def split_tokens(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+def split_tokens(tokens: TokensT, val_fraction: float) -> tuple[TokensT, TokensT]:
     """Split the stream into (train, val): validation is the last ``val_fraction``.
 
+    ``tokens`` is an array or a memory-mapped ``ShardStream``: both slice alike.
     A contiguous tail (not a random sample of windows) keeps validation text unseen in
     training and the split independent of any seed.
     """

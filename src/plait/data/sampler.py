@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from plait.data.shards import ShardStream
 from plait.errors import ConfigError
 
 
@@ -30,9 +31,13 @@ class TokenWindows:
     there are ``(len(tokens) - 1) // seq_len`` of them.
     """
 
-    def __init__(self, tokens: np.ndarray, seq_len: int) -> None:
+    def __init__(self, tokens: np.ndarray | ShardStream, seq_len: int) -> None:
         if seq_len < 1:
             raise ConfigError(f"seq_len must be at least 1, got {seq_len}")
+        if isinstance(tokens, ShardStream):  # memory-mapped: windows are read when drawn
+            self._init_mapped(tokens, seq_len)
+            return
+        self._stream: ShardStream | None = None
         arr = np.asarray(tokens)
         if arr.ndim != 1:
             raise ConfigError(f"tokens must be 1-D, got shape {tuple(arr.shape)}")
@@ -48,6 +53,15 @@ class TokenWindows:
         self._num = (len(arr) - 1) // seq_len
         self._offsets = torch.arange(seq_len + 1, dtype=torch.int64)
 
+    def _init_mapped(self, stream: ShardStream, seq_len: int) -> None:
+        if len(stream) < seq_len + 1:
+            raise ConfigError(
+                f"{len(stream)} tokens are too few for one window of seq_len {seq_len} "
+                f"(need at least {seq_len + 1})"
+            )
+        self.seq_len, self._stream = seq_len, stream
+        self._num = (len(stream) - 1) // seq_len
+
     def __len__(self) -> int:
         return self._num
 
@@ -59,7 +73,11 @@ class TokenWindows:
                 f"window indices must lie in 0..{self._num - 1}, "
                 f"got min {int(idx.min())} and max {int(idx.max())}"
             )
-        spans = self._tokens[idx[:, None] * self.seq_len + self._offsets].long()  # (b, s+1)
+        if self._stream is not None:
+            starts = idx.numpy() * self.seq_len
+            spans = torch.from_numpy(self._stream.take(starts, self.seq_len + 1))  # (b, s+1)
+        else:
+            spans = self._tokens[idx[:, None] * self.seq_len + self._offsets].long()  # (b, s+1)
         return spans[:, :-1].contiguous(), spans[:, 1:].contiguous()
 
 

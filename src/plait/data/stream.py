@@ -1,0 +1,59 @@
+"""The token stream a run trains on: raw text read into memory, or prepared shards mapped.
+
+`--data` names either; a folder with `index.json` is shards (memory-mapped, no full read),
+anything else is raw text read up to `--max-bytes` and tokenized in memory (bytes by default,
+or `--tokenizer`). Both give a stream that `TokenWindows` cuts the same way, and `split_tokens`
+splits by the same rule, so shards and raw text of the same tokens train identically.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from plait.data.corpus import corpus_bytes_available, load_tokens
+from plait.data.shards import ShardStream, is_shard_dir, read_index, shard_tokenizer
+from plait.data.tokenizer import BYTES, Encoder, TokenizerSpec, resolve_tokenizer
+
+# The unigram baseline of a mapped stream is counted on its first tokens only: a full pass
+# over a corpus much larger than memory would cost minutes at every start.
+BASELINE_TOKENS = 1 << 24
+
+
+def data_tokenizer(path: str | None, tokenizer: str | None) -> TokenizerSpec:
+    """The tokenizer of a run's data: the shards' own (checked against `tokenizer` when
+    given), else `tokenizer`, else bytes."""
+    given = resolve_tokenizer(tokenizer) if tokenizer else None
+    if is_shard_dir(path):
+        return shard_tokenizer(path, given)
+    return given or BYTES
+
+
+def load_stream(
+    path: str | None, tokenizer: str | None, max_bytes: int
+) -> np.ndarray | ShardStream:
+    """The run's whole token stream (train and validation, before the split)."""
+    if is_shard_dir(path):
+        data_tokenizer(path, tokenizer)  # the same check as before the workers started
+        return ShardStream(path)
+    tokens = load_tokens(path, max_bytes)
+    if not tokenizer:
+        return tokens
+    return Encoder(resolve_tokenizer(tokenizer)).encode_text(tokens.tobytes())
+
+
+def stream_length(path: str | None, tokenizer: str | None, max_bytes: int) -> int:
+    """Tokens `load_stream` gives, as cheaply as it can be known: the shard index, the file
+    sizes for bytes; raw text with a tokenizer is tokenized (that is the only way to know)."""
+    if is_shard_dir(path):
+        return int(read_index(path)["tokens"])
+    if not tokenizer:
+        return corpus_bytes_available(path, max_bytes)
+    return len(load_stream(path, tokenizer, max_bytes))
+
+
+def baseline_sample(tokens: np.ndarray | ShardStream) -> np.ndarray:
+    """The tokens the unigram baseline is counted on: all of an in-memory stream, the first
+    `BASELINE_TOKENS` of a mapped one."""
+    if isinstance(tokens, ShardStream):
+        return tokens.read(0, min(len(tokens), BASELINE_TOKENS))
+    return tokens

@@ -1,0 +1,171 @@
+"""Tokenizers: the built-in byte tokenizer or a Hugging Face `tokenizers` byte-level BPE.
+
+A tokenizer here is named by a path (`--tokenizer`): a `tokenizer.json` file or a local
+Hugging Face tokenizer folder holding one; no path means the byte tokenizer (vocabulary 256,
+nothing to ship). Its identity is the SHA-256 of the `tokenizer.json` bytes: the shard index
+and the checkpoint record it, so tokens made by one tokenizer are never read with another.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from plait.errors import ConfigError
+
+# The end-of-document token a trained tokenizer gets, and the names looked for in others.
+EOS_TOKEN = "<|endoftext|>"
+_EOS_CANDIDATES = (EOS_TOKEN, "</s>", "<|end_of_text|>", "<eos>")
+BYTE_EOS = 10  # the byte tokenizer separates documents with "\n", as raw text does
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """What a run and the shard index need to know about a tokenizer, without loading it
+    in every process: where it is, its vocabulary, its end-of-document id and identity."""
+
+    path: str | None  # the tokenizer.json file; None: bytes
+    vocab_size: int
+    eos_id: int
+    identity: str | None  # SHA-256 of tokenizer.json; None: the byte tokenizer
+
+    @property
+    def name(self) -> str:
+        return self.path or "bytes"
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The narrowest token dtype that holds every id: uint16 when it fits."""
+        return np.dtype(np.uint16 if self.vocab_size <= 2**16 else np.uint32)
+
+
+BYTES = TokenizerSpec(None, 256, BYTE_EOS, None)
+
+
+def _json_file(path: Path) -> Path:
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise ConfigError(
+            f"tokenizer {str(path)!r} does not exist (give a tokenizer.json file or a "
+            "Hugging Face tokenizer folder holding one)"
+        )
+    return path
+
+
+def _eos_name(file: Path, vocab: dict[str, int]) -> str:
+    """The folder's tokenizer_config.json `eos_token` if it names one, else a usual name."""
+    config = file.parent / "tokenizer_config.json"
+    if config.is_file():
+        eos = json.loads(config.read_text()).get("eos_token")
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        if isinstance(eos, str) and eos in vocab:
+            return eos
+    for name in _EOS_CANDIDATES:
+        if name in vocab:
+            return name
+    raise ConfigError(
+        f"tokenizer {str(file)!r} has no end-of-document token (none of "
+        f"{', '.join(_EOS_CANDIDATES)}); documents need one between them"
+    )
+
+
+def resolve_tokenizer(path: str | Path | None) -> TokenizerSpec:
+    """The spec of the tokenizer at `path` (None: bytes); ConfigError if it cannot load."""
+    if path is None or str(path) == "":
+        return BYTES
+    file = _json_file(Path(path))
+    raw = file.read_bytes()
+    tok = _load(file)
+    vocab = tok.get_vocab(with_added_tokens=True)
+    eos = _eos_name(file, vocab)
+    size = tok.get_vocab_size(with_added_tokens=True)
+    return TokenizerSpec(str(file), size, vocab[eos], hashlib.sha256(raw).hexdigest())
+
+
+def _load(file: Path):  # -> tokenizers.Tokenizer
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as e:  # tokenizers raises a bare Exception on a bad file
+        raise ConfigError(f"tokenizer {str(file)!r} cannot be loaded: {e}") from None
+
+
+class Encoder:
+    """Turns documents (bytes of text files, str of records) into one token array with the
+    end-of-document id between them; made once per worker process."""
+
+    def __init__(self, spec: TokenizerSpec) -> None:
+        self.spec = spec
+        self._tok = _load(Path(spec.path)) if spec.path else None
+
+    def encode_docs(self, docs: Sequence[bytes | str]) -> list[np.ndarray]:
+        """Each document's tokens, in one `encode_batch` call (no special tokens added:
+        only the end-of-document id separates documents, placed by `join`)."""
+        if self._tok is None:
+            return [np.frombuffer(_as_bytes(d), dtype=np.uint8).astype(self.spec.dtype)
+                    for d in docs]  # fmt: skip
+        texts = [d.decode("utf-8", errors="replace") if isinstance(d, bytes) else d for d in docs]
+        encoded = self._tok.encode_batch(texts, add_special_tokens=False)
+        return [np.asarray(e.ids, dtype=self.spec.dtype) for e in encoded]
+
+    def join(self, parts: Sequence[np.ndarray]) -> np.ndarray:
+        """The documents' tokens with the end-of-document id between them."""
+        eos = np.array([self.spec.eos_id], dtype=self.spec.dtype)
+        joined: list[np.ndarray] = []
+        for i, part in enumerate(parts):
+            if i:
+                joined.append(eos)
+            joined.append(part)
+        return np.concatenate(joined) if joined else np.empty(0, self.spec.dtype)
+
+    def encode(self, docs: Sequence[bytes | str]) -> np.ndarray:
+        """The documents' tokens joined by end-of-document ids, in the spec's dtype."""
+        return self.join(self.encode_docs(docs))
+
+    def encode_text(self, text: bytes) -> np.ndarray:
+        """One stream of raw text (the in-memory `--data` path) as tokens."""
+        return self.encode([text])
+
+
+def _as_bytes(doc: bytes | str) -> bytes:
+    return doc if isinstance(doc, bytes) else doc.encode("utf-8")
+
+
+def train_bpe(
+    texts: Iterable[str], vocab_size: int, out: Path, length: int | None, progress: bool
+) -> TokenizerSpec:
+    """Train a byte-level BPE tokenizer (GPT-2's scheme) on `texts` and save it to `out`.
+
+    Byte-level means every string is encodable (the 256 bytes are the base alphabet), so
+    the vocabulary must hold them plus the end-of-document token.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    floor = 256 + 1
+    if vocab_size < floor:
+        raise ConfigError(
+            f"vocab_size {vocab_size} is too small for a byte-level BPE: it needs the 256 "
+            f"bytes and {EOS_TOKEN}, at least {floor}"
+        )
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=progress,
+    )
+    tok.train_from_iterator(texts, trainer, length=length)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tok.save(str(tmp))
+    tmp.replace(out)
+    return resolve_tokenizer(out)

@@ -1,0 +1,110 @@
+"""`plait tokenizer train` and `plait data prepare`: the data commands, parsed and run here
+so that cli.py only hands them over."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+
+from plait.data.prepare import SHARD_TOKENS, PrepareJob, prepare
+from plait.data.sources import check_sources, iter_texts, source_files, total_bytes
+from plait.data.tokenizer import train_bpe
+from plait.errors import ConfigError
+
+COMMANDS = ("tokenizer", "data")
+
+
+def add_data_commands(sub: argparse._SubParsersAction) -> None:
+    tok = sub.add_parser("tokenizer", help="train a byte-level BPE tokenizer (HF tokenizers)")
+    tok_actions = tok.add_subparsers(dest="action", required=True)
+    train = tok_actions.add_parser("train", help="train on text files, folders, .jsonl, .parquet")
+    _add_data_flag(train)
+    train.add_argument("--vocab-size", type=int, required=True, help="tokens, with <|endoftext|>")
+    train.add_argument("--out", required=True, help="the tokenizer.json file to write")
+    _add_common(train)
+    data = sub.add_parser("data", help="prepare token shards for `plait train --data DIR`")
+    data_actions = data.add_subparsers(dest="action", required=True)
+    prep = data_actions.add_parser("prepare", help="tokenize text into memory-mapped shards")
+    _add_data_flag(prep)
+    prep.add_argument(
+        "--tokenizer", default=None, help="tokenizer.json or HF folder; default: bytes"
+    )
+    prep.add_argument("--out", required=True, help="the shard folder to write")
+    prep.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes")
+    prep.add_argument("--shard-tokens", type=int, default=SHARD_TOKENS, help="tokens per shard")
+    prep.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    _add_common(prep)
+
+
+def _add_data_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--data", default=None, help="file or folder (default: the standard library sources)"
+    )
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--text-key", default="text", help=".jsonl field / .parquet column")
+    parser.add_argument(
+        "--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar"
+    )
+
+
+def run_data_command(args: argparse.Namespace, err: Console) -> int:
+    """Run `tokenizer train` or `data prepare`; bad input is one line on stderr, exit 2."""
+    try:
+        if args.command == "tokenizer":
+            return _train_tokenizer(args)
+        return _prepare(args)
+    except ConfigError as e:
+        err.print("[bold red]plait: error:[/] " + escape(str(e)), highlight=False)
+        return 2
+
+
+def _train_tokenizer(args: argparse.Namespace) -> int:
+    files = source_files(args.data)
+    check_sources(files, args.text_key)
+    spec = train_bpe(
+        iter_texts(files, args.text_key), args.vocab_size, Path(args.out), None, args.progress
+    )
+    Console().print(f"wrote {args.out}: vocabulary {spec.vocab_size}, sha256 {spec.identity}")
+    return 0
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    job = PrepareJob(
+        data=args.data,
+        out=Path(args.out),
+        tokenizer=args.tokenizer,
+        text_key=args.text_key,
+        workers=args.workers,
+        shard_tokens=args.shard_tokens,
+        overwrite=args.overwrite,
+    )
+    total = total_bytes(source_files(args.data))
+    began = time.perf_counter()
+    columns = (TextColumn("tokenizing"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+               TimeRemainingColumn())  # fmt: skip
+    with Progress(*columns, disable=not args.progress) as bar:
+        task = bar.add_task("prepare", total=total)
+        index = prepare(job, lambda n: bar.advance(task, n))
+    seconds = time.perf_counter() - began
+    Console().print(
+        f"wrote {args.out}: {index['tokens']:,} tokens ({index['dtype']}) in "
+        f"{len(index['shards'])} shards from {len(index['sources'])} files, "
+        f"{index['documents']:,} documents; {total / seconds / 1e6:,.1f} MB/s, "
+        f"{index['tokens'] / seconds:,.0f} tokens/s"
+    )
+    return 0
