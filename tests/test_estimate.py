@@ -119,6 +119,7 @@ def test_cli_prints_a_table_and_json(capsys):
         (["--pp", "8"], "more pipeline stages (pp x virtual stages = 8) than layers (4)"),
         (["--pp", "2", "--stage-layers", "3,2"], "stage layer counts [3, 2] must be 2 numbers"),
         (["--device-memory", "0.001"], "nothing fits: pipeline stage 0 needs 0.05 GiB"),
+        (["--dp", "2", "--dp-mode", "naive"], "the estimator models dp_mode ddp; dp_mode naive"),
     ],
 )
 def test_bad_input_is_one_line_naming_the_values(argv, message, capsys):

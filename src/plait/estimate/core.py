@@ -14,6 +14,7 @@ loaded rank of that stage.
 from __future__ import annotations
 
 from plait.config import Config
+from plait.errors import ConfigError
 from plait.estimate import activations as act
 from plait.estimate.buffers import buffer_lines, zero_buffers
 from plait.estimate.formulas import (
@@ -37,6 +38,11 @@ def estimate(cfg: Config, schedule: Schedule | None = None) -> Estimate:
     already built it (a planner builds each once; its in-flight peak stops growing after a
     few times p micro-batches for every schedule but gpipe); by default the config's own."""
     par, m = cfg.parallel, cfg.model
+    if par.dp_mode != "ddp":
+        raise ConfigError(
+            f"the estimator models dp_mode ddp; dp_mode {par.dp_mode} (rank 0 alone holds the "
+            "optimizer and the gathered logits) is measured by `plait train`, not estimated"
+        )
     sizes = par.stage_layer_counts()
     schedule = schedule or _schedule(cfg)
     ranks = tuple(
