@@ -48,8 +48,11 @@ def add_model_commands(sub: argparse._SubParsersAction) -> None:
 def checkpoint_path(given: str) -> Path:
     """A checkpoint folder, or a run's output folder (its newest checkpoint)."""
     path = Path(given)
-    if (path / "checkpoints").is_dir():
-        return resolve("latest", path) or path
+    if (path / "checkpoints").is_dir() or (path / "summary.json").is_file():
+        latest = resolve("latest", path) if (path / "checkpoints").is_dir() else None
+        if latest is None:
+            raise ConfigError(f"the run {str(path)!r} has no checkpoint (trained with --no-save?)")
+        return latest
     return path
 
 
