@@ -17,6 +17,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from hf_models import gpt2_config, hf_model, llama_config, save  # noqa: E402
 from plait.checkpoint.inspect import load_model  # noqa: E402
 from plait.cli import main  # noqa: E402
 from plait.errors import ConfigError  # noqa: E402
@@ -30,41 +31,20 @@ RTOL, ATOL = 1e-5, 1e-6
 VOCAB = 300  # above the byte tokenizer's 256, so plait can train on bytes
 
 
-def llama_config(**over) -> transformers.LlamaConfig:
-    shape = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                 rms_norm_eps=1e-5, rope_theta=5000.0)  # fmt: skip
-    return transformers.LlamaConfig(**(shape | over))
-
-
-def gpt2_config(**over) -> transformers.GPT2Config:
-    shape = dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64)
-    return transformers.GPT2Config(**(shape | over))
-
-
-def save(model, folder: Path, **kw) -> Path:
-    model.eval()
-    model.save_pretrained(folder, **kw)
-    return folder
-
-
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf")
-    torch.manual_seed(0)
-    llama = transformers.LlamaForCausalLM
     return {
-        "llama": save(llama(llama_config()), root / "llama"),
-        "llama-tied": save(llama(llama_config(tie_word_embeddings=True)), root / "llama-tied"),
-        "llama-sharded": save(llama(llama_config()), root / "sharded", max_shard_size="60KB"),
-        "gpt2": save(transformers.GPT2LMHeadModel(gpt2_config()), root / "gpt2"),
+        "llama": save(llama_config(), root / "llama"),
+        "llama-tied": save(llama_config(tie_word_embeddings=True), root / "llama-tied"),
+        "llama-sharded": save(llama_config(), root / "sharded", seed=1, max_shard_size="60KB"),
+        "gpt2": save(gpt2_config(), root / "gpt2"),
     }
 
 
 def hf_logits(folder: Path, tokens: torch.Tensor) -> torch.Tensor:
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
     with torch.no_grad():
-        return model(tokens).logits
+        return hf_model(folder)(tokens).logits
 
 
 def plait_from(folder: Path) -> Transformer:

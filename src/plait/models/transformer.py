@@ -244,12 +244,20 @@ class Transformer(nn.Module):
         cache: KVCache | None = None,
     ) -> Tensor:
         """`cache` (generation): `tokens` continue the cached positions, which it extends."""
-        x = self.embed(tokens, keys, cache.length if cache is not None else 0)  # (b, s, h)
+        if cache is not None:  # generation: one process, the model's own modules
+            return self._decode(tokens, cache)
+        x = self.embed(tokens, keys)  # (b, s, h)
         for block in self.blocks:
-            x = block(x, keys, cache) if cache is not None else block(x, keys)  # (b, s, h)
-        if cache is not None:
-            cache.advance(tokens.shape[1])
+            x = block(x, keys)  # (b, s, h)
         return self.output(x, targets)
+
+    def _decode(self, tokens: Tensor, cache: KVCache) -> Tensor:
+        """Logits of `tokens` at positions cache.length.., extending the cache."""
+        x = self.embed(tokens, None, cache.length)  # (b, s, h)
+        for block in self.blocks:
+            x = block(x, None, cache)  # (b, s, h)
+        cache.advance(tokens.shape[1])
+        return self.output(x)
 
     def output(self, x: Tensor, targets: Tensor | None = None) -> Tensor:
         """Final norm and head: logits, or the mean loss given targets (the last stage's job)."""
