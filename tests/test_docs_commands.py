@@ -50,7 +50,7 @@ def test_command_is_valid(where: str, argv: list[str], tmp_path, monkeypatch) ->
         with pytest.raises(SystemExit) if "--help" in argv else nullcontext():
             main(argv)
         return
-    if argv[0] == "checkpoint":  # names a checkpoint of an earlier run: parsed, not run
+    if argv[0] in ("checkpoint", "export", "generate"):  # name earlier runs: parsed, not run
         build_parser().parse_args(argv)
         return
     if argv[0] == "estimate":  # pure and cheap: run it for real
@@ -61,9 +61,10 @@ def test_command_is_valid(where: str, argv: list[str], tmp_path, monkeypatch) ->
             argv[argv.index("--out") + 1] = str(tmp_path)
         assert main(argv) == 0, where
         return
-    if "--resume" in argv:  # names a checkpoint of an earlier run: checked by test_checkpoint
-        i = argv.index("--resume")
-        del argv[i : i + 2]
+    for flag in ("--resume", "--init-from"):  # an earlier run, a Hugging Face folder: tested
+        if flag in argv:  # by test_checkpoint and test_hf
+            i = argv.index(flag)
+            del argv[i : i + 2]
     if "--data" in argv and not Path(argv[argv.index("--data") + 1]).exists():
         placeholder = tmp_path / "corpus.txt"  # `my_corpus/` stands for the reader's text
         placeholder.write_text("plait reads text. " * 20_000)

@@ -145,7 +145,8 @@ def config_from_args(args: argparse.Namespace, check_data: bool = True) -> Confi
     leaves the corpus unread (the estimator needs only shapes)."""
     overrides: dict[str, dict[str, Any]] = load_toml(args.config) if args.config else {}
     overrides = {k: dict(v) for k, v in overrides.items()}
-    preset = args.preset or overrides.get("model", {}).pop("preset", None)
+    toml_preset = overrides.get("model", {}).pop("preset", None)
+    preset = args.preset or toml_preset
     for dest, value in vars(args).items():
         if "." in dest:
             section, name = dest.split(".", 1)

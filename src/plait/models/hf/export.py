@@ -66,7 +66,6 @@ def write_folder(
     params: dict[str, Tensor],
     out: Path,
     max_shard_bytes: int = 2 * 2**30,
-    tokenizer: Path | None = None,
 ) -> dict[str, Any]:
     """Write full single-process tensors (plait names) as a Hugging Face folder at `out`."""
     check_out(out)
@@ -77,8 +76,6 @@ def write_folder(
     try:
         (tmp / "config.json").write_text(json.dumps(hf, indent=2))
         files = _write_weights(tmp, tensors, max_shard_bytes)
-        if tokenizer is not None:
-            shutil.copyfile(tokenizer, tmp / "tokenizer.json")
         if out.exists():
             out.rmdir()  # empty (check_out)
         tmp.rename(out)
