@@ -24,8 +24,9 @@ from plait.errors import ConfigError  # noqa: E402
 from plait.models.hf.config import model_config  # noqa: E402
 from plait.models.hf.export import shard  # noqa: E402
 from plait.models.hf.load import hf_source, load_config  # noqa: E402
-from plait.models.init import fill_parameters  # noqa: E402
+from plait.models.init import fill_parameters, seeded, source_values  # noqa: E402
 from plait.models.transformer import Transformer  # noqa: E402
+from plait.parallel.tp.sharding import split_spec  # noqa: E402
 
 RTOL, ATOL = 1e-5, 1e-6
 VOCAB = 300  # above the byte tokenizer's 256, so plait can train on bytes
@@ -214,3 +215,24 @@ def test_shards_keep_under_the_limit() -> None:
     tensors = {f"t{i}": torch.zeros(100) for i in range(5)}  # 400 bytes each
     assert [list(s) for s in shard(tensors, 900)] == [["t0", "t1"], ["t2", "t3"], ["t4"]]
     assert [list(s) for s in shard(tensors, 10)] == [[n] for n in sorted(tensors)]
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_a_row_band_reads_the_rows_of_the_local_tensor(folders, kind: str) -> None:
+    """What ZeRO-3 asks for: rows [r0, r1) of a tp shard, vocabulary padding included."""
+    cfg = load_config(folders[kind])
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    # The last of 7 ranks, padded: 300 vocabulary rows -> 42 real + 1 padding, wk's 32 rows
+    # -> 2 + 3, wo's 64 columns -> 4 + 6; GPT-2's wk a column range of c_attn.
+    parts = [(model.embed.tok, 0), (model.blocks[1].attn.wk, 0), (model.blocks[0].attn.wo, 1)]
+    for module, dim in parts:
+        spec = split_spec(tuple(module.weight.shape), dim, 6, 7, pad=True)
+        module.param_shards = {"weight": spec}
+        module.weight = torch.nn.Parameter(torch.empty(spec.shape, device="meta"))
+    for source in (hf_source(folders[kind], cfg), seeded(cfg, 5)):
+        value = source_values(model, source)
+        for p in model.parameters():
+            whole = value(p)
+            for r0, r1 in [(0, 1), (1, whole.shape[0]), (whole.shape[0] - 1, whole.shape[0])]:
+                assert torch.equal(value(p, (r0, r1)), whole[r0:r1])

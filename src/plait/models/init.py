@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -137,11 +138,36 @@ def source_values(model: nn.Module, source: ValueSource) -> Callable[[nn.Paramet
         for leaf, param in module.named_parameters(recurse=False):
             where.setdefault(id(param), (f"{prefix}.{leaf}" if prefix else leaf, shards.get(leaf)))
 
-    def value(param: nn.Parameter) -> Tensor:
+    def value(param: nn.Parameter, rows: tuple[int, int] | None = None) -> Tensor:
+        """The local tensor, or only its dim-0 rows [r0, r1) (what a ZeRO-3 shard needs:
+        a source then reads no more than those rows)."""
         name, shard = where[id(param)]
-        return source(name, tuple(param.shape), shard)
+        shape = tuple(param.shape)
+        if rows is None:
+            return source(name, shape, shard)
+        return source(name, (rows[1] - rows[0], *shape[1:]), row_band(shape, shard, *rows))
 
     return value
+
+
+@dataclass(frozen=True)
+class Band:
+    """A ShardLike for rows [r0, r1) of a local tensor (itself maybe a tp shard)."""
+
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    local_shape: tuple[int, ...]
+
+
+def row_band(shape: tuple[int, ...], shard: ShardLike | None, r0: int, r1: int) -> Band:
+    """Rows [r0, r1) of a local tensor of `shape` as a slice of the full parameter. Padding
+    (vocabulary rows beyond the real ones, always at the end of dim 0) stays out of it."""
+    if shard is None:
+        return Band(shape, (r0, *[0] * (len(shape) - 1)), (r1 - r0, *shape[1:]))
+    real = shard.local_shape[0]
+    offsets = (shard.offsets[0] + min(r0, real), *shard.offsets[1:])
+    local = (max(0, min(r1, real) - r0), *shard.local_shape[1:])
+    return Band(tuple(shard.global_shape), offsets, local)
 
 
 def parameter_names(model: nn.Module) -> dict[int, str]:

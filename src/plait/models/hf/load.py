@@ -103,6 +103,8 @@ def hf_source(folder: Path, cfg: ModelConfig) -> ValueSource:
         p = piece(cfg, table, name)
         local = shard.local_shape if shard is not None else shape
         offsets = shard.offsets if shard is not None else (0,) * len(shape)
+        if 0 in local:  # rows that are all padding: nothing to read
+            return torch.zeros(shape)
         region = tuple(slice(o, o + n) for o, n in zip(offsets, local, strict=True))
         real = p.to_plait(weights.read(p.hf_name, p.hf_region(region))).float()
         return padded(shape, shard, real) if shard is not None else real.contiguous()
