@@ -133,7 +133,7 @@ def run(cfg: Config, mesh: Mesh, corpus: Corpus | None = None) -> RunSummary:
         if log:
             log.close()
         trainer.close()
-    if lead and summary.checkpoint:
+    if lead and summary.checkpoint and summary.params <= SAMPLE_MAX_PARAMS:
         summary.sample = sample(Path(summary.checkpoint), trainer.corpus)
     if lead:
         Path(t.out, "summary.json").write_text(json.dumps(summary.as_dict(), indent=2))
@@ -142,6 +142,7 @@ def run(cfg: Config, mesh: Mesh, corpus: Corpus | None = None) -> RunSummary:
 
 
 SAMPLE_PROMPT, SAMPLE_TOKENS = 16, 48
+SAMPLE_MAX_PARAMS = 150_000_000  # above: reading it whole on one CPU is no longer cheap
 
 
 def sample(checkpoint: Path, corpus: Corpus) -> dict[str, str]:
