@@ -50,7 +50,7 @@ def test_command_is_valid(where: str, argv: list[str], tmp_path, monkeypatch) ->
         with pytest.raises(SystemExit) if "--help" in argv else nullcontext():
             main(argv)
         return
-    if argv[0] in ("calibrate", "checkpoint", "tokenizer", "data"):  # measure or write files
+    if argv[0] in ("calibrate", "checkpoint", "tokenizer", "data", "export", "generate"):
         build_parser().parse_args(argv)
         return
     if argv[0] == "plan":  # pure: run it for real, writing its TOML to a temporary folder
@@ -69,9 +69,10 @@ def test_command_is_valid(where: str, argv: list[str], tmp_path, monkeypatch) ->
             argv[argv.index("--out") + 1] = str(tmp_path)
         assert main(argv) == 0, where
         return
-    if "--resume" in argv:  # names a checkpoint of an earlier run: checked by test_checkpoint
-        i = argv.index("--resume")
-        del argv[i : i + 2]
+    for flag in ("--resume", "--init-from"):  # an earlier run, a Hugging Face folder: tested
+        if flag in argv:  # by test_checkpoint and test_hf
+            i = argv.index(flag)
+            del argv[i : i + 2]
     if "--data" in argv and not Path(argv[argv.index("--data") + 1]).exists():
         placeholder = tmp_path / "corpus.txt"  # `my_corpus/` stands for the reader's text
         placeholder.write_text("plait reads text. " * 20_000)

@@ -87,13 +87,18 @@ def _stage3_never_materializes(**kw) -> None:
     assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
     value, held = initial_values(model, seed, cfg.model), []
 
-    def spy(p: torch.nn.Parameter) -> torch.Tensor:  # bytes the model's parameters hold now
+    asked = []  # elements requested: the shard's rows only, never a whole parameter
+
+    def spy(p: torch.nn.Parameter, rows=None) -> torch.Tensor:  # bytes the model holds now
         held.append(sum(q.untyped_storage().nbytes() for q in model.parameters()))
-        return value(p)
+        asked.append(value(p, rows).numel())
+        return value(p, rows)
 
     adamw = AdamW.from_train(cfg.train)
     engine = ZeroEngine(model, comm, adamw, 3, initial_value=spy)
     assert held and max(held) == 0
+    total = sum(p.numel() for p in model.parameters())
+    assert sum(asked) < 0.6 * total  # half of it, plus rows that straddle the shard edges
     assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
     ref = ZeroEngine(build_model(cfg.model, mesh.device, seed), comm, adamw, 3)
     for mine, theirs in zip(engine.params.shards, ref.params.shards, strict=True):

@@ -1,6 +1,7 @@
 """`plait` command line: `plait train`, `plait estimate`, `plait plan`, `plait calibrate`,
-`plait presets`, `plait schedule`, `plait checkpoint`, and the data commands `plait
-tokenizer`, `plait data` (data_cli.py).
+`plait presets`, `plait schedule`, `plait checkpoint`, the data commands `plait tokenizer`,
+`plait data` (data_cli.py) and the model commands `plait export`, `plait generate`
+(cli_models.py).
 
 Flags are generated from the config dataclasses, so a field's help string is its flag's help
 and a new field is a new flag. Everything is validated here, before any worker starts.
@@ -23,6 +24,7 @@ from rich.table import Table
 from plait.calibrate import add_calibrate_parser
 from plait.checkpoint import inspect
 from plait.checkpoint.store import check_resumable, resolve
+from plait.cli_models import add_model_commands, export_main, generate_main, init_model
 from plait.config import SECTIONS, Config, build_config, flag_name, load_toml
 from plait.data_cli import COMMANDS as DATA_COMMANDS
 from plait.data_cli import add_data_commands, run_data_command
@@ -97,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     sched.add_argument("--out", default=None, help="folder for the PNG chart and trace JSON")
     _add_checkpoint_commands(sub)
     add_data_commands(sub)
+    add_model_commands(sub)
     return parser
 
 
@@ -142,19 +145,32 @@ def _checkpoint(args: argparse.Namespace, err: Console) -> int:
     return 0
 
 
+def _model_command(args: argparse.Namespace, err: Console) -> int:
+    try:
+        (export_main if args.command == "export" else generate_main)(args, Console())
+    except ConfigError as e:
+        err.print("[bold red]plait: error:[/] " + escape(str(e)), highlight=False)
+        return 2
+    return 0
+
+
 def config_from_args(args: argparse.Namespace, check_data: bool = True) -> Config:
     """Preset <- TOML <- flags, then validate (raises ConfigError); `check_data=False`
     leaves the corpus unread (the estimator needs only shapes)."""
     overrides: dict[str, dict[str, Any]] = load_toml(args.config) if args.config else {}
     overrides = {k: dict(v) for k, v in overrides.items()}
-    preset = overrides.get("model", {}).pop("preset", "small-gpt")
-    if args.preset:
-        preset = args.preset
+    toml_preset = overrides.get("model", {}).pop("preset", None)
+    preset = args.preset or toml_preset
     for dest, value in vars(args).items():
         if "." in dest:
             section, name = dest.split(".", 1)
             overrides.setdefault(section, {})[name] = value
-    cfg = build_config(preset, overrides)
+    folder = overrides.get("train", {}).get("init_from")
+    if folder:  # the model is the folder's: explicit model values must agree with it
+        model = init_model(folder, overrides.pop("model", {}), preset)
+        cfg = build_config(f"hf:{folder}", overrides, model)
+    else:
+        cfg = build_config(preset or "small-gpt", overrides)
     cfg.validate(check_data)
     if check_data and under_torchrun():  # every rank would otherwise fail alone, with a traceback
         cfg.parallel.layout.check_world(int(os.environ["WORLD_SIZE"]))
@@ -247,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         return _estimate(args, err)
     if args.command in ("plan", "calibrate"):
         return _planning(args, err)
+    if args.command in ("export", "generate"):
+        return _model_command(args, err)
     try:
         cfg = config_from_args(args)
         out = Path(cfg.train.out)

@@ -168,6 +168,10 @@ class TrainConfig:
     resume: str = field(
         default="", metadata={"help": "continue from 'latest' (in --out) or a checkpoint folder"}
     )
+    init_from: str = field(
+        default="",
+        metadata={"help": "start from a Hugging Face Llama/GPT-2 folder (its config and weights)"},
+    )
     peak_flops: float = field(
         default=0.0, metadata={"help": "peak FLOP/s per device for MFU; 0 = known GPUs only"}
     )
@@ -212,9 +216,12 @@ def flag_name(f: dataclasses.Field) -> str:
     return f.metadata.get("flag", "--" + f.name.replace("_", "-"))
 
 
-def build_config(preset: str, overrides: dict[str, dict[str, Any]]) -> Config:
-    """Preset model + per-section overrides -> Config; unknown keys are errors."""
-    cfg = Config(preset=preset, model=get_preset(preset))
+def build_config(
+    preset: str, overrides: dict[str, dict[str, Any]], model: ModelConfig | None = None
+) -> Config:
+    """Preset model (or `model`, e.g. a Hugging Face folder's) + per-section overrides ->
+    Config; unknown keys are errors."""
+    cfg = Config(preset=preset, model=model or get_preset(preset))
     for section, values in overrides.items():
         if section not in SECTIONS:
             raise ConfigError(f"unknown config section [{section}]; known: {', '.join(SECTIONS)}")

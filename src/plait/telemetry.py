@@ -13,6 +13,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
+from rich.text import Text
 
 
 class MetricsLog:
@@ -92,6 +93,7 @@ class RunSummary:
     checkpoint: str | None = None  # the last checkpoint written
     restarts: int = 0  # times the world was started again after a failure
     stopped_by: int | None = None  # the signal that stopped the run early
+    sample: dict[str, str] | None = None  # {"prompt", "text"}: the trained model writing
 
     @property
     def median_step_s(self) -> float:
@@ -147,4 +149,6 @@ def summary_table(s: RunSummary) -> Table:
         bubble = f"{s.pipeline['measured_bubble']:.1%} measured"
         bubble += f", {s.pipeline['simulated_bubble']:.1%} simulated from measured costs"
         table.add_row(f"pipeline bubble ({s.pipeline['schedule']})", bubble)
+    if s.sample:  # repr: newlines and control bytes stay visible, markup stays text
+        table.add_row("sample", Text(f"{s.sample['prompt']!r} -> {s.sample['text']!r}"))
     return table

@@ -28,7 +28,8 @@ from plait.data.sampler import TokenWindows
 from plait.data.shards import ShardStream
 from plait.mesh import Mesh
 from plait.models.config import ModelConfig
-from plait.models.init import init_parameters, initial_values, tie_all
+from plait.models.hf.load import hf_source
+from plait.models.init import ValueSource, fill_parameters, seeded, source_values, tie_all
 from plait.models.transformer import Transformer
 from plait.parallel.grads import SplitRules, tied_embedding_params
 from plait.parallel.naive_dp import Coordinator, ScatterGather
@@ -50,6 +51,7 @@ def build_model(
     seed: int,
     parallelize: Callable[[Transformer], None] | None = None,
     materialize: bool = True,
+    source: ValueSource | None = None,
 ) -> Transformer:
     """Build on the meta device, parallelize, then materialize on `device` and initialize.
 
@@ -59,6 +61,7 @@ def build_model(
     generator, so the values do not depend on the layout. With `materialize=False` the
     parameters are moved to `device` holding zero bytes and left uninitialized: ZeRO stage 3
     fills its shards from `initial_values` and binds the parameters to its own buffers.
+    `source` replaces the seeded values (a Hugging Face folder: `first_weights`).
     """
     with torch.device("meta"):
         model = Transformer(cfg)
@@ -66,7 +69,7 @@ def build_model(
         parallelize(model)
     if materialize:
         model.to_empty(device=device)
-        init_parameters(model, seed, cfg)
+        fill_parameters(model, source or seeded(cfg, seed))
     else:
         _to_device_without_storage(model, device)
     return model
@@ -100,6 +103,13 @@ def corpus_from_tokens(tokens: np.ndarray | ShardStream, cfg: Config) -> Corpus:
     return Corpus(TokenWindows(train, seq), TokenWindows(val, seq), baseline)
 
 
+def first_weights(cfg: Config) -> ValueSource:
+    """Where the run's first weights come from: `--init-from`'s folder, else the seed."""
+    if cfg.train.init_from:
+        return hf_source(Path(cfg.train.init_from), cfg.model)
+    return seeded(cfg.model, cfg.train.seed)
+
+
 def _streams_init(cfg: Config) -> bool:
     """ZeRO stage 3 initializes shard by shard: the full model is never materialized."""
     return cfg.parallel.zero == 3 and not cfg.parallel.two_bw
@@ -118,7 +128,7 @@ def _zero_engine(cfg: Config, model: Transformer, comm: Comm, pipelined: bool) -
         offload_dir=par.offload_dir,
         bucket_mb=par.bucket_mb,
         isolate=tied_embedding_params(model) if pipelined else [],
-        initial_value=initial_values(model, cfg.train.seed, cfg.model) if streamed else None,
+        initial_value=source_values(model, first_weights(cfg)) if streamed else None,
     )
 
 
@@ -137,9 +147,8 @@ class Trainer:
             if mesh.size("pp") > 1
             else None
         )
-        model = build_model(
-            cfg.model, mesh.device, t.seed, self._parallelize, not _streams_init(cfg)
-        )
+        model = build_model(cfg.model, mesh.device, t.seed, self._parallelize,
+                            not _streams_init(cfg), first_weights(cfg))  # fmt: skip
         self.rules = SplitRules.of(model, mesh)
         replica = (mesh.coord.dp, mesh.size("dp"))
         self.batches = StepBatches(

@@ -17,6 +17,9 @@ from safetensors.torch import save_file
 
 from plait.checkpoint import store
 from plait.checkpoint.io import one_process_is_fine, saved_shapes
+from plait.models.config import ModelConfig
+from plait.models.init import canonical_name, fill_parameters
+from plait.models.transformer import Transformer
 
 
 def _checked(path: Path) -> Path:
@@ -45,13 +48,32 @@ def info(path: Path) -> dict[str, Any]:
     }
 
 
-def consolidate(path: Path, out: Path) -> dict[str, Any]:
-    """Write the full fp32 model (the master weights, single-process names) to safetensors."""
+def read_masters(path: Path) -> dict[str, torch.Tensor]:
+    """The full fp32 master weights under single-process names, whatever layout saved them."""
     shapes = {k: s for k, s in saved_shapes(_checked(path)).items() if k.startswith("master/")}
     request = {k: torch.empty(s, dtype=torch.float32) for k, s in shapes.items()}
     with one_process_is_fine():
         dcp.load(request, checkpoint_id=str(path), no_dist=True)
-    tensors = {k.removeprefix("master/"): t.contiguous() for k, t in request.items()}
+    return {k.removeprefix("master/"): t.contiguous() for k, t in request.items()}
+
+
+def model_config(path: Path) -> ModelConfig:
+    """The model config the checkpoint was trained with."""
+    return ModelConfig(**store.read_trainer(_checked(path))["config"]["model"])
+
+
+def load_model(path: Path) -> Transformer:
+    """The whole trained model in one process (CPU, fp32), from any layout's checkpoint."""
+    cfg = model_config(path)
+    masters = read_masters(path)
+    model = Transformer(cfg)
+    fill_parameters(model, lambda name, shape, shard: masters[canonical_name(cfg, name)])
+    return model
+
+
+def consolidate(path: Path, out: Path) -> dict[str, Any]:
+    """Write the full fp32 model (the master weights, single-process names) to safetensors."""
+    tensors = read_masters(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out), metadata={"step": str(store.read_trainer(path)["step"])})
     return {"tensors": len(tensors), "parameters": sum(t.numel() for t in tensors.values())}

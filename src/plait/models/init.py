@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -73,6 +74,14 @@ class ShardLike(Protocol):
     def local_shape(self) -> tuple[int, ...]: ...
 
 
+def padded(shape: tuple[int, ...], shard: ShardLike, real: Tensor) -> Tensor:
+    """A local tensor of `shape` holding `real` (the shard's data, of `shard.local_shape`)
+    first along every dimension; the rest is padding and zero."""
+    out = torch.zeros(shape)
+    out[tuple(slice(0, n) for n in shard.local_shape)] = real
+    return out
+
+
 def shard_value(
     cfg: ModelConfig, name: str, shape: tuple[int, ...], shard: ShardLike, seed: int
 ) -> Tensor:
@@ -85,15 +94,37 @@ def shard_value(
     """
     full = init_value(cfg, name, tuple(shard.global_shape), seed)
     region = tuple(slice(o, o + n) for o, n in zip(shard.offsets, shard.local_shape, strict=True))
-    out = torch.zeros(shape)
-    out[tuple(slice(0, n) for n in shard.local_shape)] = full[region]
-    return out
+    return padded(shape, shard, full[region])
+
+
+ValueSource = Callable[[str, tuple[int, ...], ShardLike | None], Tensor]
+"""(parameter name, local shape, shard or None) -> the local fp32 tensor. Where a run's first
+weights come from: the seed (`seeded`) or a Hugging Face folder (`plait.models.hf.load`)."""
+
+
+def seeded(cfg: ModelConfig, seed: int) -> ValueSource:
+    """The seeded initialization as a value source (layout independent, see init_value)."""
+
+    def value(name: str, shape: tuple[int, ...], shard: ShardLike | None) -> Tensor:
+        if shard is None:
+            return init_value(cfg, name, shape, seed)
+        return shard_value(cfg, name, shape, shard, seed)
+
+    return value
 
 
 def initial_values(
     model: nn.Module, seed: int, cfg: ModelConfig | None = None
 ) -> Callable[[nn.Parameter], Tensor]:
-    """A function from each parameter of `model` to its fp32 initial value (on the CPU).
+    """A function from each parameter of `model` to its seeded fp32 initial value."""
+    cfg = cfg if cfg is not None else getattr(model, "cfg", None)
+    if cfg is None:
+        raise ValueError("initial values need cfg: the model has no .cfg attribute")
+    return source_values(model, seeded(cfg, seed))
+
+
+def source_values(model: nn.Module, source: ValueSource) -> Callable[[nn.Parameter], Tensor]:
+    """A function from each parameter of `model` to its fp32 value from `source` (CPU).
 
     The value depends on the parameter's name (its first name: a tied weight keeps the
     embedding's) and, for a tensor-parallel shard, on its module's `param_shards` entry
@@ -101,23 +132,42 @@ def initial_values(
     device, so a sharded engine can fill its shards one group at a time (ZeRO stage 3)
     without the whole model ever being materialized.
     """
-    cfg = cfg if cfg is not None else getattr(model, "cfg", None)
-    if cfg is None:
-        raise ValueError("initial values need cfg: the model has no .cfg attribute")
     where: dict[int, tuple[str, ShardLike | None]] = {}
     for prefix, module in model.named_modules():
         shards = getattr(module, "param_shards", {})
         for leaf, param in module.named_parameters(recurse=False):
             where.setdefault(id(param), (f"{prefix}.{leaf}" if prefix else leaf, shards.get(leaf)))
 
-    def value(param: nn.Parameter) -> Tensor:
+    def value(param: nn.Parameter, rows: tuple[int, int] | None = None) -> Tensor:
+        """The local tensor, or only its dim-0 rows [r0, r1) (what a ZeRO-3 shard needs:
+        a source then reads no more than those rows)."""
         name, shard = where[id(param)]
         shape = tuple(param.shape)
-        if shard is None:
-            return init_value(cfg, name, shape, seed)
-        return shard_value(cfg, name, shape, shard, seed)
+        if rows is None:
+            return source(name, shape, shard)
+        return source(name, (rows[1] - rows[0], *shape[1:]), row_band(shape, shard, *rows))
 
     return value
+
+
+@dataclass(frozen=True)
+class Band:
+    """A ShardLike for rows [r0, r1) of a local tensor (itself maybe a tp shard)."""
+
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    local_shape: tuple[int, ...]
+
+
+def row_band(shape: tuple[int, ...], shard: ShardLike | None, r0: int, r1: int) -> Band:
+    """Rows [r0, r1) of a local tensor of `shape` as a slice of the full parameter. Padding
+    (vocabulary rows beyond the real ones, always at the end of dim 0) stays out of it."""
+    if shard is None:
+        return Band(shape, (r0, *[0] * (len(shape) - 1)), (r1 - r0, *shape[1:]))
+    real = shard.local_shape[0]
+    offsets = (shard.offsets[0] + min(r0, real), *shard.offsets[1:])
+    local = (max(0, min(r1, real) - r0), *shard.local_shape[1:])
+    return Band(tuple(shard.global_shape), offsets, local)
 
 
 def parameter_names(model: nn.Module) -> dict[int, str]:
@@ -135,17 +185,25 @@ def tie_all(model: nn.Module) -> None:
             module.tie_weights()
 
 
-@torch.no_grad()
 def init_parameters(model: nn.Module, seed: int, cfg: ModelConfig | None = None) -> None:
-    """Fill every parameter of `model` (any device, already materialized) from init_value.
+    """Fill every parameter of `model` from the seeded init (`cfg` defaults to `model.cfg`)."""
+    cfg = cfg if cfg is not None else getattr(model, "cfg", None)
+    if cfg is None:
+        raise ValueError("initial values need cfg: the model has no .cfg attribute")
+    fill_parameters(model, seeded(cfg, seed))
 
-    `cfg` defaults to `model.cfg`. Tied weights are re-tied first (see tie_weights). A module
-    may carry `param_shards`, a dict from its parameter's local name to shard metadata (see
-    `shard_value`): such a parameter is a slice of a larger one (tensor parallelism) and gets
-    exactly that slice of the full value, so every layout starts from the same weights.
+
+@torch.no_grad()
+def fill_parameters(model: nn.Module, source: ValueSource) -> None:
+    """Fill every parameter of `model` (any device, already materialized) from `source`.
+
+    Tied weights are re-tied first (see tie_weights). A module may carry `param_shards`, a
+    dict from its parameter's local name to shard metadata (see `shard_value`): such a
+    parameter is a slice of a larger one (tensor parallelism) and gets exactly that slice of
+    the full value, so every layout starts from the same weights.
     """
     tie_all(model)
-    value = initial_values(model, seed, cfg)
+    value = source_values(model, source)
     names = parameter_names(model)
     done: set[int] = set()  # a tied weight appears under two modules; fill it once
     for param in model.parameters():

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from plait.models.config import ModelConfig
 from plait.models.dropout import KeyedDropout
+from plait.models.kv_cache import KVCache, causal_mask
 
 # Dropout site ids: the embedding owns site 0, block i owns 4 * i + kind.
 SITE_EMBED, SITE_ATTN_PROBS, SITE_ATTN_OUT, SITE_MLP_OUT = 0, 1, 2, 3
@@ -46,14 +47,17 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
     return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
 
 
-def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple:
-    """cos and sin (s, hd) for positions 0..s-1, in fp32, rotate-half layout.
+def rope_cos_sin(
+    seq_len: int, head_dim: int, theta: float, device: torch.device, start: int = 0
+) -> tuple:
+    """cos and sin (s, hd) for positions start..start+s-1, in fp32, rotate-half layout.
 
     Computed on the fly rather than cached in buffers: it is cheap, works on the meta
     device, and leaves nothing for `to_empty` to turn into garbage.
     """
     inv_freq = theta ** -(torch.arange(0, head_dim, 2, device=device).float() / head_dim)
-    angles = torch.outer(torch.arange(seq_len, device=device).float(), inv_freq)  # (s, hd/2)
+    positions = torch.arange(start, start + seq_len, device=device).float()
+    angles = torch.outer(positions, inv_freq)  # (s, hd/2)
     angles = torch.cat((angles, angles), dim=-1)  # (s, hd)
     return angles.cos(), angles.sin()
 
@@ -98,7 +102,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         hd = cfg.head_dim
-        self.head_dim = hd
+        self.head_dim, self.layer = hd, layer
         self.rope_theta = cfg.rope_theta if cfg.pos == "rope" else None
         self.wq = nn.Linear(cfg.d_model, cfg.n_heads * hd, bias=cfg.bias)
         self.wk = nn.Linear(cfg.d_model, cfg.kv_heads * hd, bias=cfg.bias)
@@ -106,21 +110,27 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * hd, cfg.d_model, bias=cfg.bias)
         self.core = CoreAttention(cfg.dropout, 4 * layer + SITE_ATTN_PROBS)
 
-    def forward(self, x: Tensor, keys: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, keys: Tensor | None, cache: KVCache | None = None) -> Tensor:
         b, s, _ = x.shape  # (b, s, h)
+        start = cache.length if cache is not None else 0
         hd = self.head_dim
         # -1 heads: under tensor parallelism this rank's Linear yields only its heads.
         q = self.wq(x).view(b, s, -1, hd).transpose(1, 2)  # (b, a, s, hd)
         k = self.wk(x).view(b, s, -1, hd).transpose(1, 2)  # (b, kv, s, hd)
         v = self.wv(x).view(b, s, -1, hd).transpose(1, 2)  # (b, kv, s, hd)
         if self.rope_theta is not None:
-            cos, sin = rope_cos_sin(s, hd, self.rope_theta, x.device)
+            cos, sin = rope_cos_sin(s, hd, self.rope_theta, x.device, start)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.extend(self.layer, k, v)  # (b, kv, start + s, hd)
         rep = q.shape[1] // k.shape[1]
         if rep > 1:  # kv head j serves query heads j*rep .. j*rep + rep-1 (LLaMA's repeat_kv)
             k = k.repeat_interleave(rep, dim=1)  # (b, a, s, hd)
             v = v.repeat_interleave(rep, dim=1)  # (b, a, s, hd)
-        y = self.core(q, k, v, keys)  # (b, a, s, hd)
+        if cache is None:
+            y = self.core(q, k, v, keys)  # (b, a, s, hd)
+        else:  # decoding (no dropout): the new positions see every cached one
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(start, s, x.device))
         y = y.transpose(1, 2).reshape(b, s, -1)  # (b, s, a*hd)
         return self.wo(y)  # (b, s, h)
 
@@ -162,8 +172,10 @@ class Block(nn.Module):
         self.mlp = SwiGLU(cfg) if cfg.mlp == "swiglu" else GeluMLP(cfg)
         self.mlp_drop = KeyedDropout(cfg.dropout, 4 * layer + SITE_MLP_OUT)
 
-    def forward(self, x: Tensor, keys: Tensor | None = None) -> Tensor:
-        x = x + self.attn_drop(self.attn(self.attn_norm(x), keys), keys)  # (b, s, h)
+    def forward(
+        self, x: Tensor, keys: Tensor | None = None, cache: KVCache | None = None
+    ) -> Tensor:
+        x = x + self.attn_drop(self.attn(self.attn_norm(x), keys, cache), keys)  # (b, s, h)
         return x + self.mlp_drop(self.mlp(self.mlp_norm(x)), keys)  # (b, s, h)
 
 
@@ -177,15 +189,15 @@ class Embedding(nn.Module):
             self.pos = nn.Embedding(cfg.max_seq_len, cfg.d_model)
         self.drop = KeyedDropout(cfg.dropout, SITE_EMBED)
 
-    def forward(self, tokens: Tensor, keys: Tensor | None = None) -> Tensor:
+    def forward(self, tokens: Tensor, keys: Tensor | None = None, start: int = 0) -> Tensor:
         x = self.tok(tokens)  # (b, s, h)
         if hasattr(self, "pos"):
-            s = tokens.shape[1]
-            if s > self.pos.num_embeddings:
+            end = start + tokens.shape[1]
+            if end > self.pos.num_embeddings:
                 raise ValueError(
-                    f"sequence length {s} exceeds max_seq_len {self.pos.num_embeddings}"
+                    f"sequence length {end} exceeds max_seq_len {self.pos.num_embeddings}"
                 )
-            x = x + self.pos(torch.arange(s, device=tokens.device))  # (b, s, h)
+            x = x + self.pos(torch.arange(start, end, device=tokens.device))  # (b, s, h)
         return self.drop(x, keys)
 
 
@@ -225,12 +237,27 @@ class Transformer(nn.Module):
             self.head.weight = self.embed.tok.weight
 
     def forward(
-        self, tokens: Tensor, targets: Tensor | None = None, keys: Tensor | None = None
+        self,
+        tokens: Tensor,
+        targets: Tensor | None = None,
+        keys: Tensor | None = None,
+        cache: KVCache | None = None,
     ) -> Tensor:
+        """`cache` (generation): `tokens` continue the cached positions, which it extends."""
+        if cache is not None:  # generation: one process, the model's own modules
+            return self._decode(tokens, cache)
         x = self.embed(tokens, keys)  # (b, s, h)
         for block in self.blocks:
             x = block(x, keys)  # (b, s, h)
         return self.output(x, targets)
+
+    def _decode(self, tokens: Tensor, cache: KVCache) -> Tensor:
+        """Logits of `tokens` at positions cache.length.., extending the cache."""
+        x = self.embed(tokens, None, cache.length)  # (b, s, h)
+        for block in self.blocks:
+            x = block(x, None, cache)  # (b, s, h)
+        cache.advance(tokens.shape[1])
+        return self.output(x)
 
     def output(self, x: Tensor, targets: Tensor | None = None) -> Tensor:
         """Final norm and head: logits, or the mean loss given targets (the last stage's job)."""

@@ -67,11 +67,12 @@ class ZeroEngine:
         tracker: MemoryTracker | None = None,
         scaler: DynamicLossScaler | None = None,
         isolate: Sequence[nn.Parameter] = (),
-        initial_value: Callable[[nn.Parameter], Tensor] | None = None,
+        initial_value: Callable[..., Tensor] | None = None,
     ) -> None:
         """`isolate`: parameters that get a flat group each (see `layout.build_groups`).
-        `initial_value(p)`: p's fp32 initial value, for a model whose parameters are not
-        materialized (stage 3 then never holds more than one full group at a time)."""
+        `initial_value(p, rows=None)`: p's fp32 initial value (or its dim-0 rows [r0, r1)),
+        for a model whose parameters are not materialized (stage 3 asks for its shard's rows
+        only, and never holds more than one group's shard at a time)."""
         check_zero(stage, offload, str(offload_dir) if offload_dir else None)
         self.precision = parse_precision(precision) if isinstance(precision, str) else precision
         if stage == 3 and not hasattr(model, "blocks"):
@@ -110,10 +111,24 @@ class ZeroEngine:
         self._found_inf: bool | None = None
 
     def _initial_values(self, group: FlatGroup, value) -> Tensor:
-        """fp32 values of the group: all of them (stages 0-2), or this rank's shard (stage 3,
-        so only one full group exists at a time)."""
-        flat = flatten_values(group, self.device, value)
-        return flat[group.lo : group.hi].clone() if self.stage == 3 else flat
+        """fp32 values of the group: all of them (stages 0-2), or this rank's shard (stage 3:
+        from `value`, only the rows of each parameter that the shard overlaps are asked
+        for, so a source reading a file reads 1/N of the model; from the current values,
+        the shard of the flattened group)."""
+        if self.stage != 3 or value is None:
+            flat = flatten_values(group, self.device, value)
+            return flat[group.lo : group.hi].clone() if self.stage == 3 else flat
+        shard = torch.zeros(group.shard_numel, dtype=torch.float32, device=self.device)
+        for piece in group.pieces():
+            p = group.params[piece.param]
+            row = p.shape[1:].numel()  # elements of one dim-0 row (1 for a vector)
+            r0, r1 = piece.start // row, -(-(piece.start + piece.length) // row)
+            band = value(p, (r0, r1)).reshape(-1)
+            skip = piece.start - r0 * row
+            shard[piece.shard_offset : piece.shard_offset + piece.length] = band[
+                skip : skip + piece.length
+            ]
+        return shard
 
     def _make_states(
         self, values: list[Tensor], offload: str, directory, sub_group_mb: float

@@ -1,0 +1,101 @@
+"""The model-interchange commands: `plait export`, `plait generate`, and `--init-from`.
+
+Kept apart from cli.py so the training command line stays one page. Each handler validates
+everything (files, configs, lengths) before reading weights, and answers bad input with one
+line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from plait.checkpoint import inspect
+from plait.checkpoint.store import resolve
+from plait.data.corpus import ByteTokenizer
+from plait.errors import ConfigError
+from plait.models.config import ModelConfig
+from plait.models.generate import Sampling, complete
+from plait.models.hf.export import check_out, write_folder
+from plait.models.hf.load import hf_source, load_config
+from plait.models.init import fill_parameters
+from plait.models.transformer import Transformer
+
+# A training choice, not an architecture: an explicit value never conflicts with a folder.
+FREE_MODEL_FIELDS = frozenset({"dropout"})
+
+
+def add_model_commands(sub: argparse._SubParsersAction) -> None:
+    exp = sub.add_parser("export", help="write a checkpoint as a Hugging Face model folder")
+    exp.add_argument("--checkpoint", required=True, help="a checkpoint folder, or a run's OUT")
+    exp.add_argument("--format", choices=("hf",), default="hf", help="config.json + safetensors")
+    exp.add_argument("--out", required=True, help="the folder to write (must not exist)")
+    exp.add_argument("--max-shard-mb", type=float, default=2048.0, help="largest safetensors file")
+    gen = sub.add_parser("generate", help="continue a prompt with a trained model (one process)")
+    source = gen.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", help="a checkpoint folder, or OUT to use its latest")
+    source.add_argument("--init-from", help="a Hugging Face Llama/GPT-2 folder")
+    gen.add_argument("--prompt", required=True, help="the text to continue")
+    gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    gen.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest; 0: all")
+    gen.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
+
+
+def checkpoint_path(given: str) -> Path:
+    """A checkpoint folder, or a run's output folder (its newest checkpoint)."""
+    path = Path(given)
+    if (path / "checkpoints").is_dir() or (path / "summary.json").is_file():
+        latest = resolve("latest", path) if (path / "checkpoints").is_dir() else None
+        if latest is None:
+            raise ConfigError(f"the run {str(path)!r} has no checkpoint (trained with --no-save?)")
+        return latest
+    return path
+
+
+def init_model(folder: str, explicit: dict[str, Any], preset: str | None) -> ModelConfig:
+    """`--init-from`'s model config; explicit model flags must agree with it (dropout aside)."""
+    if preset:
+        raise ConfigError(f"--model {preset} and --init-from {folder} both name the model")
+    cfg = load_config(Path(folder))
+    for key, value in explicit.items():
+        if key in FREE_MODEL_FIELDS:
+            setattr(cfg, key, value)
+        elif not hasattr(cfg, key):
+            raise ConfigError(f"unknown key {key!r} in [model]")
+        elif getattr(cfg, key) != value:
+            raise ConfigError(
+                f"model.{key}={value!r} conflicts with model.{key}={getattr(cfg, key)!r} "
+                f"from --init-from {folder}"
+            )
+    return cfg
+
+
+def export_main(args: argparse.Namespace, console: Console) -> None:
+    out = Path(args.out)
+    check_out(out)
+    if args.max_shard_mb <= 0:
+        raise ConfigError(f"--max-shard-mb must be > 0, got {args.max_shard_mb}")
+    path = checkpoint_path(args.checkpoint)
+    cfg = inspect.model_config(path)
+    done = write_folder(cfg, inspect.read_masters(path), out, int(args.max_shard_mb * 2**20))
+    console.print(
+        f"wrote {out}: {done['architecture']}, {done['tensors']} tensors in "
+        f"{done['files']} safetensors file(s)"
+    )
+
+
+def generate_main(args: argparse.Namespace, console: Console) -> None:
+    if args.checkpoint:
+        model = inspect.load_model(checkpoint_path(args.checkpoint))
+    else:
+        folder = Path(args.init_from)
+        cfg = load_config(folder)
+        model = Transformer(cfg)
+        fill_parameters(model, hf_source(folder, cfg))
+    sampling = Sampling(args.temperature, args.top_k, args.seed)
+    text = complete(model, ByteTokenizer(), args.prompt, args.max_new_tokens, sampling)
+    console.print(args.prompt + text, markup=False, highlight=False)

@@ -1,0 +1,6 @@
+"""Hugging Face interchange: LlamaForCausalLM and GPT2LMHeadModel folders in and out.
+
+`config.py` maps config.json to plait's ModelConfig and back, `mapping.py` maps parameter
+names and layouts, `load.py` reads a rank's slices from safetensors, `export.py` writes a
+checkpoint as a Hugging Face folder.
+"""

@@ -1,0 +1,187 @@
+"""Hugging Face config.json <-> plait's ModelConfig, refusing what plait cannot express.
+
+plait's one decoder family covers two Hugging Face architectures: LlamaForCausalLM
+(RMSNorm, SwiGLU, rotate-half RoPE, grouped-query attention, no biases) and GPT2LMHeadModel
+(LayerNorm, tanh-GELU MLP, learned positions, tied head, biases). Every config field that
+changes the forward pass is either mapped or refused here, naming the field, so a model that
+loads computes what `transformers` computes. Dropout is a training choice: plait's
+`model.dropout` applies, the folder's dropout fields are not read.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from plait.errors import ConfigError
+from plait.models.config import ModelConfig
+
+LLAMA, GPT2 = "llama", "gpt2"
+ARCHITECTURES = {LLAMA: "LlamaForCausalLM", GPT2: "GPT2LMHeadModel"}
+# GPT-2's "gelu_new" is the tanh approximation plait's MLP computes.
+TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
+
+
+def read_config(folder: Path) -> dict[str, Any]:
+    """config.json of a Hugging Face model folder, or ConfigError naming what is wrong."""
+    if not folder.is_dir():
+        raise ConfigError(f"--init-from {str(folder)!r} is not a folder")
+    path = folder / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{str(path)!r} does not exist (a Hugging Face folder has one)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{str(path)!r} is not readable JSON: {e}") from e
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{str(path)!r} must hold a JSON object")
+    return raw
+
+
+def family_of(hf: dict[str, Any], where: str) -> str:
+    kind = hf.get("model_type")
+    if kind not in ARCHITECTURES:
+        raise ConfigError(f"{where}: model_type={kind!r} is not one plait reads (llama, gpt2)")
+    return kind
+
+
+def _refuse(where: str, field: str, value: Any, need: str) -> None:
+    raise ConfigError(f"{where}: {field}={value!r} cannot be expressed by plait's model ({need})")
+
+
+def _expect(hf: dict[str, Any], where: str, field: str, allowed: tuple, default: Any) -> None:
+    value = hf.get(field, default)
+    if value not in allowed:
+        _refuse(where, field, value, "needs " + " or ".join(repr(a) for a in allowed))
+
+
+def _rope_theta(hf: dict[str, Any], where: str) -> float:
+    """RoPE base; transformers 5 keeps it in `rope_parameters`, 4.x at the top level."""
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    for field, spec in (("rope_parameters", params), ("rope_scaling", scaling)):
+        kind = spec.get("rope_type", spec.get("type", "default"))
+        if kind != "default":
+            _refuse(where, f"{field}.rope_type", kind, "plain RoPE only")
+    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def _llama(hf: dict[str, Any], where: str) -> ModelConfig:
+    _expect(hf, where, "hidden_act", ("silu",), "silu")
+    _expect(hf, where, "attention_bias", (False,), False)
+    _expect(hf, where, "mlp_bias", (False,), False)
+    d, heads = hf["hidden_size"], hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or d // heads
+    if head_dim * heads != d:
+        _refuse(where, "head_dim", head_dim, f"needs hidden_size / heads = {d // heads}")
+    return ModelConfig(
+        vocab_size=hf["vocab_size"],
+        n_layers=hf["num_hidden_layers"],
+        d_model=d,
+        n_heads=heads,
+        n_kv_heads=hf.get("num_key_value_heads") or heads,
+        ffn_hidden=hf["intermediate_size"],
+        max_seq_len=hf.get("max_position_embeddings", 2048),
+        norm="rmsnorm",
+        mlp="swiglu",
+        pos="rope",
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        bias=False,
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=_rope_theta(hf, where),
+        init_std=float(hf.get("initializer_range", 0.02)),
+    )
+
+
+def _gpt2(hf: dict[str, Any], where: str) -> ModelConfig:
+    _expect(hf, where, "activation_function", TANH_GELU, "gelu_new")
+    _expect(hf, where, "scale_attn_weights", (True,), True)
+    _expect(hf, where, "scale_attn_by_inverse_layer_idx", (False,), False)
+    _expect(hf, where, "add_cross_attention", (False,), False)
+    _expect(hf, where, "tie_word_embeddings", (True,), True)
+    d = hf.get("n_embd", 768)
+    return ModelConfig(
+        vocab_size=hf.get("vocab_size", 50257),
+        n_layers=hf.get("n_layer", 12),
+        d_model=d,
+        n_heads=hf.get("n_head", 12),
+        ffn_hidden=hf.get("n_inner") or 4 * d,
+        max_seq_len=hf.get("n_positions", 1024),
+        norm="layernorm",
+        mlp="gelu",
+        pos="learned",
+        tie_embeddings=True,
+        bias=True,
+        norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+        init_std=float(hf.get("initializer_range", 0.02)),
+    )
+
+
+def model_config(hf: dict[str, Any], where: str = "config.json") -> ModelConfig:
+    """plait's ModelConfig for a Hugging Face config; ConfigError naming a field it can't."""
+    try:
+        cfg = _llama(hf, where) if family_of(hf, where) == LLAMA else _gpt2(hf, where)
+    except KeyError as e:
+        raise ConfigError(f"{where}: the field {e.args[0]!r} is missing") from e
+    cfg.validate()
+    return cfg
+
+
+def family(cfg: ModelConfig) -> str:
+    """Which Hugging Face architecture `cfg` is; ConfigError naming the fields if neither."""
+    llama = (cfg.norm, cfg.mlp, cfg.pos, cfg.bias) == ("rmsnorm", "swiglu", "rope", False)
+    gpt2 = (cfg.norm, cfg.mlp, cfg.pos, cfg.bias, cfg.tie_embeddings) == (
+        "layernorm", "gelu", "learned", True, True,
+    )  # fmt: skip
+    if llama:
+        return LLAMA
+    if gpt2:
+        return GPT2
+    raise ConfigError(
+        f"model.norm={cfg.norm!r} mlp={cfg.mlp!r} pos={cfg.pos!r} bias={cfg.bias} "
+        f"tie_embeddings={cfg.tie_embeddings} is neither LlamaForCausalLM (rmsnorm, swiglu, "
+        "rope, no bias) nor GPT2LMHeadModel (layernorm, gelu, learned, bias, tied)"
+    )
+
+
+def hf_config(cfg: ModelConfig) -> dict[str, Any]:
+    """config.json for `cfg` (the inverse of `model_config`); byte-level: no special tokens."""
+    kind = family(cfg)
+    common = {
+        "architectures": [ARCHITECTURES[kind]],
+        "model_type": kind,
+        "vocab_size": cfg.vocab_size,
+        "initializer_range": cfg.init_std,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "torch_dtype": "float32",
+    }
+    if kind == GPT2:
+        return {
+            **common,
+            "n_embd": cfg.d_model,
+            "n_layer": cfg.n_layers,
+            "n_head": cfg.n_heads,
+            "n_inner": cfg.ffn_dim,
+            "n_positions": cfg.max_seq_len,
+            "layer_norm_epsilon": cfg.norm_eps,
+            "activation_function": "gelu_new",
+            **{f"{site}_pdrop": cfg.dropout for site in ("resid", "embd", "attn")},
+        }
+    return {
+        **common,
+        "hidden_size": cfg.d_model,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.kv_heads,
+        "intermediate_size": cfg.ffn_dim,
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "attention_dropout": cfg.dropout,
+    }

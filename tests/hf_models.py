@@ -1,0 +1,42 @@
+"""Tiny Hugging Face models for the interchange tests, built from configs (random weights,
+saved locally, nothing downloaded). `transformers` is imported inside the functions so that
+the spawned workers of a multi-rank test, which import this module, never pay for it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def llama_config(vocab: int = 300, **over: Any):
+    from transformers import LlamaConfig
+
+    shape = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                 rms_norm_eps=1e-5, rope_theta=5000.0)  # fmt: skip
+    return LlamaConfig(**(shape | over))
+
+
+def gpt2_config(vocab: int = 300, **over: Any):
+    from transformers import GPT2Config
+
+    shape = dict(vocab_size=vocab, n_embd=64, n_layer=2, n_head=4, n_positions=64)
+    return GPT2Config(**(shape | over))
+
+
+def save(config, folder: Path, seed: int = 0, **kw: Any) -> Path:
+    """A model of `config` with seeded random weights, saved as a Hugging Face folder."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.save_pretrained(folder, **kw)
+    return folder
+
+
+def hf_model(folder: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder).eval()
