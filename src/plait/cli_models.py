@@ -13,9 +13,10 @@ from typing import Any
 
 from rich.console import Console
 
-from plait.checkpoint import inspect
+from plait.checkpoint import inspect, store
 from plait.checkpoint.store import resolve
-from plait.data.corpus import ByteTokenizer
+from plait.data.stream import data_tokenizer
+from plait.data.tokenizer import resolve_tokenizer, text_tokenizer
 from plait.errors import ConfigError
 from plait.models.config import ModelConfig
 from plait.models.generate import Sampling, complete
@@ -90,12 +91,17 @@ def export_main(args: argparse.Namespace, console: Console) -> None:
 
 def generate_main(args: argparse.Namespace, console: Console) -> None:
     if args.checkpoint:
-        model = inspect.load_model(checkpoint_path(args.checkpoint))
+        path = checkpoint_path(args.checkpoint)
+        model = inspect.load_model(path)
+        data = store.read_trainer(path)["config"]["data"]  # the run's own tokenizer
+        spec = data_tokenizer(data.get("path"), data.get("tokenizer"))
     else:
         folder = Path(args.init_from)
         cfg = load_config(folder)
         model = Transformer(cfg)
         fill_parameters(model, hf_source(folder, cfg))
+        has_own = (folder / "tokenizer.json").is_file()
+        spec = resolve_tokenizer(folder if has_own else None)
     sampling = Sampling(args.temperature, args.top_k, args.seed)
-    text = complete(model, ByteTokenizer(), args.prompt, args.max_new_tokens, sampling)
+    text = complete(model, text_tokenizer(spec), args.prompt, args.max_new_tokens, sampling)
     console.print(args.prompt + text, markup=False, highlight=False)

@@ -15,7 +15,8 @@ from rich.console import Console
 from plait.checkpoint import inspect, store
 from plait.config import Config
 from plait.data.batches import Corpus
-from plait.data.corpus import ByteTokenizer
+from plait.data.stream import data_tokenizer
+from plait.data.tokenizer import text_tokenizer
 from plait.device import peak_flops
 from plait.mesh import Mesh
 from plait.models.generate import complete
@@ -135,7 +136,7 @@ def run(cfg: Config, mesh: Mesh, corpus: Corpus | None = None) -> RunSummary:
             log.close()
         trainer.close()
     if lead and summary.checkpoint and summary.params <= SAMPLE_MAX_PARAMS:
-        summary.sample = sample(Path(summary.checkpoint), trainer.corpus)
+        summary.sample = sample(Path(summary.checkpoint), trainer.corpus, cfg)
     if lead:
         Path(t.out, "summary.json").write_text(json.dumps(summary.as_dict(), indent=2))
         console.print(summary_table(summary))
@@ -146,12 +147,12 @@ SAMPLE_PROMPT, SAMPLE_TOKENS = 16, 48
 SAMPLE_MAX_PARAMS = 150_000_000  # above: reading it whole on one CPU is no longer cheap
 
 
-def sample(checkpoint: Path, corpus: Corpus) -> dict[str, str]:
+def sample(checkpoint: Path, corpus: Corpus, cfg: Config) -> dict[str, str]:
     """A short greedy continuation of the validation text's start by the trained model,
     read back whole from its last checkpoint by rank 0 alone: any layout, no collective, so
     no other rank waits."""
     model = inspect.load_model(checkpoint)
-    tokenizer = ByteTokenizer()
+    tokenizer = text_tokenizer(data_tokenizer(cfg.data.path, cfg.data.tokenizer))
     prompt = tokenizer.decode(corpus.val.batch([0])[0][0, :SAMPLE_PROMPT])
     room = model.cfg.max_seq_len - len(tokenizer.encode(prompt))
     n = min(SAMPLE_TOKENS, room) if model.cfg.pos == "learned" else SAMPLE_TOKENS

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from plait.data.corpus import ByteTokenizer
 from plait.errors import ConfigError
 
 # The end-of-document token a trained tokenizer gets, and the names looked for in others.
@@ -169,3 +170,23 @@ def train_bpe(
     tok.save(str(tmp))
     tmp.replace(out)
     return resolve_tokenizer(out)
+
+
+class TextTokenizer:
+    """A trained tokenizer with the byte tokenizer's text interface (`encode` a string to
+    ids, `decode` ids to a string), for generation and the summary's sample."""
+
+    def __init__(self, spec: TokenizerSpec) -> None:
+        self._tok = _load(Path(spec.path))
+        self.vocab_size = spec.vocab_size
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in np.asarray(ids).reshape(-1)])
+
+
+def text_tokenizer(spec: TokenizerSpec) -> TextTokenizer | ByteTokenizer:
+    """What turns text into a run's ids and back: bytes, or the run's trained tokenizer."""
+    return TextTokenizer(spec) if spec.path else ByteTokenizer()
