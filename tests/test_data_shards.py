@@ -189,3 +189,22 @@ def test_a_failure_midway_leaves_nothing_that_looks_complete(tmp_path, monkeypat
     with pytest.raises(OSError, match="disk went away"):
         prepare(PrepareJob(str(STDLIB_PART), out, piece_bytes=2_000))
     assert not out.exists() and not (tmp_path / "shards.partial").exists()
+
+
+def test_export_and_generate_use_the_runs_tokenizer(made, tmp_path, capsys) -> None:
+    """A run trained on BPE shards: its Hugging Face export carries the tokenizer (and its
+    end-of-document id); generation decodes with it."""
+    run = ["--data", str(made["root"] / "shards"), "--model", "tiny-gpt", "--steps", "2",
+           "--seq-len", "32", "--global-batch", "2", "--micro-batch", "2", "--eval-batches",
+           "1", "--no-progress", "--out", str(tmp_path / "run")]  # fmt: skip
+    assert main(["train", *run]) == 0
+    out = tmp_path / "hf"
+    argv = ["export", "--checkpoint", str(tmp_path / "run"), "--format", "hf", "--out", str(out)]
+    assert main(argv) == 0
+    assert (out / "tokenizer.json").read_bytes() == (made["root"] / "tok.json").read_bytes()
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == made["spec"].eos_id
+    capsys.readouterr()
+    argv = ["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "import json",
+            "--max-new-tokens", "5"]  # fmt: skip
+    assert main(argv) == 0
+    assert capsys.readouterr().out.startswith("import json")

@@ -16,7 +16,7 @@ from rich.console import Console
 from plait.checkpoint import inspect, store
 from plait.checkpoint.store import resolve
 from plait.data.stream import data_tokenizer
-from plait.data.tokenizer import resolve_tokenizer, text_tokenizer
+from plait.data.tokenizer import TokenizerSpec, resolve_tokenizer, text_tokenizer
 from plait.errors import ConfigError
 from plait.models.config import ModelConfig
 from plait.models.generate import Sampling, complete
@@ -75,14 +75,22 @@ def init_model(folder: str, explicit: dict[str, Any], preset: str | None) -> Mod
     return cfg
 
 
+def run_tokenizer(checkpoint: Path) -> TokenizerSpec:
+    """The tokenizer the checkpointed run trained with (bytes, or its tokenizer.json)."""
+    data = store.read_trainer(checkpoint)["config"]["data"]
+    return data_tokenizer(data.get("path"), data.get("tokenizer"))
+
+
 def export_main(args: argparse.Namespace, console: Console) -> None:
     out = Path(args.out)
     check_out(out)
     if args.max_shard_mb <= 0:
         raise ConfigError(f"--max-shard-mb must be > 0, got {args.max_shard_mb}")
     path = checkpoint_path(args.checkpoint)
-    cfg = inspect.model_config(path)
-    done = write_folder(cfg, inspect.read_masters(path), out, int(args.max_shard_mb * 2**20))
+    cfg, spec = inspect.model_config(path), run_tokenizer(path)
+    tokenizer = (Path(spec.path), spec.eos_id) if spec.path else None
+    masters, limit = inspect.read_masters(path), int(args.max_shard_mb * 2**20)
+    done = write_folder(cfg, masters, out, limit, tokenizer)
     console.print(
         f"wrote {out}: {done['architecture']}, {done['tensors']} tensors in "
         f"{done['files']} safetensors file(s)"
@@ -92,9 +100,7 @@ def export_main(args: argparse.Namespace, console: Console) -> None:
 def generate_main(args: argparse.Namespace, console: Console) -> None:
     if args.checkpoint:
         path = checkpoint_path(args.checkpoint)
-        model = inspect.load_model(path)
-        data = store.read_trainer(path)["config"]["data"]  # the run's own tokenizer
-        spec = data_tokenizer(data.get("path"), data.get("tokenizer"))
+        model, spec = inspect.load_model(path), run_tokenizer(path)
     else:
         folder = Path(args.init_from)
         cfg = load_config(folder)

@@ -66,14 +66,20 @@ def write_folder(
     params: dict[str, Tensor],
     out: Path,
     max_shard_bytes: int = 2 * 2**30,
+    tokenizer: tuple[Path, int] | None = None,
 ) -> dict[str, Any]:
-    """Write full single-process tensors (plait names) as a Hugging Face folder at `out`."""
+    """Write full single-process tensors (plait names) as a Hugging Face folder at `out`;
+    `tokenizer`: the run's tokenizer.json and end-of-document id, copied beside them (a
+    byte-level run has none: its ids are UTF-8 bytes)."""
     check_out(out)
     hf = hf_config(cfg)
     tensors = to_hf(cfg, params)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
+        if tokenizer is not None:
+            shutil.copyfile(tokenizer[0], tmp / "tokenizer.json")
+            hf["eos_token_id"] = hf["bos_token_id"] = tokenizer[1]
         (tmp / "config.json").write_text(json.dumps(hf, indent=2))
         files = _write_weights(tmp, tensors, max_shard_bytes)
         if out.exists():
