@@ -32,6 +32,12 @@ from plait.data import corpus_files
 PLAIT = [sys.executable, "-m", "plait.cli"]
 
 
+def _prepare(tok: Path, out: Path, workers: int) -> list[str]:
+    """`plait data prepare` arguments (the default corpus unless --data is added)."""
+    return ["data", "prepare", "--tokenizer", str(tok), "--out", str(out),
+            "--workers", str(workers), "--overwrite", "--no-progress"]  # fmt: skip
+
+
 def _run(argv: list[str]) -> float:
     began = time.perf_counter()
     subprocess.run([*PLAIT, *argv], check=True, stdout=subprocess.DEVNULL)
@@ -111,36 +117,14 @@ def main() -> None:
         seconds: dict[int, list[float]] = {1: [], 2: []}
         for _ in range(opts.repeats):
             for workers in (1, 2):
-                argv = [
-                    "data",
-                    "prepare",
-                    "--tokenizer",
-                    str(tok),
-                    "--out",
-                    str(root / "s"),
-                    "--workers",
-                    str(workers),
-                    "--overwrite",
-                    "--no-progress",
-                ]
+                argv = _prepare(tok, root / "s", workers)
                 seconds[workers].append(_run(argv))
         tokens = json.loads((root / "s" / "index.json").read_text())["tokens"]
         hf = statistics.median(_hf_batch(tok, files) for _ in range(opts.repeats))
         big = _copies(root, opts.copies)
         rss = {}
         for name, data in (("stdlib", None), (f"stdlib x{opts.copies}", big)):
-            argv = [
-                "data",
-                "prepare",
-                "--tokenizer",
-                str(tok),
-                "--out",
-                str(root / "m"),
-                "--workers",
-                "2",
-                "--overwrite",
-                "--no-progress",
-            ]
+            argv = _prepare(tok, root / "m", 2)
             rss[name] = _peak_rss_mib([*argv, "--data", str(data)] if data else argv)
     finally:
         shutil.rmtree(root, ignore_errors=True)
