@@ -3,7 +3,7 @@
 Each line of a fenced code block that runs `plait` (or `.venv/bin/plait`) is parsed by the
 real command-line parser and validated the way `plait train` validates before it starts
 workers; `plait schedule`, `plait estimate` and `plait presets` lines run for real (they are
-cheap).
+cheap); `plait lessons` lines are parsed and their lesson names checked.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from plait.cli import build_parser, config_from_args, main
+from plait.lessons.runner import check_request
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -52,6 +53,9 @@ def test_command_is_valid(where: str, argv: list[str], tmp_path, monkeypatch) ->
         return
     if argv[0] == "checkpoint":  # names a checkpoint of an earlier run: parsed, not run
         build_parser().parse_args(argv)
+        return
+    if argv[0] == "lessons":  # minutes of real runs: parsed and its request checked, not run
+        check_request(build_parser().parse_args(argv).only, tmp_path)
         return
     if argv[0] == "estimate":  # pure and cheap: run it for real
         assert main(argv) == 0, where

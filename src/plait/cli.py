@@ -1,4 +1,5 @@
-"""`plait` command line: `plait train`, `plait estimate`, `plait presets`, `plait schedule`.
+"""`plait` command line: `plait train`, `plait estimate`, `plait presets`, `plait schedule`,
+`plait checkpoint`, `plait lessons`.
 
 Flags are generated from the config dataclasses, so a field's help string is its flag's help
 and a new field is a new flag. Everything is validated here, before any worker starts.
@@ -86,7 +87,19 @@ def build_parser() -> argparse.ArgumentParser:
     sched.add_argument("--virtual-stages", type=int, default=1, help="chunks per rank (v)")
     sched.add_argument("--out", default=None, help="folder for the PNG chart and trace JSON")
     _add_checkpoint_commands(sub)
+    _add_lessons_command(sub)
     return parser
+
+
+def _add_lessons_command(sub: argparse._SubParsersAction) -> None:
+    lessons = sub.add_parser(
+        "lessons", help="run the course's comparisons on this machine: lessons.md, figures, JSON"
+    )
+    lessons.add_argument(
+        "--only", action="append", metavar="NAME", help="run this lesson only (repeatable)"
+    )
+    lessons.add_argument("--out", default="lessons", help="folder for lessons.md and figures")
+    lessons.add_argument("--quick", action="store_true", help="tiny models, few steps (~2 min)")
 
 
 def _add_run_flags(parser: argparse.ArgumentParser) -> None:
@@ -185,6 +198,30 @@ def _schedule(args: argparse.Namespace, err: Console) -> int:
     return 0
 
 
+def _lessons(args: argparse.Namespace, err: Console) -> int:
+    from plait.lessons.runner import check_request, choose_procs, run_lessons
+
+    out = Path(args.out)
+    try:
+        names = check_request(args.only, out)
+    except ConfigError as e:
+        err.print("[bold red]plait: error:[/] " + escape(str(e)), highlight=False)
+        return 2
+    say = lambda text: err.print(f"plait: {text}", markup=False, highlight=False)  # noqa: E731
+    procs = choose_procs(os.cpu_count() or 1, say)
+    try:
+        run_lessons(names, args.quick, out, procs, err)
+    except WorkerFailure as e:
+        err.print("[bold red]plait: a worker failed; all ranks stopped.[/]")
+        err.print(str(e), markup=False, highlight=False)
+        return 1
+    except (Interrupted, KeyboardInterrupt):
+        err.print("[bold]plait: lessons interrupted; every rank stopped.[/]")
+        return 130
+    Console().print(f"wrote {out / 'lessons.md'}, {out / 'lessons.json'} and the figures")
+    return 0
+
+
 def _estimate(args: argparse.Namespace, err: Console) -> int:
     from plait.estimate import estimate
     from plait.estimate.render import print_estimate, print_json
@@ -221,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         return _checkpoint(args, err)
     if args.command == "estimate":
         return _estimate(args, err)
+    if args.command == "lessons":
+        return _lessons(args, err)
     try:
         cfg = config_from_args(args)
         out = Path(cfg.train.out)
