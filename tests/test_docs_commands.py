@@ -3,7 +3,8 @@
 Each line of a fenced code block that runs `plait` (or `.venv/bin/plait`) is parsed by the
 real command-line parser and validated the way `plait train` validates before it starts
 workers; `plait schedule`, `plait estimate`, `plait plan` and `plait presets` lines run for
-real (they are cheap); `plait calibrate` lines are parsed.
+real (they are cheap); `plait calibrate` lines are parsed; `plait lessons` lines are parsed
+and their lesson names checked.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from plait.cli import build_parser, config_from_args, main
+from plait.lessons.runner import check_request
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -57,6 +59,9 @@ def test_command_is_valid(where: str, argv: list[str], tmp_path, monkeypatch) ->
         if "--out" in argv:
             argv[argv.index("--out") + 1] = str(tmp_path / "plan.toml")
         assert main(argv) == 0, where
+        return
+    if argv[0] == "lessons":  # minutes of real runs: parsed and its request checked, not run
+        check_request(build_parser().parse_args(argv).only, tmp_path)
         return
     if "--tokenizer" in argv and not Path(argv[argv.index("--tokenizer") + 1]).exists():
         build_parser().parse_args(argv)  # names a tokenizer trained by a line above

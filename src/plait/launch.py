@@ -16,7 +16,9 @@ import socket
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,7 +31,6 @@ from plait.device import backend_for, resolve_device, threads_per_worker
 from plait.mesh import build_mesh
 from plait.run import ATTEMPT_ENV, attempt, run
 from plait.signals import FORWARDED
-from plait.telemetry import RunSummary
 
 
 def under_torchrun() -> bool:
@@ -92,14 +93,16 @@ def worker(
     local_world: int,
     port: int | None,
     error_dir: str | None = None,
-) -> RunSummary:
-    """Entry point of one spawned or torchrun-started worker."""
+    target: Callable[[Config, Any], Any] = run,
+) -> Any:
+    """Entry point of one spawned or torchrun-started worker; `target(cfg, mesh)` is the work
+    (a training run; `plait lessons` passes its own measuring run, a module-level function)."""
     if port is not None:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     try:
         mesh = init_worker(cfg, rank, world, local_rank, local_world)
-        return run(cfg, mesh)
+        return target(cfg, mesh)
     except BaseException:
         if error_dir is not None:  # the launcher picks the earliest failure: the root cause
             record = {"rank": rank, "time": time.time(), "traceback": traceback.format_exc()}
@@ -120,7 +123,7 @@ def _first_failure(error_dir: str, fallback: Exception) -> WorkerFailure:
     return WorkerFailure(first["rank"], first["traceback"], [r["rank"] for r in records[1:]])
 
 
-def launch(cfg: Config) -> None:
+def launch(cfg: Config, target: Callable[[Config, Any], Any] = run) -> None:
     """Run `cfg` on every worker it needs; raises WorkerFailure naming the first failing rank.
 
     torch.multiprocessing terminates the surviving workers as soon as one fails, so no
@@ -130,14 +133,14 @@ def launch(cfg: Config) -> None:
         env_world = int(os.environ["WORLD_SIZE"])
         cfg.parallel.layout.check_world(env_world)
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", env_world))
-        worker(int(os.environ["RANK"]), cfg, env_world, local_world, None)
+        worker(int(os.environ["RANK"]), cfg, env_world, local_world, None, None, target)
         return
     restarts = cfg.train.max_restarts
     try:
         for start in range(restarts + 1):
             os.environ[ATTEMPT_ENV] = str(start)  # workers inherit it: the summary counts them
             try:
-                _run_world(cfg)
+                _run_world(cfg, target)
                 return
             except WorkerFailure as failure:
                 if start == restarts:
@@ -160,21 +163,21 @@ def _say_restart(failure: WorkerFailure, n: int, of: int, out: Path) -> None:
     )
 
 
-def _run_world(cfg: Config) -> None:
+def _run_world(cfg: Config, target: Callable[[Config, Any], Any]) -> None:
     """One world from start to end; WorkerFailure names the first rank that failed."""
     world = cfg.parallel.layout.world_size
     if world == 1:
         try:
-            summary = worker(0, cfg, 1, 1, None)
+            summary = worker(0, cfg, 1, 1, None, None, target)
         except Exception:
             raise WorkerFailure(0, traceback.format_exc(), []) from None
-        if summary.stopped_by is not None:
+        if getattr(summary, "stopped_by", None) is not None:
             raise Interrupted(summary.stopped_by)
         return
     with tempfile.TemporaryDirectory(prefix="plait-errors-") as error_dir:
         ctx = mp.start_processes(
             worker,
-            args=(cfg, world, world, free_port(), error_dir),
+            args=(cfg, world, world, free_port(), error_dir, target),
             nprocs=world,
             start_method="spawn",
             join=False,

@@ -1,0 +1,93 @@
+"""Run lessons: check the request, launch every case through plait's launcher (one world per
+case, workers stopped with the launcher on Ctrl-C), build the sections, write the report.
+
+Cases run in a temporary folder; what a reader keeps (figures, lessons.md, lessons.json) goes
+to the output folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import ModuleType
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from plait.errors import ConfigError
+from plait.launch import launch
+from plait.lessons import dp, offload, pipeline, precision, zero
+from plait.lessons.measure import measure
+from plait.lessons.report import write_report
+from plait.lessons.section import Case, Run, Section
+
+MIN_PROCS, MAX_PROCS = 2, 4
+
+
+def registry() -> dict[str, ModuleType]:
+    """Lesson name -> module, in the course's order."""
+    return {m.NAME: m for m in (dp, pipeline, zero, precision, offload)}
+
+
+def check_request(only: Sequence[str] | None, out: Path) -> list[str]:
+    """The lessons to run; ConfigError (before anything runs) on an unknown name or an output
+    folder that cannot be written."""
+    known = list(registry())
+    names = list(only) if only else known
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ConfigError(f"unknown lesson {', '.join(unknown)}; known: {', '.join(known)}")
+    probe = out / ".plait-write-test"
+    try:  # the only sure test: make the folder and write in it (root passes access checks)
+        out.mkdir(parents=True, exist_ok=True)
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"output folder {out} cannot be written: {e.strerror}") from None
+    return names
+
+
+def choose_procs(cores: int, say: Callable[[str], None]) -> int:
+    """Processes per lesson: up to 4, no more than the cores, and at least the 2 a comparison
+    needs (with fewer cores they share, and the lesson says so)."""
+    procs = max(MIN_PROCS, min(MAX_PROCS, cores))
+    if cores < MAX_PROCS:
+        say(f"{cores} CPU cores: lessons run with {procs} processes instead of {MAX_PROCS}"
+            + (" (sharing one core; timings are slower)" if cores < MIN_PROCS else ""))  # fmt: skip
+    return procs
+
+
+def run_case(case: Case, folder: Path) -> Run:
+    """One world: every rank trains the case and writes its record under `folder/label`."""
+    out = folder / case.label
+    cfg = dataclasses.replace(case.cfg, train=dataclasses.replace(case.cfg.train, out=str(out)))
+    launch(cfg, target=measure)
+    ranks = cfg.parallel.layout.world_size
+    return Run(cfg, [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)])
+
+
+def run_lessons(names: Sequence[str], quick: bool, out: Path, procs: int,
+                console: Console) -> list[Section]:  # fmt: skip
+    """Every case of every lesson, with a progress bar; writes the report and returns it."""
+    lessons = registry()
+    plans = {n: lessons[n].cases(quick, procs) for n in names}
+    sections = []
+    columns = (TextColumn("[bold]lessons"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("{task.fields[info]}"), TimeElapsedColumn())  # fmt: skip
+    with (
+        tempfile.TemporaryDirectory(prefix="plait-lessons-") as tmp,
+        Progress(*columns, console=console) as bar,
+    ):
+        task = bar.add_task("", total=sum(len(c) for c in plans.values()), info="")
+        for name, cases in plans.items():
+            runs = {}
+            for case in cases:
+                bar.update(task, info=f"{name}: {case.label}")
+                runs[case.label] = run_case(case, Path(tmp, name))
+                bar.advance(task)
+            sections.append(lessons[name].section(runs, out))
+    write_report(sections, out, quick)
+    return sections

@@ -1,0 +1,69 @@
+"""What a lesson reports: rows of expected vs measured with their ratio, figures, raw data."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from plait.config import Config
+
+
+@dataclass(frozen=True)
+class Case:
+    """One real run a lesson needs: a label and the full config (its `out` is set by the runner)."""
+
+    label: str
+    cfg: Config
+
+
+@dataclass(frozen=True)
+class Row:
+    """One comparison. `expected` is None where there is no closed form (a timing): the row
+    then shows the measured value and, in `ratio`, its ratio to the lesson's baseline."""
+
+    what: str
+    formula: str
+    expected: float | None
+    measured: float
+    unit: str = "B"
+    exact: bool = False  # deterministic: measured must equal expected (bytes, simulated bubbles)
+
+    @property
+    def ratio(self) -> float:
+        if self.expected is None or self.expected == 0:
+            return math.nan if self.expected is None else (1.0 if self.measured == 0 else math.inf)
+        return self.measured / self.expected
+
+
+@dataclass
+class Section:
+    """A lesson's result: its title, what it teaches, rows, figures (paths under the output
+    folder), notes, and the raw per-case data written to JSON."""
+
+    name: str
+    title: str
+    intro: str
+    rows: list[Row] = field(default_factory=list)
+    figures: list[Path] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    raw: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "title": self.title,
+            "rows": [vars(r) | {"ratio": r.ratio} for r in self.rows],
+            "figures": [str(p) for p in self.figures],
+            "notes": self.notes,
+            "raw": self.raw,
+        }
+
+
+@dataclass(frozen=True)
+class Run:
+    """A case after it ran: its config and one record per rank (see measure.py)."""
+
+    cfg: Config
+    records: list[dict[str, Any]]
