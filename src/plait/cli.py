@@ -24,6 +24,7 @@ from rich.table import Table
 from plait.calibrate import add_calibrate_parser
 from plait.checkpoint import inspect
 from plait.checkpoint.store import check_resumable, resolve
+from plait.cli_lessons import add_lessons_command, lessons_main
 from plait.cli_models import add_model_commands, export_main, generate_main, init_model
 from plait.config import SECTIONS, Config, build_config, flag_name, load_toml
 from plait.data_cli import COMMANDS as DATA_COMMANDS
@@ -100,19 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_checkpoint_commands(sub)
     add_data_commands(sub)
     add_model_commands(sub)
-    _add_lessons_command(sub)
+    add_lessons_command(sub)
     return parser
-
-
-def _add_lessons_command(sub: argparse._SubParsersAction) -> None:
-    lessons = sub.add_parser(
-        "lessons", help="run the course's comparisons on this machine: lessons.md, figures, JSON"
-    )
-    lessons.add_argument(
-        "--only", action="append", metavar="NAME", help="run this lesson only (repeatable)"
-    )
-    lessons.add_argument("--out", default="lessons", help="folder for lessons.md and figures")
-    lessons.add_argument("--quick", action="store_true", help="tiny models, few steps (~2 min)")
 
 
 def _add_run_flags(parser: argparse.ArgumentParser) -> None:
@@ -224,30 +214,6 @@ def _schedule(args: argparse.Namespace, err: Console) -> int:
     return 0
 
 
-def _lessons(args: argparse.Namespace, err: Console) -> int:
-    from plait.lessons.runner import check_request, choose_procs, run_lessons
-
-    out = Path(args.out)
-    try:
-        names = check_request(args.only, out)
-    except ConfigError as e:
-        err.print("[bold red]plait: error:[/] " + escape(str(e)), highlight=False)
-        return 2
-    say = lambda text: err.print(f"plait: {text}", markup=False, highlight=False)  # noqa: E731
-    procs = choose_procs(os.cpu_count() or 1, say)
-    try:
-        run_lessons(names, args.quick, out, procs, err)
-    except WorkerFailure as e:
-        err.print("[bold red]plait: a worker failed; all ranks stopped.[/]")
-        err.print(str(e), markup=False, highlight=False)
-        return 1
-    except (Interrupted, KeyboardInterrupt):
-        err.print("[bold]plait: lessons interrupted; every rank stopped.[/]")
-        return 130
-    Console().print(f"wrote {out / 'lessons.md'}, {out / 'lessons.json'} and the figures")
-    return 0
-
-
 def _estimate(args: argparse.Namespace, err: Console) -> int:
     from plait.estimate import estimate
     from plait.estimate.render import print_estimate, print_json
@@ -302,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("export", "generate"):
         return _model_command(args, err)
     if args.command == "lessons":
-        return _lessons(args, err)
+        return lessons_main(args, err)
     try:
         cfg = config_from_args(args)
         out = Path(cfg.train.out)
