@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
 from plait.calibrate import add_calibrate_parser
@@ -30,7 +29,7 @@ from plait.config import SECTIONS, Config, build_config, flag_name, load_toml
 from plait.data_cli import COMMANDS as DATA_COMMANDS
 from plait.data_cli import add_data_commands, run_data_command
 from plait.device import device_kind
-from plait.errors import ConfigError
+from plait.errors import ConfigError, print_bad_input
 from plait.launch import Interrupted, WorkerFailure, launch, under_torchrun
 from plait.outdir import prepare_out
 from plait.plan.command import add_plan_parser
@@ -142,8 +141,7 @@ def _checkpoint(args: argparse.Namespace, err: Console) -> int:
                 "fp32 parameters"
             )
     except ConfigError as e:
-        err.print("[bold red]plait: error:[/] " + escape(str(e)), highlight=False)
-        return 2
+        return print_bad_input(err, e)
     return 0
 
 
@@ -151,8 +149,7 @@ def _model_command(args: argparse.Namespace, err: Console) -> int:
     try:
         (export_main if args.command == "export" else generate_main)(args, Console())
     except ConfigError as e:
-        err.print("[bold red]plait: error:[/] " + escape(str(e)), highlight=False)
-        return 2
+        return print_bad_input(err, e)
     return 0
 
 
@@ -209,8 +206,7 @@ def _schedule(args: argparse.Namespace, err: Console) -> int:
     try:
         schedule_main(args.pp, args.microbatches, args.schedule, args.virtual_stages, out)
     except ConfigError as e:
-        err.print("[bold red]plait: error:[/] " + escape(str(e)), highlight=False)
-        return 2
+        return print_bad_input(err, e)
     return 0
 
 
@@ -222,8 +218,7 @@ def _estimate(args: argparse.Namespace, err: Console) -> int:
         cfg = config_from_args(args, check_data=False)
         est = estimate(cfg)
     except ConfigError as e:
-        err.print("[bold red]plait: error:[/] " + escape(str(e)), highlight=False)
-        return 2
+        return print_bad_input(err, e)
     print_json(est) if args.json else print_estimate(est, Console())
     budget = args.device_memory
     worst = est.most_loaded
@@ -246,8 +241,7 @@ def _planning(args: argparse.Namespace, err: Console) -> int:
     try:
         return run_plan(args, err) if args.command == "plan" else run_calibrate(args)
     except ConfigError as e:
-        err.print("[bold red]plait: error:[/] " + escape(str(e)), highlight=False)
-        return 2
+        return print_bad_input(err, e)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -278,8 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         if not under_torchrun() or os.environ.get("RANK") == "0":  # one rank owns the folder
             prepare_out(out, cfg.train.overwrite, bool(cfg.train.resume))
     except ConfigError as e:
-        err.print("[bold red]plait: error:[/] " + escape(str(e)), highlight=False)
-        return 2
+        return print_bad_input(err, e)
     if cfg.parallel.precision == "fp16" and device_kind(cfg.train.device) == "cpu":
         err.print(
             "[yellow]plait: warning:[/] fp16 on a CPU runs about 10x slower than fp32 "

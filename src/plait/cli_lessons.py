@@ -7,9 +7,8 @@ import os
 from pathlib import Path
 
 from rich.console import Console
-from rich.markup import escape
 
-from plait.errors import ConfigError
+from plait.errors import ConfigError, print_bad_input
 from plait.launch import Interrupted, WorkerFailure
 
 
@@ -31,8 +30,7 @@ def lessons_main(args: argparse.Namespace, err: Console) -> int:
     try:
         names = check_request(args.only, out)
     except ConfigError as e:
-        err.print("[bold red]plait: error:[/] " + escape(str(e)), highlight=False)
-        return 2
+        return print_bad_input(err, e)
     say = lambda text: err.print(f"plait: {text}", markup=False, highlight=False)  # noqa: E731
     procs = choose_procs(os.cpu_count() or 1, say)
     try:

@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 from rich.console import Console
-from rich.markup import escape
 from rich.progress import (
     BarColumn,
     DownloadColumn,
@@ -22,7 +21,7 @@ from rich.progress import (
 from plait.data.prepare import SHARD_TOKENS, PrepareJob, prepare
 from plait.data.sources import check_sources, iter_texts, source_files, total_bytes
 from plait.data.tokenizer import train_bpe
-from plait.errors import ConfigError
+from plait.errors import ConfigError, print_bad_input
 
 COMMANDS = ("tokenizer", "data")
 
@@ -69,8 +68,7 @@ def run_data_command(args: argparse.Namespace, err: Console) -> int:
             return _train_tokenizer(args)
         return _prepare(args)
     except ConfigError as e:
-        err.print("[bold red]plait: error:[/] " + escape(str(e)), highlight=False)
-        return 2
+        return print_bad_input(err, e)
 
 
 def _train_tokenizer(args: argparse.Namespace) -> int:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from rich.console import Console
+from rich.markup import escape
+
 
 class ConfigError(ValueError):
     """Invalid user input, found before any worker starts.
@@ -16,3 +19,13 @@ class CommError(RuntimeError):
 
 class CommTimeoutError(CommError):
     """A collective or point-to-point call did not complete in time (op, axis and step named)."""
+
+
+BAD_INPUT = 2
+"""The exit code of bad input, the same for every command."""
+
+
+def print_bad_input(console: Console, error: Exception) -> int:
+    """The one line every command prints for bad input; returns its exit code."""
+    console.print("[bold red]plait: error:[/] " + escape(str(error)), highlight=False)
+    return BAD_INPUT
