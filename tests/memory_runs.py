@@ -70,6 +70,7 @@ def measure(case: Case, offload_dir: str | None = None) -> dict[str, Any]:
         "comm_buffers": tracker.peak("comm_buffers"),
         "total": tracker.peak(),
         "allocator_peak": peak_allocated_bytes(mesh.device),
+        "comm": trainer.comm.stats.as_rows(),  # the second step's collectives
     }
     trainer.close()
     return out

@@ -8,6 +8,8 @@ import pytest
 
 from memory_runs import Case, compare, error, measure
 from plait.estimate import estimate
+from plait.parallel.pipeline.plan.stages import rank_plans
+from plait.plan.traffic import step_collectives
 
 SUBSET = [
     Case("dp2 zero1 bf16", parallel={"dp": 2, "zero": 1, "precision": "bf16"}),
@@ -41,3 +43,24 @@ def test_estimate_matches_measurement(world2, layout):
         for term, pair in compare(est, measured).items():
             limit = LIMITS.get(term, 0.02)
             assert abs(error(pair)) <= limit, (layout.name, measured["pp_rank"], term, pair)
+        assert _small_collectives(measured) == _planned(layout, measured["pp_rank"])
+
+
+STEP_TAGS = ("loss", "grad_norm", "tied_embedding", "tp-sp-grads")
+
+
+def _small_collectives(measured: dict) -> dict:
+    """{(axis, tag): (calls, elements, bytes per element)} this rank counted in its step."""
+    rows = [r for r in measured["comm"] if r["tag"] in STEP_TAGS]
+    assert all(r["op"] == "all_reduce" for r in rows), rows
+    return {(r["axis"], r["tag"]): (r["calls"], r["elements"], r["bytes"] // r["elements"])
+            for r in rows}  # fmt: skip
+
+
+def _planned(layout: Case, pp_rank: int) -> dict:
+    """What `plait plan` prices for that rank (plan/traffic.py `step_collectives`)."""
+    cfg = layout.config()
+    par = cfg.parallel
+    sizes = par.stage_layer_counts()
+    plans = rank_plans(cfg.model.n_layers, par.pp, par.virtual_stages, pp_rank, sizes)
+    return step_collectives(cfg, plans)

@@ -10,6 +10,9 @@ measure together, so every figure is what one rank sees while the others work to
   pairs (all pairs at once, as tensor-parallel groups run), and of one p2p message (a ping
   -pong between ranks 0 and 1), each through `comm.py` over sizes from 4 KiB to 16 MiB;
   least squares fits time = steps(op, n)·alpha + bytes·factor(op, n)/beta (plan/hardware.py);
+- the optimizer's pass: the norm, clip, AdamW update and zero_grad of `Step`, through
+  plait's own functions, on a flat fp32 shard of 2^20 elements on every rank at once
+  (seconds per element: the step's optimizer term is this times the rank's shard);
 - host bandwidth: a large tensor copy (what offload to the host costs on a CPU device);
   disk bandwidth: writing and reading back a file in the temporary folder.
 One machine has one link class: `inter` copies `intra`, and the note says so. Computation and
@@ -41,6 +44,8 @@ from plait.launch import free_port
 from plait.mesh import build_mesh
 from plait.models.presets import get_preset
 from plait.models.transformer import Transformer, matmul_flops_per_token
+from plait.parallel.grads import squared_norm
+from plait.parallel.zero.adamw import AdamW
 from plait.plan.hardware import Hardware, Link, OpCost, ring_steps_and_factor, save_hardware
 from plait.topology import Layout
 
@@ -88,6 +93,21 @@ def _flops(args: argparse.Namespace, comm: Comm) -> dict:
     rate = matmul_flops_per_token(cfg, args.seq_len) / per_token
     passes = 3 * (cfg.n_layers + 1)  # F, B and W of every block and of the head
     return {"peak": peak, "achievable": rate / peak, "overhead": max(0.0, fixed) / passes}
+
+
+def _optimizer_s_per_element(comm: Comm, repeats: int, n: int = 2**20) -> float:
+    """Seconds per shard element of what a step does after the reduction (step.py): the
+    float64 norm, the clip factor applied as the gradient is read, AdamW, zero_grad."""
+    master, grad = torch.randn(n), torch.randn(n)
+    adam = AdamW(weight_decay=0.1)
+    states = {name: torch.zeros(n) for name in adam.state_names}
+
+    def step() -> None:
+        coef = 1.0 / float(squared_norm([grad], grad.device).sqrt().clamp(min=1.0))
+        adam.update(master, grad.to(torch.float32) * coef, states, 1, 1e-4, [(0, n)])
+        grad.zero_()  # the values do not change the cost of element-wise kernels
+
+    return _median_time(step, repeats, comm.barrier) / n
 
 
 def _forward_backward(model: Transformer, x: torch.Tensor) -> None:
@@ -158,6 +178,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
         comm = Comm(build_mesh(Layout(dp=world // tp, tp=tp), torch.device("cpu")))
         torch.manual_seed(rank)
         result = {"flops": _flops(args, comm), "rows": _collectives(comm, args.repeats)}
+        result["optimizer"] = _optimizer_s_per_element(comm, args.repeats)
         result["rows"] += _p2p(comm, args.repeats)
         if rank == 0:
             result["bandwidth"] = _bandwidths()
@@ -208,6 +229,7 @@ def profile_of(result: dict, world: int) -> Hardware:
         overlap=0.0,
         pass_overhead_s=result["flops"]["overhead"],
         contention=max(1.0, world * threads_per_worker(world) / _cores()),
+        optimizer_s_per_element=result["optimizer"],
         note="measured by plait calibrate; one machine: inter copies intra; gloo shares "
         "the cores with compute, so overlap = 0; memory is the host's RAM / ranks",
     )

@@ -103,6 +103,7 @@ class Hardware:
     overlap: float = 1.0  # share of overlappable communication that hides behind compute
     pass_overhead_s: float = 0.0  # fixed seconds per block (or head) per F, B or W pass
     contention: float = 1.0  # ranks sharing one compute unit when all are busy (CPU: > 1)
+    optimizer_s_per_element: float = 0.0  # norm, clip, AdamW, zero_grad per shard element
     note: str = ""
 
     @property
@@ -146,6 +147,7 @@ def from_dict(raw: dict[str, Any]) -> Hardware:
         overlap=float(raw.get("overlap", 1.0)),
         pass_overhead_s=float(raw.get("pass_overhead_s", 0.0)),
         contention=float(raw.get("contention", 1.0)),
+        optimizer_s_per_element=float(raw.get("optimizer_s_per_element", 0.0)),
         note=str(raw.get("note", "")),
     )
 
@@ -163,6 +165,7 @@ def to_dict(hw: Hardware) -> dict[str, Any]:
         "overlap": hw.overlap,
         "pass_overhead_s": hw.pass_overhead_s,
         "contention": hw.contention,
+        "optimizer_s_per_element": hw.optimizer_s_per_element,
     }
     if hw.note:
         out["note"] = hw.note

@@ -7,8 +7,7 @@ from rich.table import Table
 
 from plait.estimate.render import gib
 from plait.plan.search import Dropped, Plan, Ranked
-
-TERMS = ("compute", "recompute", "tp", "bubble", "dp", "offload")
+from plait.plan.step_time import TERMS
 
 
 def seconds(s: float) -> str:

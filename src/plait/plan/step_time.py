@@ -1,6 +1,7 @@
 """Predicted step time of one layout: compute, pipeline bubble, communication, offload.
 
   step = makespan(pipeline of per-stage costs) + exposed dp traffic + offload traffic
+         + optimizer + the step's small collectives
 
 Per micro-batch and chunk (one pipeline stage's layers and ends), with R = peak·achievable
 and o the fixed overhead of one pass of a block or the head (`pass_overhead_s`: kernel
@@ -19,11 +20,13 @@ micro-batch's backward (ZeRO-2/3: behind every backward; ZeRO-3's gathers are pr
 behind the forward and backward too); ZeRO-1/2's parameter all-gather after the optimizer
 step is exposed. Offload moves the gradient shard to the host and the updated parameters
 back, and the host's Adam reads and writes the fp32 master and moments (NVMe: also from and
-to disk). Not modelled: the optimizer's own time on the device, scalar collectives (loss,
-norm), data loading; docs/planning.md says what that costs on the measured machine.
+to disk). The optimizer's own pass over the rank's shard (norm, clip, AdamW, zero_grad) is
+memory-bound: shard elements x `optimizer_s_per_element`. The step's small collectives
+(loss, norm, tied embedding, sequence-parallel partial gradients: `traffic.step_collectives`)
+are latencies on their links. Not modelled: data loading.
 Ranks that share cores (a CPU with fewer cores than ranks, `contention` > 1) speed up while
-others wait in a pipeline bubble: the step is the longer of the ranks' mean work and the
-critical path at the unshared rate (`_shared_makespan`).
+others wait in a pipeline bubble: the pipeline is simulated with its ranks sharing p / c
+compute units (`plan/shared.py`).
 """
 
 from __future__ import annotations
@@ -38,7 +41,15 @@ from plait.parallel.pipeline.plan.schedules import build_schedule
 from plait.parallel.pipeline.plan.simulate import Costs, simulate
 from plait.parallel.pipeline.plan.stages import StagePlan, rank_plans
 from plait.plan.hardware import Hardware
-from plait.plan.traffic import FP32, Links, dp_traffic, p2p_seconds, tp_seconds
+from plait.plan.shared import shared_makespan
+from plait.plan.traffic import (
+    FP32,
+    Links,
+    dp_traffic,
+    p2p_seconds,
+    step_collective_seconds,
+    tp_seconds,
+)
 
 EXACT_UP_TO = 3  # the in-flight peak of every schedule but gpipe is reached by 3p micro-batches
 PERIOD = 2  # a steady pipeline repeats every 2p micro-batches (p when compute dominates p2p)
@@ -70,10 +81,16 @@ class StepTime:
     bubble: float  # pipeline idle time and p2p (makespan - compute - recompute - tp)
     dp: float  # exposed data-parallel / ZeRO traffic
     offload: float  # host (and disk) traffic of an offloaded optimizer
+    optimizer: float = 0.0  # the device optimizer's pass over the rank's shard
+    sync: float = 0.0  # the step's small collectives: loss, norm, tied embedding, SP grads
 
     @property
     def total(self) -> float:
-        return self.compute + self.recompute + self.tp + self.bubble + self.dp + self.offload
+        return sum(getattr(self, k) for k in TERMS)
+
+
+TERMS = ("compute", "recompute", "tp", "bubble", "dp", "offload", "optimizer", "sync")
+"""StepTime's terms, in the order `plait plan` shows them."""
 
 
 @dataclass(frozen=True)
@@ -137,13 +154,20 @@ def _all_plans(cfg: Config) -> list[list[StagePlan]]:
 
 
 def makespan(
-    cfg: Config, costs: list[ChunkCost], comm: float, memo: Memo, exact: bool = True
+    cfg: Config,
+    costs: list[ChunkCost],
+    comm: float,
+    memo: Memo,
+    exact: bool = True,
+    pool: float | None = None,
 ) -> float:
     """The pipeline's simulated makespan for m micro-batches; costs per global stage. Beyond
     6p micro-batches the steady state adds the same time every 2p micro-batches, so two
     shorter simulations, 2p apart and congruent to m, are extrapolated (tested against whole
-    simulations).
-    `exact=False`: the busiest rank's busy time, a lower bound, without simulating."""
+    simulations). `pool`: the ranks share that many pipeline ranks' worth of compute
+    (`plan/shared.py`); None: each owns its device.
+    `exact=False`: a lower bound without simulating: the busiest rank's busy time (and the
+    pool's share of all the work)."""
     par, m = cfg.parallel, cfg.accumulation
     if par.pp == 1:
         c = costs[0]
@@ -154,13 +178,17 @@ def makespan(
 
     def run(k: int) -> float:
         key = (name, p, k, v, tuple(sim_costs.f), tuple(sim_costs.b), tuple(sim_costs.w), comm)
+        key += (pool,)
         if key not in memo.spans:
-            sim = simulate(memo.get(name, p, k, v), sim_costs)
-            memo.spans[key] = float(sim.makespan)
+            sched = memo.get(name, p, k, v)
+            span = simulate(sched, sim_costs).makespan if pool is None else None
+            memo.spans[key] = float(span if span is not None else
+                                    shared_makespan(sched, sim_costs, pool))  # fmt: skip
         return memo.spans[key]
 
     if par.two_bw or not exact:  # 2BW: no flush, each step's share of one fill and drain ~0
-        return max(m * sum(c.f + c.b + c.w for c in costs[r::p]) for r in range(p))
+        work = [m * sum(c.f + c.b + c.w for c in costs[r::p]) for r in range(p)]
+        return max(max(work), sum(work) / pool) if pool is not None else max(work)
     if m <= 3 * PERIOD * p:
         return run(m)
     lo = PERIOD * p + m % (PERIOD * p)  # m - lo is a whole number of periods
@@ -183,39 +211,27 @@ def step_time(
         for plan in ps
     }
     costs = [by_stage[g] for g in range(par.pp * par.virtual_stages)]
-    span = makespan(cfg, costs, p2p, memo, simulate)
     busy = [[by_stage[plan.stage] for plan in ps] for ps in plans]
-    counted = [max(busy, key=lambda cs: sum(c.f + c.b + c.w for c in cs))]
     if hw.contention > 1 and par.pp > 1:
-        span = _shared_makespan(cfg, hw, costs, busy, p2p, memo, simulate)
+        # The costs were measured with every rank busy; alone, a rank runs c times faster.
+        k = 1 / hw.contention
+        fast = [replace(c, **{f.name: getattr(c, f.name) * k for f in fields(c)}) for c in costs]
+        span = makespan(cfg, fast, p2p * k, memo, simulate, pool=par.pp * k)
         counted = busy  # the pool does every rank's work: the terms are the ranks' mean
+    else:
+        span = makespan(cfg, costs, p2p, memo, simulate)
+        counted = [max(busy, key=lambda cs: sum(c.f + c.b + c.w for c in cs))]
     compute = m * sum(3 * c.flops for cs in counted for c in cs) / len(counted)
     recompute = m * sum(c.recompute for cs in counted for c in cs) / len(counted)
     tp = m * sum(c.tp_f + c.tp_b for cs in counted for c in cs) / len(counted)
-    dp = off = 0.0
+    dp = off = opt = sync = 0.0
     for ps, cs in zip(plans, busy, strict=True):
-        d, o = _after_pipeline(cfg, hw, links, ps, cs, memo)
+        d, o, shard = _after_pipeline(cfg, hw, links, ps, cs, memo)
         dp, off = max(dp, d), max(off, o)
-    return StepTime(compute, recompute, tp, span - compute - recompute - tp, dp, off)
-
-
-def _shared_makespan(
-    cfg: Config,
-    hw: Hardware,
-    costs: list[ChunkCost],
-    busy: list[list[ChunkCost]],
-    p2p: float,
-    memo: Memo,
-    exact: bool,
-) -> float:
-    """Ranks sharing cores (`contention` > 1: the costs were measured with every rank busy)
-    run faster while others wait in a bubble. The step is then bounded by the pool (the
-    ranks' mean work at the shared rate) and by the pipeline's critical path at the
-    unshared rate, whichever is longer."""
-    m, k = cfg.accumulation, 1 / hw.contention
-    mean = sum(m * sum(c.f + c.b + c.w for c in cs) for cs in busy) / len(busy)
-    fast = [replace(c, **{f.name: getattr(c, f.name) * k for f in fields(c)}) for c in costs]
-    return max(mean, makespan(cfg, fast, p2p * k, memo, exact))
+        opt = max(opt, 0.0 if par.offload != "none" else shard * hw.optimizer_s_per_element)
+        sync = max(sync, step_collective_seconds(cfg, links, ps))
+    bubble = span - compute - recompute - tp
+    return StepTime(compute, recompute, tp, bubble, dp, off, opt, sync)
 
 
 def _after_pipeline(
@@ -225,8 +241,9 @@ def _after_pipeline(
     plans: list[StagePlan],
     costs: list[ChunkCost],
     memo: Memo,
-) -> tuple[float, float]:
-    """(exposed dp seconds, offload seconds) of one pipeline rank (module doc)."""
+) -> tuple[float, float, int]:
+    """(exposed dp seconds, offload seconds, the optimizer's shard in elements) of one
+    pipeline rank (module doc)."""
     par, m = cfg.parallel, cfg.accumulation
     traffic = dp_traffic(cfg, links.dp, plans, memo.groups)
     backward = sum(c.b + c.w for c in costs)  # one micro-batch's backward on this rank
@@ -238,7 +255,7 @@ def _after_pipeline(
         window = backward * (m if par.zero == 2 else 1)
         exposed = traffic.reduce_s - hw.overlap * min(traffic.reduce_s, window)
         exposed += traffic.gather_s
-    return exposed, _offload_seconds(cfg, hw, traffic.shard)
+    return exposed, _offload_seconds(cfg, hw, traffic.shard), traffic.shard
 
 
 def _offload_seconds(cfg: Config, hw: Hardware, shard: int) -> float:

@@ -118,3 +118,64 @@ def dp_traffic(
         else:
             reduce_s += link.time(op, par.dp, n * prec.reduce, calls)
     return DpTraffic(reduce_s, gather_s, shard)
+
+
+def step_collectives(
+    cfg: Config, plans: list[StagePlan]
+) -> dict[tuple[str, str], tuple[int, int, int]]:
+    """The small per-step collectives of one rank outside the gradient reduction:
+    {(axis, tag): (calls, elements, bytes per element)}, all all-reduces. Each one is a
+    latency on a slow link (2(n-1) ring steps), whatever its size.
+
+      loss         the step's loss averaged over dp (step.py) and summed over pp
+                   (the pipeline runner: only the last stage holds it), fp32 scalars;
+      grad_norm    the squared global norm summed over the axes its pieces are split on:
+                   dp under ZeRO >= 1 (shards), tp, pp (parallel/grads.py), one float64;
+      tied_embedding  a tied embedding's two copies summed over the pipeline's ends;
+      tp-sp-grads  under sequence parallelism the partial gradients (norms, row-parallel
+                   biases, a learned position table) summed over tp.
+
+    Under ZeRO >= 1 a rank sums only the pieces in its shard; the elements are then the
+    whole pieces' / dp (exact for the calls, the latency; near for the bytes)."""
+    par, m = cfg.parallel, cfg.model
+    prec = Precision.of(par.precision, par.reduce_dtype)
+    shard = par.dp if par.zero >= 1 else 1
+    out: dict[tuple[str, str], tuple[int, int, int]] = {}
+    if par.dp > 1:
+        out[("dp", "loss")] = (1, 1, FP32)
+    if par.pp > 1:
+        out[("pp", "loss")] = (1, 1, FP32)
+    for axis, n in (("dp", par.dp if par.zero >= 1 else 1), ("tp", par.tp), ("pp", par.pp)):
+        if n > 1:
+            out[(axis, "grad_norm")] = (1, 1, 8)
+    first, last = any(p.first for p in plans), any(p.last for p in plans)
+    if par.pp > 1 and m.tie_embeddings and (first or last):
+        table = -(-m.vocab_size // par.tp) * m.d_model  # the padded vocabulary's tp slice
+        out[("pp_ends", "tied_embedding")] = (1, table // shard, prec.reduce)
+    if par.tp > 1 and par.sequence_parallel:
+        partial = [p.numel for p in rank_params(m, par.tp, plans) if _sp_partial(p.name, m)]
+        out[("tp", "tp-sp-grads")] = (1, sum(partial) // shard, prec.reduce)
+    return out
+
+
+def _sp_partial(name: str, m) -> bool:
+    """Whether a parameter's gradient is partial over tp under sequence parallelism: it acts
+    on the sequence-split activations (`tp_partial_grads` in parallel/tp/)."""
+    leaf = name.rsplit(".", 2)
+    if "_norm." in name or name.startswith("norm."):
+        return True
+    if name == "embed.pos.weight":
+        return True
+    return name.endswith(".bias") and leaf[-2] in ("wo", "fc2", "w_down")
+
+
+def step_collective_seconds(cfg: Config, links: Links, plans: list[StagePlan]) -> float:
+    """Seconds of `step_collectives` on their links (the ends of a pipeline pair: 2 ranks)."""
+    par = cfg.parallel
+    sizes = {"dp": (par.dp, links.dp), "tp": (par.tp, links.tp), "pp": (par.pp, links.pp)}
+    sizes["pp_ends"] = (2, links.pp)
+    total = 0.0
+    for (axis, _), (calls, elements, width) in step_collectives(cfg, plans).items():
+        n, link = sizes[axis]
+        total += link.time("all_reduce", n, elements * width, calls)
+    return total
