@@ -1,25 +1,29 @@
-"""`plait lessons`: each lesson's cases run (quick, 2 steps) on a 2-rank world, and the
-deterministic figures its section reports equal the formulas (bytes per op, model states,
-simulated bubbles); bad requests exit 2 before anything runs."""
+"""`plait lessons`: each lesson's cases run (quick, 2 steps) on a 2-rank world, once per
+module, and the deterministic figures its section reports equal the formulas (bytes per op,
+model states, simulated bubbles, tp collectives per phase); torch DDP trains like plait DP;
+the phase meter attributes collectives to forward, backward and step; bad requests exit 2
+before anything runs."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
 from plait.cli import main
+from plait.comm import CommStats
 from plait.config import Config
-from plait.lessons.measure import measure
+from plait.lessons.phases import PhaseMeter
 from plait.lessons.runner import choose_procs, registry
-from plait.lessons.section import Run
+from plait.lessons.section import Run, Section, Target
 from plait.mesh import build_mesh
 
 
-def _measure(cfg: Config) -> dict:
-    return measure(cfg, build_mesh(cfg.parallel.layout, torch.device("cpu"), 60))
+def _target(target: Target, cfg: Config) -> dict:
+    return target(cfg, build_mesh(cfg.parallel.layout, torch.device("cpu"), 60))
 
 
 def _runs(world, lesson, out: Path) -> dict[str, Run]:
@@ -27,14 +31,27 @@ def _runs(world, lesson, out: Path) -> dict[str, Run]:
     for case in lesson.cases(quick=True, procs=2):
         train = dataclasses.replace(case.cfg.train, steps=2, out=str(out / case.label))
         cfg = dataclasses.replace(case.cfg, train=train)
-        runs[case.label] = Run(cfg, world.run(_measure, cfg))
+        runs[case.label] = Run(cfg, world.run(_target, case.target, cfg))
     return runs
 
 
-@pytest.mark.parametrize("name", ["dp", "pipeline", "zero", "precision", "offload"])
-def test_each_lesson_reports_the_formulas_exactly(world2, tmp_path, name):
-    lesson = registry()[name]
-    section = lesson.section(_runs(world2, lesson, tmp_path / "runs"), tmp_path / "out")
+@pytest.fixture(scope="module")
+def sections(world2, tmp_path_factory) -> Callable[[str], Section]:
+    """Each lesson's section, its cases run once per module on the 2-rank world."""
+    done: dict[str, Section] = {}
+
+    def get(name: str) -> Section:
+        if name not in done:
+            lesson, tmp = registry()[name], tmp_path_factory.mktemp(name)
+            done[name] = lesson.section(_runs(world2, lesson, tmp / "runs"), tmp / "out")
+        return done[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", ["dp", "pipeline", "tp", "zero", "precision", "offload"])
+def test_each_lesson_reports_the_formulas_exactly(sections, name):
+    section = sections(name)
     exact = [r for r in section.rows if r.exact]
     assert len(exact) >= 3
     for row in exact:
@@ -44,17 +61,43 @@ def test_each_lesson_reports_the_formulas_exactly(world2, tmp_path, name):
     assert timed and all(r.measured > 0 for r in timed)
 
 
-def test_rank_zero_holds_what_naive_dp_adds(world2, tmp_path):
-    lesson = registry()["dp"]
-    section = lesson.section(_runs(world2, lesson, tmp_path / "runs"), tmp_path / "out")
-    rows = {r.what: r for r in section.rows}
+def test_rank_zero_holds_what_naive_dp_adds(sections):
+    rows = {r.what: r for r in sections("dp").rows}
     assert rows["naive: optimizer states on rank 0"].measured > 0
     assert rows["naive: optimizer states on rank 1"].measured == 0
 
 
+def test_torch_ddp_peer_trains_like_plait_dp(sections):
+    section = sections("dp")
+    rows = {r.what: r for r in section.rows}
+    plait, peer = section.raw["losses"]["ddp"], section.raw["losses"]["torch-ddp"]
+    assert len(peer) == 2 and peer[0] == plait[0]
+    torch.testing.assert_close(peer, plait, rtol=1e-5, atol=0)
+    assert sum(section.raw["ddp_buckets"]) == 4 * section.raw["psi"] > 0
+    assert rows["step time plait DP / torch DDP"].measured > 0
+
+
+def test_tp_counts_four_all_reduces_per_layer_and_none_under_sp(sections):
+    section = sections("tp")
+    rows = {r.what: r.measured for r in section.rows}
+    assert rows["forward: all-reduces per layer"] == 2
+    assert rows["backward: all-reduces per layer"] == 2
+    assert rows["SP: all-reduces of activations (forward + backward)"] == 0
+    assert rows["SP forward: all-gathers per layer"] == rows["SP backward: all-gathers per layer"]
+    plain = section.raw["tp"]["phases"]
+    assert (
+        "all_reduce tp-embed" in plain["forward"] and "all_reduce tp-embed" not in plain["backward"]
+    )
+    assert (
+        "all_reduce tp-head" in plain["backward"] and "all_reduce tp-head" not in plain["forward"]
+    )
+    split = section.raw["split"]
+    assert split["column"]["forward"] == [] and split["row"]["backward"] == []
+
+
 def test_bad_requests_exit_2_before_anything_runs(tmp_path, capsys):
     assert main(["lessons", "--only", "dp", "--only", "nope", "--out", str(tmp_path)]) == 2
-    known = "dp, pipeline, zero, precision, offload"
+    known = "dp, pipeline, tp, zero, precision, offload"
     assert f"unknown lesson nope; known: {known}" in capsys.readouterr().err
     (tmp_path / "file").write_text("")
     assert main(["lessons", "--out", str(tmp_path / "file" / "sub")]) == 2
@@ -69,3 +112,50 @@ def test_too_few_cores_says_so_and_runs_with_fewer_processes():
     assert said == ["2 CPU cores: lessons run with 2 processes instead of 4"]
     assert choose_procs(1, said.append) == 2 and "sharing one core" in said[-1]
     assert choose_procs(8, said.append) == 4 and len(said) == 2
+
+
+class _Counted(torch.autograd.Function):
+    """Records one collective forward and one backward, as tp's f/g do through Comm."""
+
+    @staticmethod
+    def forward(ctx, x, stats):
+        ctx.stats = stats
+        stats.record("all_reduce", "tp", x, "fwd")
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.stats.record("all_gather", "tp", grad, "bwd")
+        return grad, None
+
+
+class _Toy(torch.nn.Module):
+    def __init__(self, stats: CommStats) -> None:
+        super().__init__()
+        self.w, self.stats = torch.nn.Parameter(torch.ones(3)), stats
+
+    def forward(self, x):
+        return _Counted.apply(self.w * x, self.stats).sum()
+
+
+def test_phase_meter_splits_forward_backward_and_step():
+    stats = CommStats()
+    model, meter = _Toy(stats), PhaseMeter(stats)
+    for step in range(2):  # two micro-batches, then once-per-step work
+        stats.begin_step(step)
+        with meter.attached(model):
+            for _ in range(2):
+                model(torch.ones(3)).backward()
+            meter.mark("step")
+        stats.record("all_reduce", "tp", torch.zeros(1, dtype=torch.float64), "grad_norm")
+        phases = meter.take()
+    got = [(p["phase"], [(c["op"], c["tag"], c["calls"], c["bytes"]) for c in p["counts"]])
+           for p in phases]  # fmt: skip
+    fwd, bwd = (
+        ("forward", [("all_reduce", "fwd", 1, 12)]),
+        ("backward", [("all_gather", "bwd", 1, 12)]),
+    )
+    assert got == [fwd, bwd, fwd, bwd, ("step", [("all_reduce", "grad_norm", 1, 8)])]
+    stats.begin_step(2)
+    model(torch.ones(3))  # detached: no marks, everything lands before the first one
+    assert [p["phase"] for p in meter.take()] == ["before"]

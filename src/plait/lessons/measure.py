@@ -14,6 +14,7 @@ from typing import Any
 from plait.config import Config
 from plait.mesh import Mesh
 from plait.parallel.pipeline.output.report import report
+from plait.step import StepResult
 from plait.train import Trainer
 
 
@@ -26,23 +27,28 @@ def measure(cfg: Config, mesh: Mesh) -> dict[str, Any]:
     pipeline = None
     try:
         for _ in range(cfg.train.steps):
-            steps.append(_step_row(trainer))
+            steps.append(step_row(trainer, trainer.train_step()))
         if cfg.train.trace and trainer.pipeline is not None:
             timings = trainer.pipeline.gather_timings()  # collective over the pp axis
             if mesh.is_logging_rank:
                 pipeline = report(trainer.pipeline.schedule, timings, Path(cfg.train.out))
     finally:
         trainer.close()
-    record = {"rank": mesh.rank, "coord": dataclasses.asdict(mesh.coord), "steps": steps}
-    record["pipeline"] = pipeline
+    return save_record(cfg, mesh, steps, pipeline=pipeline)
+
+
+def save_record(cfg: Config, mesh: Mesh, steps: list[dict[str, Any]], **extra: Any) -> dict:
+    """This rank's record (its steps and whatever else the target measured), written as
+    OUT/rank{r}.json for the runner, which reads every rank's after the world ends."""
+    record = {"rank": mesh.rank, "coord": dataclasses.asdict(mesh.coord), "steps": steps, **extra}
     out = Path(cfg.train.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{mesh.rank}.json").write_text(json.dumps(record))
     return record
 
 
-def _step_row(trainer: Trainer) -> dict[str, Any]:
-    result = trainer.train_step()
+def step_row(trainer: Trainer, result: StepResult) -> dict[str, Any]:
+    """What one step cost: its loss and time, bytes by collective, memory by category."""
     row: dict[str, Any] = {
         "loss": result.loss,
         "time_s": result.time_s,

@@ -19,8 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from plait.errors import ConfigError
 from plait.launch import launch
-from plait.lessons import dp, offload, pipeline, precision, zero
-from plait.lessons.measure import measure
+from plait.lessons import dp, offload, pipeline, precision, tp, zero
 from plait.lessons.report import write_report
 from plait.lessons.section import Case, Run, Section
 
@@ -29,7 +28,7 @@ MIN_PROCS, MAX_PROCS = 2, 4
 
 def registry() -> dict[str, ModuleType]:
     """Lesson name -> module, in the course's order."""
-    return {m.NAME: m for m in (dp, pipeline, zero, precision, offload)}
+    return {m.NAME: m for m in (dp, pipeline, tp, zero, precision, offload)}
 
 
 def check_request(only: Sequence[str] | None, out: Path) -> list[str]:
@@ -64,7 +63,7 @@ def run_case(case: Case, folder: Path) -> Run:
     """One world: every rank trains the case and writes its record under `folder/label`."""
     out = folder / case.label
     cfg = dataclasses.replace(case.cfg, train=dataclasses.replace(case.cfg.train, out=str(out)))
-    launch(cfg, target=measure)
+    launch(cfg, target=case.target)
     ranks = cfg.parallel.layout.world_size
     return Run(cfg, [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)])
 

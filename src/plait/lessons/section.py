@@ -3,19 +3,29 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from plait.config import Config
+from plait.lessons.measure import measure
+from plait.mesh import Mesh
+
+Target = Callable[[Config, Mesh], dict[str, Any]]
+"""What every rank of a case's world runs: a module-level function (the launcher pickles it)
+that writes OUT/rank{r}.json and returns the same record."""
 
 
 @dataclass(frozen=True)
 class Case:
-    """One real run a lesson needs: a label and the full config (its `out` is set by the runner)."""
+    """One real run a lesson needs: a label, the full config (its `out` is set by the runner)
+    and what every rank runs: plait's training (`measure`) unless the lesson needs another
+    measurement (tp's per-phase counts) or another implementation (torch DDP, the peer)."""
 
     label: str
     cfg: Config
+    target: Target = measure
 
 
 @dataclass(frozen=True)
