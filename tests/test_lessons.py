@@ -1,10 +1,12 @@
 """`plait lessons`: each lesson's cases run (quick, 2 steps) on a 2-rank world, and the
 deterministic figures its section reports equal the formulas (bytes per op, model states,
-simulated bubbles); bad requests exit 2 before anything runs."""
+simulated bubbles, saved activations); bad requests exit 2 before anything runs. Each lesson
+runs once per module; its section is shared by the tests that read it."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -12,9 +14,11 @@ import torch
 
 from plait.cli import main
 from plait.config import Config
+from plait.estimate import estimate
+from plait.lessons import recompute
 from plait.lessons.measure import measure
 from plait.lessons.runner import choose_procs, registry
-from plait.lessons.section import Run
+from plait.lessons.section import Run, Section
 from plait.mesh import build_mesh
 
 
@@ -31,10 +35,23 @@ def _runs(world, lesson, out: Path) -> dict[str, Run]:
     return runs
 
 
-@pytest.mark.parametrize("name", ["dp", "pipeline", "zero", "precision", "offload"])
-def test_each_lesson_reports_the_formulas_exactly(world2, tmp_path, name):
-    lesson = registry()[name]
-    section = lesson.section(_runs(world2, lesson, tmp_path / "runs"), tmp_path / "out")
+@pytest.fixture(scope="module")
+def sections(world2, tmp_path_factory) -> Callable[[str], Section]:
+    """name -> that lesson's section, its cases run the first time it is asked for."""
+    done: dict[str, Section] = {}
+
+    def get(name: str) -> Section:
+        if name not in done:
+            tmp, lesson = tmp_path_factory.mktemp(name), registry()[name]
+            done[name] = lesson.section(_runs(world2, lesson, tmp / "runs"), tmp / "out")
+        return done[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", ["dp", "pipeline", "zero", "precision", "recompute", "offload"])
+def test_each_lesson_reports_the_formulas_exactly(sections, name):
+    section = sections(name)
     exact = [r for r in section.rows if r.exact]
     assert len(exact) >= 3
     for row in exact:
@@ -44,17 +61,51 @@ def test_each_lesson_reports_the_formulas_exactly(world2, tmp_path, name):
     assert timed and all(r.measured > 0 for r in timed)
 
 
-def test_rank_zero_holds_what_naive_dp_adds(world2, tmp_path):
-    lesson = registry()["dp"]
-    section = lesson.section(_runs(world2, lesson, tmp_path / "runs"), tmp_path / "out")
-    rows = {r.what: r for r in section.rows}
+def test_rank_zero_holds_what_naive_dp_adds(sections):
+    rows = {r.what: r for r in sections("dp").rows}
     assert rows["naive: optimizer states on rank 0"].measured > 0
     assert rows["naive: optimizer states on rank 1"].measured == 0
 
 
+def test_recompute_trades_activations_for_time(sections):
+    raw = sections("recompute").raw
+    got, est = raw["measured"], raw["estimate"]
+    assert got["full"] < got["selective"] < got["none"]
+    cfg = recompute.cases(quick=True, procs=2)[0].cfg
+    assert got["none"] == est["none"]  # the tolerance the lesson states for the other two:
+    for mode in ("selective", "full"):  # the dropout keys torch's checkpoint saves
+        assert got[mode] - est[mode] == recompute.keys_bytes(cfg) > 0, mode
+
+
+def test_recompute_formula_is_the_estimators():
+    """The fp32 per-layer formula the lesson states, against the estimator (the ends, the
+    same in every mode, cancel in the differences)."""
+    cfgs = {c.label: c.cfg for c in recompute.cases(quick=True, procs=2)}
+    held = {m: estimate(c).ranks[0].line("activations").device for m, c in cfgs.items()}
+    layers = cfgs["none"].model.n_layers
+    for mode in ("none", "selective"):
+        formula = recompute.layer_formula(cfgs[mode], mode) - recompute.layer_formula(
+            cfgs["full"], "full"
+        )
+        assert held[mode] - held["full"] == layers * formula, mode
+
+
+def test_pipeline_stages_hold_what_their_schedule_keeps_in_flight(sections):
+    raw = sections("pipeline").raw
+    got, est = raw["activations"]["measured"], raw["activations"]["estimate"]
+    p, m = len(got["naive"]), 4
+    one = got["naive"]  # naive holds one micro-batch
+    assert got["gpipe"] == [m * x for x in one]
+    assert got["1f1b"][0] == min(p, m) * one[0] and got["1f1b"][-1] == one[-1]
+    for name in ("naive", "gpipe", "1f1b", "interleaved"):
+        assert got[name] == est[name], name
+    zb = [g / e for g, e in zip(got["zb-h1"], est["zb-h1"], strict=True)]
+    assert zb[0] == 1 and all(0.85 < r <= 1 for r in zb), zb  # W frees the rest (see notes)
+
+
 def test_bad_requests_exit_2_before_anything_runs(tmp_path, capsys):
     assert main(["lessons", "--only", "dp", "--only", "nope", "--out", str(tmp_path)]) == 2
-    known = "dp, pipeline, zero, precision, offload"
+    known = "dp, pipeline, zero, precision, recompute, offload"
     assert f"unknown lesson nope; known: {known}" in capsys.readouterr().err
     (tmp_path / "file").write_text("")
     assert main(["lessons", "--out", str(tmp_path / "file" / "sub")]) == 2
