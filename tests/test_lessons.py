@@ -1,8 +1,8 @@
 """`plait lessons`: each lesson's cases run (quick, 2 steps) on a 2-rank world, once per
 module, and the deterministic figures its section reports equal the formulas (bytes per op,
-model states, simulated bubbles, tp collectives per phase); torch DDP trains like plait DP;
-the phase meter attributes collectives to forward, backward and step; bad requests exit 2
-before anything runs."""
+model states, simulated bubbles, tp collectives per phase, saved activations); torch DDP
+trains like plait DP; the phase meter attributes collectives to forward, backward and step;
+bad requests exit 2 before anything runs."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ import torch
 from plait.cli import main
 from plait.comm import CommStats
 from plait.config import Config
+from plait.estimate import estimate
+from plait.lessons import recompute
 from plait.lessons.phases import PhaseMeter
 from plait.lessons.runner import choose_procs, registry
 from plait.lessons.section import Run, Section, Target
@@ -49,7 +51,9 @@ def sections(world2, tmp_path_factory) -> Callable[[str], Section]:
     return get
 
 
-@pytest.mark.parametrize("name", ["dp", "pipeline", "tp", "zero", "precision", "offload"])
+@pytest.mark.parametrize(
+    "name", ["dp", "pipeline", "tp", "zero", "precision", "recompute", "offload"]
+)
 def test_each_lesson_reports_the_formulas_exactly(sections, name):
     section = sections(name)
     exact = [r for r in section.rows if r.exact]
@@ -95,9 +99,45 @@ def test_tp_counts_four_all_reduces_per_layer_and_none_under_sp(sections):
     assert split["column"]["forward"] == [] and split["row"]["backward"] == []
 
 
+def test_recompute_trades_activations_for_time(sections):
+    raw = sections("recompute").raw
+    got, est = raw["measured"], raw["estimate"]
+    assert got["full"] < got["selective"] < got["none"]
+    cfg = recompute.cases(quick=True, procs=2)[0].cfg
+    assert got["none"] == est["none"]  # the tolerance the lesson states for the other two:
+    for mode in ("selective", "full"):  # the dropout keys torch's checkpoint saves
+        assert got[mode] - est[mode] == recompute.keys_bytes(cfg) > 0, mode
+
+
+def test_recompute_formula_is_the_estimators():
+    """The fp32 per-layer formula the lesson states, against the estimator (the ends, the
+    same in every mode, cancel in the differences)."""
+    cfgs = {c.label: c.cfg for c in recompute.cases(quick=True, procs=2)}
+    held = {m: estimate(c).ranks[0].line("activations").device for m, c in cfgs.items()}
+    layers = cfgs["none"].model.n_layers
+    for mode in ("none", "selective"):
+        formula = recompute.layer_formula(cfgs[mode], mode) - recompute.layer_formula(
+            cfgs["full"], "full"
+        )
+        assert held[mode] - held["full"] == layers * formula, mode
+
+
+def test_pipeline_stages_hold_what_their_schedule_keeps_in_flight(sections):
+    raw = sections("pipeline").raw
+    got, est = raw["activations"]["measured"], raw["activations"]["estimate"]
+    p, m = len(got["naive"]), 4
+    one = got["naive"]  # naive holds one micro-batch
+    assert got["gpipe"] == [m * x for x in one]
+    assert got["1f1b"][0] == min(p, m) * one[0] and got["1f1b"][-1] == one[-1]
+    for name in ("naive", "gpipe", "1f1b", "interleaved"):
+        assert got[name] == est[name], name
+    zb = [g / e for g, e in zip(got["zb-h1"], est["zb-h1"], strict=True)]
+    assert zb[0] == 1 and all(0.85 < r <= 1 for r in zb), zb  # W frees the rest (see notes)
+
+
 def test_bad_requests_exit_2_before_anything_runs(tmp_path, capsys):
     assert main(["lessons", "--only", "dp", "--only", "nope", "--out", str(tmp_path)]) == 2
-    known = "dp, pipeline, tp, zero, precision, offload"
+    known = "dp, pipeline, tp, zero, precision, recompute, offload"
     assert f"unknown lesson nope; known: {known}" in capsys.readouterr().err
     (tmp_path / "file").write_text("")
     assert main(["lessons", "--out", str(tmp_path / "file" / "sub")]) == 2

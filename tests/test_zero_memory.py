@@ -75,6 +75,20 @@ def test_activation_meter_counts_saved_tensors_and_sees_recomputation():
     assert plain > 4 * logits and 0 < full < plain / 2
 
 
+def test_activation_meter_lets_a_graph_kept_past_its_backward_go():
+    """A node that saves its own output (exp) and a graph kept for a second backward (ZB-H1
+    keeps it from B to W): the meter must not hold the output with its grad_fn, or the
+    graph (and its saved tensors) would never be freed."""
+    t = MemoryTracker()
+    x = torch.randn(64, requires_grad=True)
+    with t.activations():
+        y = (x * 2).exp()
+        y.sum().backward(retain_graph=True)
+        assert t.current("activations") == 64 * 4
+        del y  # the last reference to the graph: its saved output goes with it
+        assert t.current("activations") == 0
+
+
 def _engine(**kw) -> ZeroEngine:
     model = build_model(get_preset("tiny-gpt"), torch.device("cpu"), 0)
     return ZeroEngine(model, Comm(single_process_mesh()), AdamW.from_train(TrainConfig()), **kw)

@@ -179,7 +179,11 @@ class MemoryTracker:
                 live += entry[1]
                 self.track(key, "activations", live, transient=True)
             entry[0] += 1
-            return _Saved(t, ptr, drop)
+            # detached: an output saved by the node that made it would otherwise hold that
+            # node through its grad_fn, a cycle through C++ that Python's collector cannot
+            # break; a graph kept past its backward (ZB-H1's split B/W) then never frees.
+            # Autograd restores the grad_fn on unpack (torch's saved_tensors_hooks warning).
+            return _Saved(t.detach(), ptr, drop)
 
         def unpack(saved: torch.Tensor | _Saved) -> torch.Tensor:
             return saved.tensor if isinstance(saved, _Saved) else saved

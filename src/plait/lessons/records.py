@@ -35,5 +35,10 @@ def peak(records: Records, rank: int, category: str | None = None, place: str = 
     return max(int(s["memory"]["peak"][place][category]) for s in steps)
 
 
+def activations(records: Records, rank: int) -> int:
+    """The peak bytes saved for backward on `rank`, from the metered step (measure.py)."""
+    return max(int(s.get("activations", 0)) for s in records[rank]["steps"])
+
+
 def losses(records: Records) -> list[float]:
     return [s["loss"] for s in records[0]["steps"]]

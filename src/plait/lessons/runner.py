@@ -19,7 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from plait.errors import ConfigError
 from plait.launch import launch
-from plait.lessons import dp, offload, pipeline, precision, tp, zero
+from plait.lessons import dp, offload, pipeline, precision, recompute, tp, zero
 from plait.lessons.report import write_report
 from plait.lessons.section import Case, Run, Section
 
@@ -28,7 +28,7 @@ MIN_PROCS, MAX_PROCS = 2, 4
 
 def registry() -> dict[str, ModuleType]:
     """Lesson name -> module, in the course's order."""
-    return {m.NAME: m for m in (dp, pipeline, tp, zero, precision, offload)}
+    return {m.NAME: m for m in (dp, pipeline, tp, zero, precision, recompute, offload)}
 
 
 def check_request(only: Sequence[str] | None, out: Path) -> list[str]:
