@@ -3,8 +3,9 @@
 1. `plait calibrate --ranks 4` measures this machine (or `--hardware FILE` reuses a profile).
 2. The planner ranks every layout of the model over the ranks (best settings per cut).
 3. `--layouts` of them, spread evenly over the ranking (best to worst), run for real as
-   `plait train --config` subprocesses for `--steps` steps; a layout's measured step time is
-   the median over the steps after the first `--skip`.
+   `plait train --config` subprocesses for `--steps` steps, in `--rounds` alternating rounds
+   (every layout once per round, so a slow spell of the shared machine touches them all); a
+   layout's measured step time is the median over its rounds' steps after the first `--skip`.
 4. Spearman's rank correlation of predicted and measured times, and each layout's error,
    go to a markdown table (printed; with `--write`, into BENCHMARKS.md between the
    `plan-benchmark` markers, with the machine and the date).
@@ -47,8 +48,8 @@ def spread(ranked: list[Ranked], k: int) -> list[Ranked]:
     return [ranked[i] for i in idx]
 
 
-def measure(r: Ranked, steps: int, skip: int, work: Path) -> float:
-    """Median step time of a `plait train` run of the layout (the first `skip` left out)."""
+def measure(r: Ranked, steps: int, skip: int, work: Path) -> list[float]:
+    """Step times of a `plait train` run of the layout (the first `skip` left out)."""
     import tomli_w
 
     cfg = work / "plan.toml"
@@ -58,8 +59,7 @@ def measure(r: Ranked, steps: int, skip: int, work: Path) -> float:
     cmd += ["--eval-batches", "1", "--no-save", "--no-progress", "--overwrite", "--out", str(out)]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    times = [x["step_time_s"] for x in rows if "step_time_s" in x][skip:]
-    return statistics.median(times)
+    return [x["step_time_s"] for x in rows if "step_time_s" in x][skip:]
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -87,6 +87,7 @@ def main() -> None:
     ap.add_argument("--layouts", type=int, default=10)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--skip", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds per layout")
     ap.add_argument("--hardware", help="a profile to reuse instead of calibrating")
     ap.add_argument("--json", default="benchmarks/results/plan.json")
     ap.add_argument("--write", action="store_true", help="put the table into BENCHMARKS.md")
@@ -107,15 +108,15 @@ def main() -> None:
         )
         ranked = plan(req, hw, hw.memory, top=10_000).ranked
         chosen = spread(ranked, args.layouts)
-        rows = []
-        for r in chosen:
-            seconds = measure(r, args.steps, args.skip, work)
-            rows.append((r.candidate.describe(), r.time.total, seconds))
-            print(
-                f"{rows[-1][0]:45s} predicted {r.time.total * 1e3:7.1f} ms, "
-                f"measured {seconds * 1e3:7.1f} ms",
-                flush=True,
-            )
+        times: list[list[float]] = [[] for _ in chosen]
+        for k in range(args.rounds):
+            for i, r in enumerate(chosen):
+                times[i] += measure(r, args.steps, args.skip, work)
+                print(f"round {k + 1}: {r.candidate.describe():45s} predicted "
+                      f"{r.time.total * 1e3:7.1f} ms, measured "
+                      f"{statistics.median(times[i]) * 1e3:7.1f} ms", flush=True)  # fmt: skip
+        rows = [(r.candidate.describe(), r.time.total, statistics.median(t), vars(r.time))
+                for r, t in zip(chosen, times, strict=True)]  # fmt: skip
     report(args, rows, len(ranked), hw_text)
 
 
@@ -125,7 +126,7 @@ def report(args: argparse.Namespace, rows: list, n_ranked: int, hw_text: str) ->
     errors = [abs(p - m) / m for p, m in zip(pred, meas, strict=True)]
     table = markdown_table(
         ["layout (ranked best first)", "predicted ms", "measured ms", "error"],
-        [(n, p * 1e3, m * 1e3, f"{(p - m) / m:+.0%}") for n, p, m in rows],
+        [(n, p * 1e3, m * 1e3, f"{(p - m) / m:+.0%}") for n, p, m, _ in rows],
     )
     within = sum(e <= 0.30 for e in errors)
     res = {
@@ -140,7 +141,8 @@ def report(args: argparse.Namespace, rows: list, n_ranked: int, hw_text: str) ->
         f"`plait plan --model {args.model} --gpus {args.ranks} --global-batch "
         f"{args.global_batch} --seq-len {args.seq_len}` with this machine's calibrated profile "
         f"ranked {n_ranked} layouts; {len(rows)} of them, evenly spread over the ranking, ran "
-        f"{args.steps} steps each (median of the steps after the first {args.skip}). Machine: "
+        f"{args.steps} steps each in {args.rounds} alternating rounds (median of the steps "
+        f"after the first {args.skip} of each run). Machine: "
         f"{describe_machine_md(res['machine'])}; {res['date']}.\n\n{table}\n\n"
         f"Spearman rank correlation {rho:.2f} (target 0.8); {within} of {len(rows)} "
         f"predictions within 30% (largest error {max(errors):.0%}).\n"

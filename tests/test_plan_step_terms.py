@@ -9,6 +9,7 @@ import random
 
 import pytest
 
+from plait.calibrate_runtime import action_overhead
 from plait.config import build_config
 from plait.parallel.pipeline.plan.schedules import build_schedule
 from plait.parallel.pipeline.plan.simulate import Costs, simulate
@@ -77,7 +78,17 @@ def test_optimizer_term_is_the_shard_times_the_per_element_cost():
     shard = step_time(_cfg(dp=2, zero=1, global_batch=4, micro_batch=2), hw, 8, Memo())
     assert whole.optimizer > 0 and shard.optimizer == pytest.approx(whole.optimizer / 2, rel=0.01)
     off = _cfg(dp=2, zero=2, offload="cpu", global_batch=4, micro_batch=2)
-    assert step_time(off, hw, 8, Memo()).optimizer == 0  # the host's Adam: the offload term
+    host = step_time(off, hw, 8, Memo())  # the host's Adam: master, moments, gradient
+    on_device = step_time(_cfg(dp=2, zero=2, global_batch=4, micro_batch=2), hw, 8, Memo())
+    elements = on_device.optimizer / 1e-9  # the zero-2 shard
+    # read and write the fp32 master and two moments, read the gradient: 28 B per element
+    assert host.optimizer == pytest.approx(max(on_device.optimizer, 28 * elements / 1e10))
+    slow_device = dataclasses.replace(hw, optimizer_s_per_element=1e-6)  # a CPU "device"
+    assert step_time(off, slow_device, 8, Memo()).optimizer == pytest.approx(
+        step_time(
+            _cfg(dp=2, zero=2, global_batch=4, micro_batch=2), slow_device, 8, Memo()
+        ).optimizer
+    )  # offloading to the same memory is never faster than not offloading
 
 
 def test_small_collectives_of_a_pipeline_are_priced_as_latencies():
@@ -124,7 +135,28 @@ def test_calibrated_profile_carries_the_optimizer_probe(tmp_path):
     rows = [(op, 2, b, 1e-4 + b / 1e9) for op in ("all_reduce", "all_gather", "reduce_scatter",
                                                  "p2p") for b in (4096, 2**20)]  # fmt: skip
     result = {"flops": {"peak": 1e10, "achievable": 0.5, "overhead": 1e-4}, "rows": rows,
-              "optimizer": per_element, "bandwidth": {"host": 1e10, "disk": 1e9}}  # fmt: skip
+              "optimizer": per_element, "bandwidth": {"host": 1e10, "disk": 1e9},
+              "pipeline": {"world": 2, "m": 8, "message": 1024, "step_s": 0.05}}  # fmt: skip
     hw = profile_of(result, 2)
     save_hardware(hw, tmp_path / "hw.toml")
-    assert load_hardware(str(tmp_path / "hw.toml")).optimizer_s_per_element == per_element
+    back = load_hardware(str(tmp_path / "hw.toml"))
+    assert back.optimizer_s_per_element == per_element
+    message = 1e-4 + 1024 / 1e9  # the p2p fit of the rows above
+    assert back.action_overhead_s == pytest.approx(action_overhead(0.05, 2, 8, message))
+
+
+def test_runtime_probe_is_solved_through_the_simulator():
+    """1F1B, p=2, m=8, messages free: 2(m + p - 1) actions on the critical path."""
+    assert action_overhead(0.09, 2, 8, 0.0) == pytest.approx(0.09 / 18)
+    sched = build_schedule("1f1b", 4, 16)
+    span = float(simulate(sched, Costs(2e-3, 2e-3, 0, 5e-4)).makespan)
+    assert action_overhead(span, 4, 16, 5e-4) == pytest.approx(2e-3, rel=1e-6)
+    assert action_overhead(1e-4, 4, 16, 5e-4) == 0.0  # the messages alone take longer
+
+
+def test_runtime_term_is_per_action_in_pipelines_only():
+    hw = _hw(action_overhead_s=1e-3)
+    assert step_time(_cfg(dp=2, global_batch=8, micro_batch=2), hw, 8, Memo()).runtime == 0
+    for schedule, actions in (("1f1b", 2), ("zb-h1", 3)):
+        t = step_time(_cfg(pp=2, schedule=schedule, global_batch=8, micro_batch=2), hw, 8, Memo())
+        assert t.runtime == pytest.approx(4 * actions * 1e-3)  # 4 micro-batches, one chunk

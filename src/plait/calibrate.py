@@ -7,12 +7,16 @@ measure together, so every figure is what one rank sees while the others work to
   1 to 8 sequences, fitted as time = fixed + tokens x FLOPs per token (`matmul_flops_per_token`)
   / rate: the rate as a fraction of that peak, the fixed part per block (and head) pass;
 - alpha and beta of all_reduce, all_gather, reduce_scatter over the whole world and over
-  pairs (all pairs at once, as tensor-parallel groups run), and of one p2p message (a ping
-  -pong between ranks 0 and 1), each through `comm.py` over sizes from 4 KiB to 16 MiB;
+  pairs (all pairs at once, as tensor-parallel groups run), each through `comm.py` over sizes
+  from 4 KiB to 16 MiB, each call after a burst of compute on every rank (as a step makes
+  them: `_computed`), and of one p2p message of the model's activation sizes sent while
+  every rank computes (as in a pipeline's steady state: `_p2p`);
   least squares fits time = steps(op, n)·alpha + bytes·factor(op, n)/beta (plan/hardware.py);
 - the optimizer's pass: the norm, clip, AdamW update and zero_grad of `Step`, through
   plait's own functions, on a flat fp32 shard of 2^20 elements on every rank at once
   (seconds per element: the step's optimizer term is this times the rank's shard);
+- the pipeline runtime's own seconds per action: plait's 1F1B over every rank on a model
+  with next to no FLOPs, solved through the simulator (`calibrate_runtime.py`);
 - host bandwidth: a large tensor copy (what offload to the host costs on a CPU device);
   disk bandwidth: writing and reading back a file in the temporary folder.
 One machine has one link class: `inter` copies `intra`, and the note says so. Computation and
@@ -37,6 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from plait.calibrate_runtime import action_overhead, pipeline_step_seconds
 from plait.comm import Comm
 from plait.device import threads_per_worker
 from plait.errors import ConfigError
@@ -52,6 +57,7 @@ from plait.topology import Layout
 SIZES = [2**k for k in range(10, 23, 2)]  # fp32 elements: 4 KiB to 16 MiB
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 MICRO_BATCHES = (1, 2, 4, 8)  # sequences per forward when fitting rate and overhead
+PROBE_MICRO, PROBE_BYTES = 4, 16 * 16 * 4  # the runtime probe: 4p micro-batches of (1, 16, 16)
 
 
 def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
@@ -73,6 +79,21 @@ def _median_time(fn, repeats: int, sync=None) -> float:
         fn()
         times.append(time.perf_counter() - t)
     return statistics.median(times)
+
+
+def _computed(comm: Comm, seconds: float = 0.003) -> None:
+    """Start a repeat the way a training step reaches a collective: together (a barrier),
+    then after a burst of compute on every rank. Where ranks share cores, a rank that
+    computed must be scheduled again and wake its peers' communication threads; a
+    collective timed back to back misses that and comes out several times faster."""
+    comm.barrier()
+    _compute_until(time.time() + seconds)
+
+
+def _compute_until(until: float, work: torch.Tensor | None = None) -> None:
+    work = torch.randn(128, 128) if work is None else work
+    while time.time() < until:
+        work @ work
 
 
 def _flops(args: argparse.Namespace, comm: Comm) -> dict:
@@ -128,27 +149,51 @@ def _collectives(comm: Comm, repeats: int) -> list[tuple[str, int, int, float]]:
                 "reduce_scatter": partial(comm.reduce_scatter, part, full, axis),
             }
             for op, fn in ops.items():
-                seconds = _median_time(fn, repeats, lambda: comm.barrier())
+                seconds = _median_time(fn, repeats, partial(_computed, comm))
                 rows.append((op, n, full.numel() * 4, seconds))
     return rows
 
 
-def _p2p(comm: Comm, repeats: int) -> list[tuple[str, int, int, float]]:
+def _p2p(comm: Comm, args: argparse.Namespace) -> list[tuple[str, int, int, float]]:
+    """One pipeline message as a pipeline sees it: rank 0 posts it in the middle of its own
+    compute and computes on, rank 1 waits for it, every other rank computes throughout.
+    Where ranks share cores the receiver must be scheduled again before the message lands,
+    which costs far more than the wire (an idle ping-pong misses it). Sizes: the model's
+    activation at 1 to 8 sequences, the messages its pipeline sends. Seconds from the send
+    to the receiver holding it (one clock: one machine), the median of the repeats."""
+    cfg = get_preset(args.model)
     rows = []
-    for size in SIZES:
-        ping = partial(_ping, comm, torch.ones(size))
-        rows.append(("p2p", 2, size * 4, _median_time(ping, repeats, comm.barrier) / 2))
+    for mb in MICRO_BATCHES:
+        nbytes = mb * args.seq_len * cfg.d_model * 4
+        took = torch.zeros(args.repeats, dtype=torch.float64)
+        for i in range(args.repeats):
+            took[i] = _message_under_load(comm, nbytes)
+        comm.all_reduce(took, "world")  # rank 1's figures, to rank 0 which writes them
+        rows.append(("p2p", 2, nbytes, float(took.median())))
     return rows
 
 
-def _ping(comm: Comm, t: torch.Tensor) -> None:
-    """Rank 0 sends `t` to rank 1 and gets it back (the others wait at the barrier)."""
-    me = comm.mesh.rank
-    if me < 2:
-        peer = 1 - me
-        first, second = ("send", "recv") if me == 0 else ("recv", "send")
-        comm.p2p([(first, t, peer)], "world").wait()
-        comm.p2p([(second, t, peer)], "world").wait()
+def _message_under_load(comm: Comm, nbytes: int, window: float = 0.04) -> float:
+    """One message of `nbytes` while the world computes (see `_p2p`); rank 1 returns its
+    latency, the others 0."""
+    work = torch.randn(128, 128)
+    msg = torch.zeros(nbytes // 8, dtype=torch.float64)  # float64: the send time fits in it
+    compute = partial(_compute_until, work=work)
+    comm.barrier()
+    start, latency = time.time(), 0.0
+    if comm.mesh.rank == 0:
+        compute(start + window / 8)
+        msg[0] = time.time()
+        sent = comm.p2p([("send", msg, 1)], "world")
+        compute(start + window)
+        sent.wait()
+    elif comm.mesh.rank == 1:
+        comm.p2p([("recv", msg, 0)], "world").wait()
+        latency = time.time() - float(msg[0])
+        compute(start + window)
+    else:
+        compute(start + window)
+    return latency
 
 
 def _bandwidths() -> dict:
@@ -179,7 +224,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
         torch.manual_seed(rank)
         result = {"flops": _flops(args, comm), "rows": _collectives(comm, args.repeats)}
         result["optimizer"] = _optimizer_s_per_element(comm, args.repeats)
-        result["rows"] += _p2p(comm, args.repeats)
+        result["rows"] += _p2p(comm, args)
+        result["pipeline"] = {"world": world, "m": PROBE_MICRO * world, "message": PROBE_BYTES}
+        result["pipeline"]["step_s"] = pipeline_step_seconds(world, PROBE_MICRO * world)
         if rank == 0:
             result["bandwidth"] = _bandwidths()
             Path(out).write_text(json.dumps(result))
@@ -215,6 +262,9 @@ def fit(rows: list[tuple[str, int, int, float]]) -> OpCost:
 def profile_of(result: dict, world: int) -> Hardware:
     rows = result["rows"]
     link = Link({op: fit([r for r in rows if r[0] == op]) for op in (*COLLECTIVES, "p2p")})
+    probe = result["pipeline"]
+    message = link.time("p2p", 2, probe["message"])
+    per_action = action_overhead(probe["step_s"], probe["world"], probe["m"], message)
     pages = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return Hardware(
         name=f"this machine, {world} gloo ranks",
@@ -230,6 +280,7 @@ def profile_of(result: dict, world: int) -> Hardware:
         pass_overhead_s=result["flops"]["overhead"],
         contention=max(1.0, world * threads_per_worker(world) / _cores()),
         optimizer_s_per_element=result["optimizer"],
+        action_overhead_s=per_action,
         note="measured by plait calibrate; one machine: inter copies intra; gloo shares "
         "the cores with compute, so overlap = 0; memory is the host's RAM / ranks",
     )

@@ -104,6 +104,7 @@ class Hardware:
     pass_overhead_s: float = 0.0  # fixed seconds per block (or head) per F, B or W pass
     contention: float = 1.0  # ranks sharing one compute unit when all are busy (CPU: > 1)
     optimizer_s_per_element: float = 0.0  # norm, clip, AdamW, zero_grad per shard element
+    action_overhead_s: float = 0.0  # the pipeline runtime's own seconds per compute action
     note: str = ""
 
     @property
@@ -148,6 +149,7 @@ def from_dict(raw: dict[str, Any]) -> Hardware:
         pass_overhead_s=float(raw.get("pass_overhead_s", 0.0)),
         contention=float(raw.get("contention", 1.0)),
         optimizer_s_per_element=float(raw.get("optimizer_s_per_element", 0.0)),
+        action_overhead_s=float(raw.get("action_overhead_s", 0.0)),
         note=str(raw.get("note", "")),
     )
 
@@ -166,6 +168,7 @@ def to_dict(hw: Hardware) -> dict[str, Any]:
         "pass_overhead_s": hw.pass_overhead_s,
         "contention": hw.contention,
         "optimizer_s_per_element": hw.optimizer_s_per_element,
+        "action_overhead_s": hw.action_overhead_s,
     }
     if hw.note:
         out["note"] = hw.note

@@ -6,10 +6,12 @@
 Per micro-batch and chunk (one pipeline stage's layers and ends), with R = peak·achievable
 and o the fixed overhead of one pass of a block or the head (`pass_overhead_s`: kernel
 launches, Python; calibrate measures it, it matters for small models only):
-  F = forward FLOPs / tp / R + o·units + tp forward collectives
+  F = forward FLOPs / tp / R + o·units + tp forward collectives + a
   B = F's compute + tp backward collectives + recompute (full: F's FLOPs, overhead and
-      collectives again; selective: attention's q k^T and probs v again)
-  W = F's compute (the weight gradients: backward = 2 x forward)
+      collectives again; selective: attention's q k^T and probs v again) + a
+  W = F's compute (the weight gradients: backward = 2 x forward) (+ a where W is an action)
+where a is the pipeline runtime's own time per action (`action_overhead_s`, calibrated:
+posting and matching messages, Python; pipelines only).
 The pipeline's simulator (`parallel/pipeline/plan/simulate.py`) runs the schedule under these
 costs with each p2p message taking its alpha-beta time, so the bubble, uneven ends (the
 head on the last stage) and p2p latency come out of one simulation; without a pipeline the
@@ -19,9 +21,10 @@ bucket during the backward (stages 0-2), so up to `overlap` of it hides behind t
 micro-batch's backward (ZeRO-2/3: behind every backward; ZeRO-3's gathers are prefetched
 behind the forward and backward too); ZeRO-1/2's parameter all-gather after the optimizer
 step is exposed. Offload moves the gradient shard to the host and the updated parameters
-back, and the host's Adam reads and writes the fp32 master and moments (NVMe: also from and
-to disk). The optimizer's own pass over the rank's shard (norm, clip, AdamW, zero_grad) is
-memory-bound: shard elements x `optimizer_s_per_element`. The step's small collectives
+back (NVMe: the fp32 master and moments also from and to disk). The optimizer's own pass
+over the rank's shard (norm, clip, AdamW, zero_grad) is memory-bound: shard elements x
+`optimizer_s_per_element` on the device; offloaded, the host's reads and writes of master,
+moments and gradient at `host_bandwidth`, no faster than that. The step's small collectives
 (loss, norm, tied embedding, sequence-parallel partial gradients: `traffic.step_collectives`)
 are latencies on their links. Not modelled: data loading.
 Ranks that share cores (a CPU with fewer cores than ranks, `contention` > 1) speed up while
@@ -51,6 +54,9 @@ from plait.plan.traffic import (
     tp_seconds,
 )
 
+SHARED = ("flops", "recompute", "tp_f", "tp_b", "send_f", "send_b")
+"""ChunkCost's parts that run faster alone where ranks share cores; the runtime's time per
+action was measured by calibrate's probe with the cores mostly idle, and is taken as it is."""
 EXACT_UP_TO = 3  # the in-flight peak of every schedule but gpipe is reached by 3p micro-batches
 PERIOD = 2  # a steady pipeline repeats every 2p micro-batches (p when compute dominates p2p)
 
@@ -83,13 +89,14 @@ class StepTime:
     offload: float  # host (and disk) traffic of an offloaded optimizer
     optimizer: float = 0.0  # the device optimizer's pass over the rank's shard
     sync: float = 0.0  # the step's small collectives: loss, norm, tied embedding, SP grads
+    runtime: float = 0.0  # the pipeline runtime's own time per action (calibrated)
 
     @property
     def total(self) -> float:
         return sum(getattr(self, k) for k in TERMS)
 
 
-TERMS = ("compute", "recompute", "tp", "bubble", "dp", "offload", "optimizer", "sync")
+TERMS = ("compute", "recompute", "runtime", "tp", "bubble", "dp", "offload", "optimizer", "sync")
 """StepTime's terms, in the order `plait plan` shows them."""
 
 
@@ -103,18 +110,25 @@ class ChunkCost:
     tp_b: float
     send_f: float = 0.0  # sending the activation on (where sends are not overlapped)
     send_b: float = 0.0  # sending the input gradient back
+    action: float = 0.0  # the pipeline runtime's own time per compute action
+    split: bool = False  # W is an action of its own (zb-h1), not part of B
 
     @property
     def f(self) -> float:
-        return self.flops + self.tp_f + self.send_f
+        return self.flops + self.tp_f + self.send_f + self.action
 
     @property
     def b(self) -> float:
-        return self.flops + self.tp_b + self.recompute + self.send_b
+        return self.flops + self.tp_b + self.recompute + self.send_b + self.action
 
     @property
     def w(self) -> float:
-        return self.flops
+        return self.flops + (self.action if self.split else 0.0)
+
+    @property
+    def actions(self) -> int:
+        """Compute actions per micro-batch: F and B, and W where the backward is split."""
+        return 3 if self.split else 2
 
 
 def chunk_cost(cfg: Config, hw: Hardware, links: Links, plan: StagePlan) -> ChunkCost:
@@ -132,7 +146,9 @@ def chunk_cost(cfg: Config, hw: Hardware, links: Links, plan: StagePlan) -> Chun
     overhead = hw.pass_overhead_s * (len(plan.layers) + (1 if plan.last else 0))
     if par.recompute == "full":
         extra += hw.pass_overhead_s * len(plan.layers)
-    return ChunkCost(tokens * per_token / rate + overhead, extra, tp_f, tp_b)
+    action = hw.action_overhead_s if par.pp > 1 else 0.0
+    flops = tokens * per_token / rate + overhead
+    return ChunkCost(flops, extra, tp_f, tp_b, action=action, split=par.schedule == "zb-h1")
 
 
 def _sending(cost: ChunkCost, plan: StagePlan, busy: float) -> ChunkCost:
@@ -205,18 +221,24 @@ def step_time(
     links = Links.of(cfg, hw, gpus_per_node)
     plans = _all_plans(cfg)
     p2p = p2p_seconds(cfg, links.pp)
+    shared = hw.contention > 1 and par.pp > 1
+    # Ranks sharing cores: calibrate times a message while every rank computes, so the
+    # sender's share of it is inside that delay, not extra busy time.
+    send_busy = 0.0 if shared else (1 - hw.overlap) * p2p
     by_stage = {
-        plan.stage: _sending(chunk_cost(cfg, hw, links, plan), plan, (1 - hw.overlap) * p2p)
+        plan.stage: _sending(chunk_cost(cfg, hw, links, plan), plan, send_busy)
         for ps in plans
         for plan in ps
     }
     costs = [by_stage[g] for g in range(par.pp * par.virtual_stages)]
     busy = [[by_stage[plan.stage] for plan in ps] for ps in plans]
-    if hw.contention > 1 and par.pp > 1:
+    if shared:
         # The costs were measured with every rank busy; alone, a rank runs c times faster.
+        # The message delay was measured under that load too and is taken as it is.
         k = 1 / hw.contention
-        fast = [replace(c, **{f.name: getattr(c, f.name) * k for f in fields(c)}) for c in costs]
-        span = makespan(cfg, fast, p2p * k, memo, simulate, pool=par.pp * k)
+        fast = [replace(c, **{f.name: getattr(c, f.name) * k for f in fields(c)
+                              if f.name in SHARED}) for c in costs]  # fmt: skip
+        span = makespan(cfg, fast, p2p, memo, simulate, pool=par.pp * k)
         counted = busy  # the pool does every rank's work: the terms are the ranks' mean
     else:
         span = makespan(cfg, costs, p2p, memo, simulate)
@@ -224,14 +246,15 @@ def step_time(
     compute = m * sum(3 * c.flops for cs in counted for c in cs) / len(counted)
     recompute = m * sum(c.recompute for cs in counted for c in cs) / len(counted)
     tp = m * sum(c.tp_f + c.tp_b for cs in counted for c in cs) / len(counted)
+    runtime = m * sum(c.action * c.actions for cs in counted for c in cs) / len(counted)
     dp = off = opt = sync = 0.0
     for ps, cs in zip(plans, busy, strict=True):
         d, o, shard = _after_pipeline(cfg, hw, links, ps, cs, memo)
         dp, off = max(dp, d), max(off, o)
-        opt = max(opt, 0.0 if par.offload != "none" else shard * hw.optimizer_s_per_element)
+        opt = max(opt, _optimizer_seconds(cfg, hw, shard))
         sync = max(sync, step_collective_seconds(cfg, links, ps))
-    bubble = span - compute - recompute - tp
-    return StepTime(compute, recompute, tp, bubble, dp, off, opt, sync)
+    bubble = span - compute - recompute - tp - runtime
+    return StepTime(compute, recompute, tp, bubble, dp, off, opt, sync, runtime)
 
 
 def _after_pipeline(
@@ -259,15 +282,25 @@ def _after_pipeline(
 
 
 def _offload_seconds(cfg: Config, hw: Hardware, shard: int) -> float:
-    """Gradient shard down, parameters up, and the host Adam's reads and writes of the fp32
-    master and moments (plus the gradient it reads); NVMe reads and writes them on disk."""
+    """The offload's traffic: the gradient shard down and the parameters up at
+    `host_bandwidth`; NVMe also reads and writes the fp32 master and moments on disk."""
     par = cfg.parallel
     if par.offload == "none":
         return 0.0
     prec = Precision.of(par.precision, par.reduce_dtype)
-    states = (1 + ADAM_STATES) * FP32 * shard
-    host = shard * (prec.reduce + prec.param) + 2 * states + shard * FP32
-    seconds = host / hw.host_bandwidth
+    seconds = shard * (prec.reduce + prec.param) / hw.host_bandwidth
     if par.offload == "nvme":
-        seconds += 2 * states / hw.disk_bandwidth
+        seconds += 2 * (1 + ADAM_STATES) * FP32 * shard / hw.disk_bandwidth
     return seconds
+
+
+def _optimizer_seconds(cfg: Config, hw: Hardware, shard: int) -> float:
+    """The optimizer's pass over the rank's shard: on the device, `optimizer_s_per_element`
+    each; offloaded, the host's Adam, which reads and writes the fp32 master and moments
+    (and reads the gradient) in host memory, and is no faster than the device's measured
+    pass (on a CPU the host is the device: the same pass, plus the offload's copies)."""
+    device = shard * hw.optimizer_s_per_element
+    if cfg.parallel.offload == "none":
+        return device
+    host = (2 * (1 + ADAM_STATES) + 1) * FP32 * shard / hw.host_bandwidth
+    return max(device, host)
