@@ -160,3 +160,39 @@ def test_runtime_term_is_per_action_in_pipelines_only():
     for schedule, actions in (("1f1b", 2), ("zb-h1", 3)):
         t = step_time(_cfg(pp=2, schedule=schedule, global_batch=8, micro_batch=2), hw, 8, Memo())
         assert t.runtime == pytest.approx(4 * actions * 1e-3)  # 4 micro-batches, one chunk
+
+
+def test_calibrate_refuses_what_it_cannot_write_before_measuring(tmp_path, capsys):
+    from plait.cli import main
+
+    assert main(["calibrate", "--out", str(tmp_path / "no" / "hw.toml")]) == 2
+    assert main(["calibrate", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {tmp_path / 'no' / 'hw.toml'}: not a file in an existing folder" in err
+
+
+def test_ctrl_c_stops_calibrate_and_every_rank(tmp_path):
+    """Ctrl-C reaches the whole group: the workers ignore it, the parent stops them all,
+    says so in one line, exits 130 and writes nothing."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "hw.toml"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "plait.cli", "calibrate", "--ranks", "2", "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
+    try:
+        time.sleep(5)  # the workers are measuring
+        os.killpg(proc.pid, signal.SIGINT)
+        err = proc.communicate(timeout=60)[1]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    assert f"plait: calibrate interrupted; every rank stopped, {out} not written" in err
+    assert "Traceback" not in err and not out.exists()

@@ -30,7 +30,9 @@ import argparse
 import datetime
 import json
 import os
+import signal
 import statistics
+import sys
 import tempfile
 import time
 from functools import partial
@@ -45,7 +47,7 @@ from plait.calibrate_runtime import action_overhead, pipeline_step_seconds
 from plait.comm import Comm
 from plait.device import threads_per_worker
 from plait.errors import ConfigError
-from plait.launch import free_port
+from plait.launch import free_port, stop_all
 from plait.mesh import build_mesh
 from plait.models.presets import get_preset
 from plait.models.transformer import Transformer, matmul_flops_per_token
@@ -214,6 +216,9 @@ def _bandwidths() -> dict:
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
+    # Ctrl-C reaches the whole process group: the parent alone decides (it stops every
+    # worker), so that no rank leaves the others waiting in a collective.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(threads_per_worker(world))
     timeout = datetime.timedelta(seconds=300)
@@ -294,14 +299,26 @@ def run_calibrate(args: argparse.Namespace) -> int:
     if args.ranks < 2:
         raise ConfigError(f"--ranks must be >= 2 (collectives need two ranks), got {args.ranks}")
     get_preset(args.model)
+    target = Path(args.out)
+    if not target.parent.is_dir() or target.is_dir():
+        raise ConfigError(f"--out {args.out}: not a file in an existing folder")
     with tempfile.TemporaryDirectory(prefix="plait-calibrate-") as d:
         out = str(Path(d, "result.json"))
-        mp.start_processes(
+        ctx = mp.start_processes(
             _worker,
             args=(args.ranks, free_port(), args, out),
             nprocs=args.ranks,
             start_method="spawn",
+            join=False,
         )
+        try:
+            while not ctx.join():
+                pass
+        except KeyboardInterrupt:
+            stop_all(ctx)
+            print(f"plait: calibrate interrupted; every rank stopped, {args.out} not written",
+                  file=sys.stderr)  # fmt: skip
+            return 130
         result = json.loads(Path(out).read_text())
     hw = profile_of(result, args.ranks)
     save_hardware(hw, args.out)

@@ -206,7 +206,7 @@ def _pass_signals_on(ctx: mp.ProcessContext, received: list[int]) -> dict:
 
     def handle(signum: int, frame: object) -> None:
         if received:
-            _stop_all(ctx)
+            stop_all(ctx)
             raise Interrupted(signum, forced=True)
         received.append(signum)
         for p in ctx.processes:
@@ -216,7 +216,7 @@ def _pass_signals_on(ctx: mp.ProcessContext, received: list[int]) -> dict:
     return {s: signal.signal(s, handle) for s in (signal.SIGINT, signal.SIGTERM)}
 
 
-def _stop_all(ctx: mp.ProcessContext, grace_s: float = 10.0) -> None:
+def stop_all(ctx: mp.ProcessContext, grace_s: float = 10.0) -> None:
     """Terminate the workers still running and wait for them, so none outlives the launcher."""
     for p in ctx.processes:
         if p.is_alive():
