@@ -32,9 +32,13 @@ class StopRequest:
         return self.signum is not None
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.signum is not None and signum != FORWARDED:
+        # One Ctrl-C reaches a worker twice: SIGINT to the whole group and the launcher's
+        # SIGUSR1, in either order (on two cores the launcher can pass it on before the
+        # kernel has delivered the group's SIGINT here). Only a second direct signal is a
+        # second request.
+        if signum != FORWARDED and self.signum not in (None, FORWARDED):
             os._exit(128 + signum)  # asked twice: no more waiting for the step or the save
-        if self.signum is None or self.signum == FORWARDED:
+        if self.signum in (None, FORWARDED):
             self.signum = signum
 
     def restore(self) -> None:
