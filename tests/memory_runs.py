@@ -60,8 +60,7 @@ def measure(case: Case, offload_dir: str | None = None) -> dict[str, Any]:
     trainer = Trainer(cfg, mesh, corpus_for(cfg))
     tracker = trainer.zero.memory
     trainer.train_step()
-    with tracker.activations():
-        trainer.train_step()
+    trainer.train_step(meter_activations=True)
     states = {c: {p: tracker.persistent(c, p) for p in PLACES} for c in MODEL_STATES}
     out = {
         "pp_rank": mesh.coord.pp,

@@ -27,6 +27,7 @@ class ParamSpec:
     numel: int
     block: int | None
     isolated: bool = False  # a tied embedding copy on a pipeline end: a flat group alone
+    tp_partial: bool = False  # under sequence parallelism its gradient is summed over tp
 
 
 def padded_vocab(cfg: ModelConfig, tp: int) -> int:
@@ -36,19 +37,20 @@ def padded_vocab(cfg: ModelConfig, tp: int) -> int:
 
 def _norm(cfg: ModelConfig, name: str, block: int | None) -> list[ParamSpec]:
     h = cfg.d_model
-    out = [ParamSpec(f"{name}.weight", h, block)]
+    out = [ParamSpec(f"{name}.weight", h, block, tp_partial=True)]  # acts on s/t tokens
     if cfg.norm == "layernorm" and cfg.bias:
-        out.append(ParamSpec(f"{name}.bias", h, block))
+        out.append(ParamSpec(f"{name}.bias", h, block, tp_partial=True))
     return out
 
 
 def _linear(
-    cfg: ModelConfig, name: str, shape: tuple[int, int], bias: int, block: int
+    cfg: ModelConfig, name: str, shape: tuple[int, int], bias: int, block: int, row: bool = False
 ) -> list[ParamSpec]:
-    """A Linear (out, in) shard; `bias` is the bias length on this rank (when biases exist)."""
+    """A Linear (out, in) shard; `bias` is the bias length on this rank (when biases exist);
+    `row`: row-parallel, whose replicated bias is added to the sequence-split output."""
     out = [ParamSpec(f"{name}.weight", shape[0] * shape[1], block)]
     if cfg.bias:
-        out.append(ParamSpec(f"{name}.bias", bias, block))
+        out.append(ParamSpec(f"{name}.bias", bias, block, tp_partial=row))
     return out
 
 
@@ -61,15 +63,15 @@ def block_params(cfg: ModelConfig, i: int, tp: int) -> list[ParamSpec]:
     out += _linear(cfg, f"{pre}.attn.wq", (q, h), q, i)
     out += _linear(cfg, f"{pre}.attn.wk", (kv, h), kv, i)
     out += _linear(cfg, f"{pre}.attn.wv", (kv, h), kv, i)
-    out += _linear(cfg, f"{pre}.attn.wo", (h, q), h, i)
+    out += _linear(cfg, f"{pre}.attn.wo", (h, q), h, i, row=True)
     out += _norm(cfg, f"{pre}.mlp_norm", i)
     if cfg.mlp == "swiglu":
         out += _linear(cfg, f"{pre}.mlp.w_gate", (f // tp, h), f // tp, i)
         out += _linear(cfg, f"{pre}.mlp.w_up", (f // tp, h), f // tp, i)
-        out += _linear(cfg, f"{pre}.mlp.w_down", (h, f // tp), h, i)
+        out += _linear(cfg, f"{pre}.mlp.w_down", (h, f // tp), h, i, row=True)
     else:
         out += _linear(cfg, f"{pre}.mlp.fc1", (f // tp, h), f // tp, i)
-        out += _linear(cfg, f"{pre}.mlp.fc2", (h, f // tp), h, i)
+        out += _linear(cfg, f"{pre}.mlp.fc2", (h, f // tp), h, i, row=True)
     return out
 
 
@@ -84,7 +86,8 @@ def rank_params(cfg: ModelConfig, tp: int, plans: list[StagePlan]) -> list[Param
     if first:
         out.append(ParamSpec("embed.tok.weight", table, None, cfg.tie_embeddings and pipelined))
         if cfg.pos == "learned":
-            out.append(ParamSpec("embed.pos.weight", cfg.max_seq_len * cfg.d_model, None))
+            pos = cfg.max_seq_len * cfg.d_model  # added to the sequence-split embedding
+            out.append(ParamSpec("embed.pos.weight", pos, None, tp_partial=True))
     for i in sorted(i for plan in plans for i in plan.layers):
         out += block_params(cfg, i, tp)
     if last:

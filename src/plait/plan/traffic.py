@@ -153,20 +153,9 @@ def step_collectives(
         table = -(-m.vocab_size // par.tp) * m.d_model  # the padded vocabulary's tp slice
         out[("pp_ends", "tied_embedding")] = (1, table // shard, prec.reduce)
     if par.tp > 1 and par.sequence_parallel:
-        partial = [p.numel for p in rank_params(m, par.tp, plans) if _sp_partial(p.name, m)]
+        partial = [p.numel for p in rank_params(m, par.tp, plans) if p.tp_partial]
         out[("tp", "tp-sp-grads")] = (1, sum(partial) // shard, prec.reduce)
     return out
-
-
-def _sp_partial(name: str, m) -> bool:
-    """Whether a parameter's gradient is partial over tp under sequence parallelism: it acts
-    on the sequence-split activations (`tp_partial_grads` in parallel/tp/)."""
-    leaf = name.rsplit(".", 2)
-    if "_norm." in name or name.startswith("norm."):
-        return True
-    if name == "embed.pos.weight":
-        return True
-    return name.endswith(".bias") and leaf[-2] in ("wo", "fc2", "w_down")
 
 
 def step_collective_seconds(cfg: Config, links: Links, plans: list[StagePlan]) -> float:
