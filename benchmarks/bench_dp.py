@@ -56,7 +56,7 @@ from plait.config import TrainConfig
 from plait.mesh import build_mesh
 from plait.models.presets import get_preset
 from plait.optim import build_optimizer
-from plait.parallel.grads import SplitRules, clip_coef
+from plait.parallel.grads import SplitGradRules, clip_coef
 from plait.parallel.zero.adamw import AdamW
 from plait.parallel.zero.engine import ZeroEngine
 from plait.topology import Layout
@@ -91,7 +91,7 @@ class PlaitSide(Side):
         self.model, self.comm, self.clip, self.lr = model, comm, opts.clip, train_cfg.lr
         optimizer = AdamW.from_train(train_cfg)
         self.dp = ZeroEngine(model, comm, optimizer, stage=0, bucket_mb=opts.bucket_mb)
-        self.rules = SplitRules.of(model, comm.mesh)
+        self.rules = SplitGradRules.of(model, comm.mesh)
         self.step = 0
         self.grad_bytes: list[int] = []
         self.grad_calls: list[int] = []

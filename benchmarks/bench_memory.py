@@ -22,7 +22,7 @@ from harness import World  # noqa: E402
 from memory_runs import Case, compare, error, measure  # noqa: E402
 from plait.estimate import estimate  # noqa: E402
 from plait.estimate import published as pub  # noqa: E402
-from plait.estimate.params import total_parameters  # noqa: E402
+from plait.estimate.rank_params import total_parameters  # noqa: E402
 
 LAYOUTS = [
     Case("dp2", parallel={"dp": 2}),

@@ -33,7 +33,7 @@ Timing: every rank times each step with perf_counter; the step figure is the max
 rounds alternate a block of `--steps` plait steps with a block of torch steps per schedule,
 the order flipping every round, and the schedules taking turns inside a round.
 
-Measured bubble (both sides, same definition as `plait.parallel.pipeline.plan.simulate.measure`
+Measured bubble (both sides, same definition as `plait.schedule.simulate.measure`
 applied to compute actions only): 1 − Σ_ranks compute time / (p × makespan), the makespan
 running from the first compute start to the last compute end over all ranks. plait's compute
 times are its runtime's own `timings`; torch's come from thin wrappers around the stage's
@@ -59,7 +59,7 @@ import plait
 from common import alternate, machine, spawn, threads_for
 from output import command_line, comparison_cells, machine_line, markdown_table, publish
 from plait.data import load_tokens
-from plait.parallel.pipeline.plan.actions import TimedAction
+from plait.schedule.actions import TimedAction
 from plait.train import corpus_from_tokens
 from pp_config import SCHEDULES, fixed_micro, make_config
 from pp_measure import p2p_latency, pipeline_step, records_from_rows, schedule_result
@@ -227,7 +227,7 @@ def charts(res: dict, prefix: str) -> list[str]:
 
 def _gantt_charts(res: dict, prefix: str) -> list[str]:
     """plait's compute records of its last step, per schedule, in ms."""
-    from plait.parallel.pipeline.output.chart import gantt_chart
+    from plait.schedule.chart import gantt_chart
 
     paths = []
     for name, e in res["schedules"].items():

@@ -47,7 +47,7 @@ from plait.data import GlobalBatchSampler, load_tokens, split_micro
 from plait.mesh import single_process_mesh
 from plait.models.presets import get_preset
 from plait.optim import build_optimizer, lr_at, set_lr
-from plait.parallel.grads import SplitRules, clip_coef
+from plait.parallel.grads import SplitGradRules, clip_coef
 from plait.parallel.zero.adamw import AdamW
 from plait.parallel.zero.engine import ZeroEngine
 from plait.train import Trainer, build_model, corpus_from_tokens
@@ -92,7 +92,7 @@ def plain_step_fn(model, opt, clip: float, next_micro: Callable[[], list]) -> Ca
 def plait_dp_step_fn(model, opts, train_cfg, next_micro) -> tuple[Callable[[], float], object]:
     comm = Comm(single_process_mesh())
     dp = ZeroEngine(model, comm, AdamW.from_train(train_cfg), stage=0, bucket_mb=opts.bucket_mb)
-    rules = SplitRules.of(model, comm.mesh)
+    rules = SplitGradRules.of(model, comm.mesh)
     counter = [0]
 
     def step() -> float:

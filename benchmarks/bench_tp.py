@@ -5,8 +5,8 @@ rank builds two copies of the same preset with the same seed:
 
 - plait: `build_model(cfg, device, seed, parallelize=apply_tensor_parallel(..., sp))` on
   `build_mesh(Layout(tp=world))`. Step: forward (vocabulary-parallel loss), backward, the
-  split-model rules of `plait.parallel.grads` (`SplitRules.sync`: SP partial sums;
-  `SplitRules.norm` + `clip_coef`: the clip), AdamW, zero_grad.
+  split-model rules of `plait.parallel.grads` (`SplitGradRules.sync`: SP partial sums;
+  `SplitGradRules.norm` + `clip_coef`: the clip), AdamW, zero_grad.
 - DTensor: the plain `build_model(cfg, device, seed)` (no plait TP), parallelized with
   `parallelize_module` on `init_device_mesh("cpu", (world,))` by `dtensor_plan` below, the
   torchtitan-style plan: `ColwiseParallel` for wq/wk/wv and fc1 (w_gate/w_up),
@@ -76,11 +76,11 @@ from output import (
     time_cells,
 )
 from plait.comm import Comm
+from plait.composition import check_tensor_parallel
 from plait.config import TrainConfig
 from plait.mesh import build_mesh
 from plait.models.presets import get_preset
 from plait.parallel.tp.apply import apply_tensor_parallel
-from plait.rules import check_tensor_parallel
 from plait.topology import Layout
 from plait.train import build_model
 from tp_sides import (

@@ -50,7 +50,7 @@ from plait.comm import Comm
 from plait.config import TrainConfig
 from plait.estimate.formulas import zero_comm_elements, zero_model_state_bytes
 from plait.mesh import build_mesh
-from plait.models.config import ModelConfig
+from plait.models.architecture import ModelConfig
 from plait.models.presets import get_preset
 from plait.topology import Layout
 from plait.train import build_model

@@ -1,6 +1,6 @@
 """How `bench_pp.py` measures a pipeline step and turns the records into its results.
 
-Measured bubble (both sides, the definition of `plait.parallel.pipeline.plan.simulate.measure`
+Measured bubble (both sides, the definition of `plait.schedule.simulate.measure`
 applied to compute actions only): 1 − Σ_ranks compute time / (p × makespan), the makespan
 running from the first compute start to the last compute end over all ranks. The simulator
 is then run on the schedule with the nominal costs (fixed-cost mode), with plait's measured
@@ -27,9 +27,9 @@ from common import (
     ratio_of_medians,
     summarize,
 )
-from plait.parallel.pipeline.plan.actions import Action, Kind, TimedAction
-from plait.parallel.pipeline.plan.schedules import build_schedule
-from plait.parallel.pipeline.plan.simulate import Costs, measure, simulate
+from plait.schedule.actions import Action, Kind, TimedAction
+from plait.schedule.schedules import build_schedule
+from plait.schedule.simulate import Costs, measure, simulate
 from pp_config import chunks_for
 from pp_sides import Side, compute_only
 
@@ -118,7 +118,7 @@ def side_result(side: Side) -> tuple[dict, list[dict]]:
 def stage_costs(rank_stats: list[dict], p: int, v: int, split: bool) -> Costs:
     """Mean measured F, B, W of every global stage (chunk·p + rank) over the recorded steps,
     as simulator costs. Where the backward is not split, B ran the whole backward: it is split
-    evenly (as PipelineEngine.report does), which leaves b + w, the simulated B, unchanged."""
+    evenly (as PipelineDriver.report does), which leaves b + w, the simulated B, unchanged."""
     costs = {k: [0.0] * (p * v) for k in "FBW"}
     for r, st in enumerate(rank_stats):
         for key, total in st["sums"].items():

@@ -35,13 +35,13 @@ from plait.data import GlobalBatchSampler
 from plait.mesh import build_mesh
 from plait.optim import build_optimizer, lr_at, set_lr
 from plait.parallel.grads import tied_embedding_params
-from plait.parallel.pipeline.plan.actions import Action, Kind, TimedAction
-from plait.parallel.pipeline.plan.schedules import build_schedule
-from plait.parallel.pipeline.plan.stages import rank_plans
-from plait.parallel.pipeline.runtime.executor import PipelineRuntime
-from plait.parallel.pipeline.runtime.stage import prune_to_stages
+from plait.parallel.pipeline.executor import PipelineRuntime
+from plait.parallel.pipeline.stage import prune_to_stages
 from plait.parallel.zero.adamw import AdamW
 from plait.parallel.zero.engine import ZeroEngine
+from plait.schedule.actions import Action, Kind, TimedAction
+from plait.schedule.schedules import build_schedule
+from plait.schedule.stages import rank_plans
 from plait.topology import Layout
 from plait.train import Trainer, build_model
 from pp_config import chunks_for, make_config

@@ -35,9 +35,9 @@ import common
 from common import logical_bytes, tally
 from plait.comm import Comm
 from plait.config import TrainConfig
-from plait.models.config import ModelConfig
+from plait.models.architecture import ModelConfig
 from plait.optim import build_optimizer
-from plait.parallel.grads import SplitRules, clip_coef, param_grads
+from plait.parallel.grads import SplitGradRules, clip_coef, param_grads
 from plait.train import build_model
 
 PHASES = ("forward", "backward", "sync", "clip", "optim", "zero")
@@ -163,7 +163,7 @@ class PlaitSide(Side):
     def __init__(self, model, comm: Comm, opts, train_cfg: TrainConfig) -> None:
         super().__init__("plait", model, opts, train_cfg)
         self.comm, self.step = comm, 0
-        self.rules = SplitRules.of(model, comm.mesh)
+        self.rules = SplitGradRules.of(model, comm.mesh)
         self.stats_last: dict = {}
 
     def run_step(self, x, y, counter=None) -> dict[str, float]:

@@ -38,7 +38,7 @@ from common import logical_bytes, max_over_ranks, median, tally, tensor_bytes
 from plait.comm import Comm
 from plait.config import TrainConfig
 from plait.optim import build_optimizer
-from plait.parallel.grads import SplitRules, clip_coef
+from plait.parallel.grads import SplitGradRules, clip_coef
 from plait.parallel.zero.adamw import AdamW
 from plait.parallel.zero.engine import ZeroEngine
 
@@ -70,7 +70,7 @@ class PlaitSide(Side):
         self.engine = ZeroEngine(
             model, comm, AdamW.from_train(cfg), stage=stage, bucket_mb=opts.bucket_mb
         )
-        self.rules = SplitRules.of(model, comm.mesh)
+        self.rules = SplitGradRules.of(model, comm.mesh)
         self.count_activations = False  # the engine's own activation meter, untimed steps only
 
     def run_step(self, x: Tensor, y: Tensor, probe: Probe = None) -> dict[str, float]:

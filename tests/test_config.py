@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from plait.cli.run_flags import load_toml
 from plait.config import (
     SECTIONS,
     Config,
@@ -15,7 +16,6 @@ from plait.config import (
     ParallelConfig,
     TrainConfig,
     build_config,
-    load_toml,
     validate_config,
 )
 from plait.errors import ConfigError

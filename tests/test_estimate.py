@@ -13,11 +13,11 @@ from plait.config import build_config
 from plait.estimate import estimate
 from plait.estimate.activations import Shape, layer_bytes
 from plait.estimate.formulas import korthikanti_layer_bytes
-from plait.estimate.params import total_parameters
+from plait.estimate.rank_params import total_parameters
 from plait.models.presets import get_preset, preset_names
 from plait.models.transformer import count_parameters
-from plait.parallel.pipeline.plan.schedules import build_schedule
-from plait.parallel.pipeline.plan.simulate import simulate
+from plait.schedule.schedules import build_schedule
+from plait.schedule.simulate import simulate
 
 LLAMA_7B, LLAMA_65B = 6_738_415_616, 65_285_660_672
 

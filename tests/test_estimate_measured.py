@@ -8,8 +8,8 @@ import pytest
 
 from memory_runs import Case, compare, error, measure
 from plait.estimate import estimate
-from plait.parallel.pipeline.plan.stages import rank_plans
 from plait.plan.traffic import step_collectives
+from plait.schedule.stages import rank_plans
 
 SUBSET = [
     Case("dp2 zero1 bf16", parallel={"dp": 2, "zero": 1, "precision": "bf16"}),

@@ -17,7 +17,7 @@ from plait.comm import Comm
 from plait.config import TrainConfig
 from plait.mesh import single_process_mesh
 from plait.models.presets import get_preset
-from plait.parallel.grads import NORM_CHUNK, SplitRules, clip_coef, squared_norm
+from plait.parallel.grads import NORM_CHUNK, SplitGradRules, clip_coef, squared_norm
 from plait.parallel.zero.adamw import AdamW
 from plait.parallel.zero.engine import ZeroEngine
 from plait.train import build_model
@@ -81,7 +81,7 @@ def _norm_at(bucket_mb: float, model_state: dict, x: torch.Tensor) -> float:
     engine.micro_batch(is_last=True)
     model(x, x).backward()
     engine.finish()
-    norm = float(engine.grad_norm(SplitRules.of(model, comm.mesh)))
+    norm = float(engine.grad_norm(SplitGradRules.of(model, comm.mesh)))
     groups = len(engine.groups)
     engine.close()
     return norm, groups

@@ -21,7 +21,7 @@ from hf_models import gpt2_config, hf_model, llama_config, save  # noqa: E402
 from plait.checkpoint.inspect import load_model  # noqa: E402
 from plait.cli import main  # noqa: E402
 from plait.errors import ConfigError  # noqa: E402
-from plait.models.hf.config import model_config  # noqa: E402
+from plait.models.hf.config_json import model_config  # noqa: E402
 from plait.models.hf.export import shard  # noqa: E402
 from plait.models.hf.load import hf_source, load_config  # noqa: E402
 from plait.models.init import fill_parameters, seeded, source_values  # noqa: E402

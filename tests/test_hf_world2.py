@@ -18,7 +18,7 @@ from plait.mesh import build_mesh
 from plait.models.hf.load import hf_source, load_config
 from plait.models.init import canonical_name, fill_parameters
 from plait.models.transformer import Transformer
-from plait.parallel.pipeline.runtime.stage import run_stage
+from plait.parallel.pipeline.stage import run_stage
 from plait.parallel.tp.sharding import full_tensor, param_shard_specs, split_spec
 from plait.train import Trainer
 from reference import corpus_for, small_config

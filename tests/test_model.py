@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from plait.errors import ConfigError
-from plait.models.config import ModelConfig
+from plait.models.architecture import ModelConfig
 from plait.models.init import init_parameters, init_value
 from plait.models.presets import get_preset
 from plait.models.transformer import (

@@ -7,11 +7,11 @@ from fractions import Fraction as Fr
 
 import pytest
 
+from plait.cli.schedule import schedule_main
 from plait.errors import ConfigError
-from plait.parallel.pipeline.output.chart import gantt_chart, trace_events, write_trace
-from plait.parallel.pipeline.output.schedule_cli import schedule_main
-from plait.parallel.pipeline.plan.schedules import interleaved, zb_h1
-from plait.parallel.pipeline.plan.simulate import Costs, simulate
+from plait.schedule.chart import gantt_chart, trace_events, write_trace
+from plait.schedule.schedules import interleaved, zb_h1
+from plait.schedule.simulate import Costs, simulate
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

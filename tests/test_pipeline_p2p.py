@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 
 from plait.comm import P2PHandle
-from plait.parallel.pipeline.plan.actions import Action, Kind
-from plait.parallel.pipeline.runtime.executor import _StepState
-from plait.parallel.pipeline.runtime.p2p import Exchange
+from plait.parallel.pipeline.executor import _StepState
+from plait.parallel.pipeline.p2p import Exchange
+from plait.schedule.actions import Action, Kind
 
 
 class FakeHandle:

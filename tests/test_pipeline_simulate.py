@@ -11,8 +11,8 @@ from itertools import pairwise
 
 import pytest
 
-from plait.parallel.pipeline.plan.actions import Kind, TimedAction
-from plait.parallel.pipeline.plan.schedules import (
+from plait.schedule.actions import Kind, TimedAction
+from plait.schedule.schedules import (
     SCHEDULES,
     build_schedule,
     gpipe,
@@ -22,7 +22,7 @@ from plait.parallel.pipeline.plan.schedules import (
     two_bw,
     zb_h1,
 )
-from plait.parallel.pipeline.plan.simulate import Costs, measure, predicted_bubble, simulate
+from plait.schedule.simulate import Costs, measure, predicted_bubble, simulate
 from test_schedules import grid
 
 

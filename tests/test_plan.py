@@ -12,11 +12,9 @@ from plait.config import build_config
 from plait.errors import ConfigError
 from plait.estimate import estimate
 from plait.estimate.formulas import tp_comm_per_microbatch, zero_comm_elements
-from plait.estimate.params import total_parameters
+from plait.estimate.rank_params import total_parameters
 from plait.models.presets import get_preset
 from plait.models.transformer import matmul_flops_per_token
-from plait.parallel.pipeline.plan.schedules import build_schedule
-from plait.parallel.pipeline.plan.simulate import Costs, simulate
 from plait.plan.enumerate import Request, shapes
 from plait.plan.hardware import (
     Hardware,
@@ -29,6 +27,8 @@ from plait.plan.hardware import (
 from plait.plan.search import memory_schedule, plan
 from plait.plan.step_time import Memo, chunk_cost, makespan, step_time
 from plait.plan.traffic import Links
+from plait.schedule.schedules import build_schedule
+from plait.schedule.simulate import Costs, simulate
 
 GIB = 2**30
 SCHEDULES = (("1f1b", 1), ("zb-h1", 1), ("interleaved", 2))
@@ -150,7 +150,7 @@ def test_pipeline_makespan_is_the_simulators_and_extrapolates_exactly():
 
 
 def _plans(cfg):
-    from plait.parallel.pipeline.plan.stages import rank_plans
+    from plait.schedule.stages import rank_plans
 
     par = cfg.parallel
     plans = [

@@ -11,12 +11,12 @@ import pytest
 
 from plait.calibrate_runtime import action_overhead
 from plait.config import build_config
-from plait.parallel.pipeline.plan.schedules import build_schedule
-from plait.parallel.pipeline.plan.simulate import Costs, simulate
 from plait.plan.hardware import Hardware, Link, OpCost
 from plait.plan.shared import shared_makespan
 from plait.plan.step_time import Memo, step_time
 from plait.plan.traffic import step_collectives
+from plait.schedule.schedules import build_schedule
+from plait.schedule.simulate import Costs, simulate
 
 GIB = 2**30
 
@@ -108,7 +108,7 @@ def test_small_collectives_of_a_pipeline_are_priced_as_latencies():
 
 
 def _rank_plans(cfg, rank: int):
-    from plait.parallel.pipeline.plan.stages import rank_plans
+    from plait.schedule.stages import rank_plans
 
     par = cfg.parallel
     return rank_plans(cfg.model.n_layers, par.pp, par.virtual_stages, rank)

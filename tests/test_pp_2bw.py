@@ -15,6 +15,7 @@ import copy
 import pytest
 import torch
 
+from plait.composition import check_two_bw
 from plait.config import Config
 from plait.data import GlobalBatchSampler, eval_indices
 from plait.data.batches import Corpus
@@ -22,11 +23,10 @@ from plait.errors import ConfigError
 from plait.mesh import build_mesh
 from plait.models.dropout import sample_keys
 from plait.optim import build_optimizer, lr_at, set_lr
-from plait.parallel.pipeline.plan.actions import Kind
-from plait.parallel.pipeline.plan.schedules import two_bw
-from plait.parallel.pipeline.plan.two_bw_points import check_cut, update_cut, update_points
 from plait.parallel.tp.sharding import full_tensor, param_shard_specs
-from plait.rules import check_two_bw
+from plait.schedule.actions import Kind
+from plait.schedule.schedules import two_bw
+from plait.schedule.two_bw_points import check_cut, update_cut, update_points
 from plait.train import Trainer, build_model
 from reference import corpus_for, small_config
 

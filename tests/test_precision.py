@@ -16,12 +16,12 @@ from plait.comm import Comm
 from plait.data import GlobalBatchSampler, replica_share
 from plait.errors import ConfigError
 from plait.mesh import build_mesh
+from plait.mixed_precision import DynamicLossScaler, LossScaleError, has_inf_or_nan, parse_precision
 from plait.models.dropout import sample_keys
 from plait.optim import build_optimizer, lr_at, set_lr
-from plait.parallel.grads import SplitRules, clip_coef
+from plait.parallel.grads import SplitGradRules, clip_coef
 from plait.parallel.zero.adamw import AdamW
 from plait.parallel.zero.engine import ZeroEngine
-from plait.precision import DynamicLossScaler, LossScaleError, has_inf_or_nan, parse_precision
 from plait.train import build_model
 from reference import corpus_for
 from test_zero_helpers import run, zero_config
@@ -204,7 +204,7 @@ def _overflow(stage: int) -> dict:
         if inject and mesh.rank == 1:
             engine.grad_shards()[-1][0] = float("inf")  # this rank's shard only
         out["local_inf"] = bool(has_inf_or_nan(engine.grad_shards(), mesh.device))
-        engine.clip(clip_coef(engine.grad_norm(SplitRules.of(model, mesh)), 1.0))
+        engine.clip(clip_coef(engine.grad_norm(SplitGradRules.of(model, mesh)), 1.0))
         stepped = engine.step(1e-3)
         engine.zero_grad()
         return stepped

@@ -8,7 +8,7 @@ import torch
 from plait.errors import ConfigError
 from plait.models.dropout import sample_keys
 from plait.models.presets import get_preset
-from plait.parallel.recompute import apply_recompute
+from plait.parallel.activation_recompute import apply_recompute
 from plait.train import build_model
 
 

@@ -9,8 +9,8 @@ from dataclasses import replace
 import pytest
 
 from plait.errors import ConfigError
-from plait.parallel.pipeline.plan.actions import Action, Kind, Schedule
-from plait.parallel.pipeline.plan.schedules import (
+from plait.schedule.actions import Action, Kind, Schedule
+from plait.schedule.schedules import (
     SCHEDULES,
     build_schedule,
     gpipe,
@@ -20,8 +20,8 @@ from plait.parallel.pipeline.plan.schedules import (
     two_bw,
     zb_h1,
 )
-from plait.parallel.pipeline.plan.simulate import simulate
-from plait.parallel.pipeline.plan.validate import ScheduleError, validate
+from plait.schedule.simulate import simulate
+from plait.schedule.validate import ScheduleError, validate
 
 
 def grid(name: str):

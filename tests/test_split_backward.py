@@ -8,9 +8,9 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from plait.models.presets import get_preset
-from plait.parallel.pipeline.plan.stages import StagePlan
-from plait.parallel.pipeline.runtime.split_backward import split_input_backward
-from plait.parallel.pipeline.runtime.stage import run_stage
+from plait.parallel.pipeline.split_backward import split_input_backward
+from plait.parallel.pipeline.stage import run_stage
+from plait.schedule.stages import StagePlan
 from plait.train import build_model
 
 

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.comm import Comm
+from plait.composition import check_tensor_parallel
 from plait.errors import ConfigError
 from plait.mesh import build_mesh
 from plait.models.dropout import KeyedDropout
@@ -30,7 +31,6 @@ from plait.parallel.tp.mappings import (
 )
 from plait.parallel.tp.sharding import full_tensor, split_spec
 from plait.parallel.tp.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding, gather_logits
-from plait.rules import check_tensor_parallel
 from plait.topology import Layout
 
 RTOL, ATOL = 1e-5, 1e-5

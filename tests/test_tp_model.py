@@ -18,18 +18,18 @@ from plait.comm import Comm
 from plait.errors import ConfigError
 from plait.estimate.formulas import tp_comm_per_microbatch
 from plait.mesh import build_mesh
-from plait.models.config import ModelConfig
+from plait.models.architecture import ModelConfig
 from plait.models.dropout import sample_keys
 from plait.models.init import init_parameters
 from plait.models.presets import get_preset
 from plait.models.transformer import Transformer
+from plait.parallel.activation_recompute import apply_recompute
 from plait.parallel.grads import (
-    SplitRules,
+    SplitGradRules,
     clip_coef,
     param_grads,
     sequence_parallel_partial_params,
 )
-from plait.parallel.recompute import apply_recompute
 from plait.parallel.tp.apply import apply_tensor_parallel
 from plait.parallel.tp.sharding import full_tensor, param_shard_specs
 from plait.parallel.tp.vocab import gather_logits
@@ -104,7 +104,7 @@ def _forward_backward(tp: int, preset: str, sp: bool, recompute: str, over: dict
     ref_loss.backward()
     loss = model(x, y, keys)
     loss.backward()
-    rules = SplitRules.of(model, comm.mesh)
+    rules = SplitGradRules.of(model, comm.mesh)
     rules.sync(param_grads(model), comm)
     torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=0)
     for name, grad in _full(model, comm, grads=True).items():
@@ -156,7 +156,7 @@ def _traffic(tp: int, preset: str, sp: bool, over: dict) -> dict:
     loss.backward()
     bwd = {(r.op, r.tag): (r.calls, r.elements, r.bytes) for r in comm.stats.records.values()}
     comm.stats.begin_step(2)
-    SplitRules.of(model, comm.mesh).sync(param_grads(model), comm)
+    SplitGradRules.of(model, comm.mesh).sync(param_grads(model), comm)
     synced = sum(p.numel() for p in sequence_parallel_partial_params(model))
     sync = {(r.op, r.tag): (r.calls, r.elements) for r in comm.stats.records.values()}
     return {"fwd": fwd, "bwd": bwd, "sync": sync, "synced": synced, "layers": cfg.n_layers}
@@ -209,7 +209,7 @@ def _train(tp: int, preset: str, sp: bool, steps: int, over: dict) -> list[float
         ref_loss, loss = ref(x, y, keys), model(x, y, keys)
         ref_loss.backward()
         loss.backward()
-        rules = SplitRules.of(model, comm.mesh)
+        rules = SplitGradRules.of(model, comm.mesh)
         rules.sync(param_grads(model), comm)
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
         norm_t = rules.norm(param_grads(model), comm)

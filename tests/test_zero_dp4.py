@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from plait.estimate.formulas import zero_comm_elements, zero_model_state_bytes
-from plait.precision import parse_precision
+from plait.mixed_precision import parse_precision
 from reference import corpus_for
 from test_zero_helpers import run, zero_config
 from test_zero_parity import _parity

@@ -16,8 +16,8 @@ from plait.data import GlobalBatchSampler, replica_share, split_micro
 from plait.mesh import build_mesh
 from plait.models.dropout import sample_keys
 from plait.optim import build_optimizer, lr_at, set_lr
-from plait.parallel.grads import SplitRules, clip_coef
-from plait.parallel.recompute import apply_recompute
+from plait.parallel.activation_recompute import apply_recompute
+from plait.parallel.grads import SplitGradRules, clip_coef
 from plait.parallel.zero.adamw import AdamW
 from plait.parallel.zero.engine import ZeroEngine
 from plait.train import build_model
@@ -97,7 +97,7 @@ class EngineAdapter:
         bucket_mb = engine.pop("bucket_mb", cfg.parallel.bucket_mb)
         opt = AdamW.from_train(cfg.train)
         self.engine = ZeroEngine(model, comm, opt, bucket_mb=bucket_mb, **engine)
-        self.rules = SplitRules.of(model, comm.mesh)
+        self.rules = SplitGradRules.of(model, comm.mesh)
 
     def micro_batch(self, is_last: bool) -> None:
         self.engine.micro_batch(is_last)

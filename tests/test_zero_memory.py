@@ -6,18 +6,18 @@ import pytest
 import torch
 
 from plait.comm import Comm
+from plait.composition import check_zero
 from plait.config import TrainConfig
 from plait.errors import ConfigError
 from plait.estimate.formulas import zero_comm_elements, zero_model_state_bytes
 from plait.memory_tracker import MemoryTracker
 from plait.mesh import single_process_mesh
+from plait.mixed_precision import DynamicLossScaler
 from plait.models.presets import get_preset
-from plait.parallel.grads import SplitRules
-from plait.parallel.recompute import apply_recompute
+from plait.parallel.activation_recompute import apply_recompute
+from plait.parallel.grads import SplitGradRules
 from plait.parallel.zero.adamw import AdamW
 from plait.parallel.zero.engine import ZeroEngine
-from plait.precision import DynamicLossScaler
-from plait.rules import check_zero
 from plait.train import build_model
 
 
@@ -127,7 +127,7 @@ def test_single_rank_engine_steps_every_stage():
             loss = engine.model(x, x)
             engine.scale_loss(loss).backward()
             engine.finish()
-            assert engine.grad_norm(SplitRules.of(engine.model, engine.comm.mesh)) > 0
+            assert engine.grad_norm(SplitGradRules.of(engine.model, engine.comm.mesh)) > 0
             assert engine.step(1e-2)
             engine.zero_grad()
         losses.append(float(loss.detach()))
@@ -150,7 +150,7 @@ def test_stage3_evaluates_and_frees_and_exposes_gradient_pieces():
     assert {id(p) for p, _ in pieces} == {id(p) for p in params}
     assert sum(v.numel() for _, v in pieces) == sum(p.numel() for p in params)
     squares = sum(float(v.double().pow(2).sum()) for _, v in pieces)
-    norm = sharded.grad_norm(SplitRules.of(sharded.model, sharded.comm.mesh))
+    norm = sharded.grad_norm(SplitGradRules.of(sharded.model, sharded.comm.mesh))
     assert float(norm) ** 2 == pytest.approx(squares, rel=1e-7)
     full.close()
     sharded.close()

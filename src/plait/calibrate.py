@@ -62,15 +62,6 @@ MICRO_BATCHES = (1, 2, 4, 8)  # sequences per forward when fitting rate and over
 PROBE_MICRO, PROBE_BYTES = 4, 16 * 16 * 4  # the runtime probe: 4p micro-batches of (1, 16, 16)
 
 
-def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("calibrate", help="measure this machine; write a hardware profile")
-    p.add_argument("--ranks", type=int, default=4, help="gloo processes to measure with")
-    p.add_argument("--out", default="hardware.toml", help="the hardware TOML to write")
-    p.add_argument("--model", default="small-gpt", help="the model whose step sets 'achievable'")
-    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
-    p.add_argument("--repeats", type=int, default=7, help="timed repeats per figure (median)")
-
-
 def _median_time(fn, repeats: int, sync=None) -> float:
     fn()  # warm-up
     times = []

@@ -22,8 +22,8 @@ import torch
 
 from plait.config import build_config
 from plait.mesh import build_mesh
-from plait.parallel.pipeline.plan.schedules import build_schedule
-from plait.parallel.pipeline.plan.simulate import Costs, simulate
+from plait.schedule.schedules import build_schedule
+from plait.schedule.simulate import Costs, simulate
 from plait.topology import Layout
 from plait.train import Trainer
 

@@ -10,27 +10,21 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from plait.data import data_tokenizer, stream_length
-from plait.device import cuda_available
-from plait.errors import ConfigError
-from plait.models.config import ModelConfig
-from plait.models.presets import get_preset
-from plait.rules import (
+from plait.composition import (
     check_dp_mode,
     check_pipeline,
     check_recompute,
     check_tensor_parallel,
     check_zero,
 )
+from plait.data import data_tokenizer, stream_length
+from plait.device import cuda_available
+from plait.errors import ConfigError
+from plait.models.architecture import ModelConfig
+from plait.models.presets import get_preset
 from plait.topology import Layout
-
-try:  # Python 3.11+
-    import tomllib
-except ModuleNotFoundError:  # pragma: no cover - 3.10
-    import tomli as tomllib
 
 
 @dataclass
@@ -266,22 +260,6 @@ def _derive_micro_batch(cfg: Config) -> None:
             f"global batch {g} is not divisible by dp {dp} x microbatches {m} = {dp * m}"
         )
     cfg.train.micro_batch = g // (dp * m)
-
-
-def load_toml(path: str | Path) -> dict[str, dict[str, Any]]:
-    """Read a TOML config: sections [model] (with `preset`), [parallel], [data], [train]."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config file {str(p)!r} does not exist")
-    try:
-        with p.open("rb") as fh:
-            raw = tomllib.load(fh)
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from e
-    for key, value in raw.items():
-        if not isinstance(value, dict):
-            raise ConfigError(f"config file {str(p)!r}: top-level key {key!r} must be a [section]")
-    return raw
 
 
 def _type_ok(annotation: str, value: Any) -> bool:

@@ -21,7 +21,7 @@ from plait.device import peak_flops
 from plait.mesh import Mesh
 from plait.models.generate import complete
 from plait.models.transformer import count_parameters, matmul_flops_per_token
-from plait.parallel.pipeline.output.report import report
+from plait.schedule.measured import report
 from plait.signals import FORWARDED, StopRequest
 from plait.step import StepResult
 from plait.telemetry import MetricsLog, RunSummary, make_progress, summary_table

@@ -26,9 +26,9 @@ from plait.config import TrainConfig
 from plait.data.batches import MicroBatch, StepBatches
 from plait.device import synchronize
 from plait.optim import lr_at
-from plait.parallel.grads import SplitRules, clip_coef
+from plait.parallel.grads import SplitGradRules, clip_coef
 from plait.parallel.optimizer_engine import OptimizerEngine
-from plait.parallel.pipeline.runtime.engine import PipelineEngine
+from plait.parallel.pipeline.driver import PipelineDriver
 
 
 @dataclass
@@ -78,7 +78,7 @@ class Pipelined:
 
     draining = False
 
-    def __init__(self, pipeline: PipelineEngine, batches: StepBatches) -> None:
+    def __init__(self, pipeline: PipelineDriver, batches: StepBatches) -> None:
         self.pipeline, self.batches = pipeline, batches
 
     def run(self, step: int) -> Tensor:
@@ -92,11 +92,11 @@ class Step:
         self,
         engine: OptimizerEngine,
         runner: Runner,
-        rules: SplitRules,
+        rules: SplitGradRules,
         comm: Comm,
         train: TrainConfig,
     ) -> None:
-        self.engine, self.runner, self.rules, self.comm, self.train = (
+        self.engine, self.runner, self.grad_rules, self.comm, self.train = (
             engine,
             runner,
             rules,
@@ -111,8 +111,8 @@ class Step:
         engine.begin_step()
         loss = self.runner.run(step)
         engine.finish()
-        self.rules.sync(engine.grad_pieces(), self.comm)
-        norm = engine.grad_norm(self.rules)
+        self.grad_rules.sync(engine.grad_pieces(), self.comm)
+        norm = engine.grad_norm(self.grad_rules)
         engine.clip(clip_coef(norm, self.train.grad_clip))
         engine.step(lr)
         engine.zero_grad()
@@ -129,7 +129,7 @@ def evaluate_loss(
     model: nn.Module,
     batches: list[MicroBatch],
     comm: Comm,
-    pipeline: PipelineEngine | None,
+    pipeline: PipelineDriver | None,
 ) -> float:
     """Mean token loss over this replica's validation micro-batches, averaged over replicas."""
     was_training = model.training

@@ -28,21 +28,21 @@ from plait.data.batches import Corpus, StepBatches
 from plait.data.sampler import TokenWindows
 from plait.data.shards import ShardStream
 from plait.mesh import Mesh
-from plait.models.config import ModelConfig
+from plait.mixed_precision import parse_precision
+from plait.models.architecture import ModelConfig
 from plait.models.hf.load import hf_source
 from plait.models.init import ValueSource, fill_parameters, seeded, source_values, tie_all
 from plait.models.transformer import Transformer
-from plait.parallel.grads import SplitRules, tied_embedding_params
+from plait.parallel.activation_recompute import apply_recompute
+from plait.parallel.grads import SplitGradRules, tied_embedding_params
 from plait.parallel.naive_dp import Coordinator, ScatterGather
 from plait.parallel.optimizer_engine import OptimizerEngine
-from plait.parallel.pipeline.runtime.engine import PipelineEngine
-from plait.parallel.pipeline.runtime.two_bw import TwoBWStream
-from plait.parallel.pipeline.runtime.weight_versions import WeightVersions
-from plait.parallel.recompute import apply_recompute
+from plait.parallel.pipeline.driver import PipelineDriver
+from plait.parallel.pipeline.two_bw import TwoBWStream
+from plait.parallel.pipeline.weight_versions import WeightVersions
 from plait.parallel.tp.apply import apply_tensor_parallel
 from plait.parallel.zero.adamw import AdamW
 from plait.parallel.zero.engine import ZeroEngine
-from plait.precision import parse_precision
 from plait.step import Accumulate, Pipelined, Runner, Step, StepResult, evaluate_loss
 
 
@@ -142,7 +142,7 @@ class Trainer:
         self.corpus = corpus or load_corpus(cfg)
         t, par = cfg.train, cfg.parallel
         self.pipeline = (
-            PipelineEngine(
+            PipelineDriver(
                 par, cfg.model, t.micro_batch, t.seq_len, cfg.accumulation, mesh, self.comm
             )
             if mesh.size("pp") > 1
@@ -150,7 +150,7 @@ class Trainer:
         )
         model = build_model(cfg.model, mesh.device, t.seed, self._parallelize,
                             not _streams_init(cfg), first_weights(cfg))  # fmt: skip
-        self.rules = SplitRules.of(model, mesh)
+        self.grad_rules = SplitGradRules.of(model, mesh)
         replica = (mesh.coord.dp, mesh.size("dp"))
         self.batches = StepBatches(
             self.corpus, t.global_batch, t.micro_batch, t.seed, replica, mesh.device
@@ -158,7 +158,7 @@ class Trainer:
         self._model = model
         self.stream: TwoBWStream | None = None  # the 2BW runner, when the schedule is 2bw
         self.engine, runner = self._engine_and_runner(model)
-        self._step = Step(self.engine, runner, self.rules, self.comm, t)
+        self._step = Step(self.engine, runner, self.grad_rules, self.comm, t)
         self.step = 0
 
     def _parallelize(self, model: Transformer) -> None:
@@ -236,7 +236,7 @@ class Trainer:
     def save(self, out: Path, before_commit: Callable[[], None] | None = None) -> dict[str, float]:
         """Write `out/checkpoints/step-N` (collective) and keep the newest ones."""
         path = store.step_dir(out, self.step)
-        stats = ckpt_io.save(path, self.engine, self._model, self.rules, self.comm,
+        stats = ckpt_io.save(path, self.engine, self._model, self.grad_rules, self.comm,
                              self.trainer_state(), before_commit)  # fmt: skip
         if self.mesh.rank == 0:
             store.prune(out, self.cfg.train.keep_checkpoints)

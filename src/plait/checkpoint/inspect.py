@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from plait.checkpoint import store
 from plait.checkpoint.io import one_process_is_fine, saved_shapes
-from plait.models.config import ModelConfig
+from plait.models.architecture import ModelConfig
 from plait.models.init import canonical_name, fill_parameters
 from plait.models.transformer import Transformer
 

@@ -29,7 +29,7 @@ from plait.checkpoint.state import (
 )
 from plait.checkpoint.store import write_manifest
 from plait.comm import Comm
-from plait.parallel.grads import SplitRules
+from plait.parallel.grads import SplitGradRules
 from plait.parallel.optimizer_engine import OptimizerEngine
 
 
@@ -37,7 +37,7 @@ def save(
     path: Path,
     engine: OptimizerEngine,
     model: nn.Module,
-    rules: SplitRules,
+    rules: SplitGradRules,
     comm: Comm,
     trainer_state: dict[str, Any],
     before_commit: Callable[[], None] | None = None,

@@ -2,12 +2,12 @@
 
 Every tensor of a checkpoint is `"<state>/<parameter name>"` with the single-process shape,
 where state is `master` (the fp32 weights), `exp_avg` or `exp_avg_sq` (and 2BW's `previous`
-weight version, `pipeline/runtime/weight_versions.py`): nothing in it depends
+weight version, `parallel/pipeline/weight_versions.py`): nothing in it depends
 on dp, tp, pp, the ZeRO stage, the bucket size or offload. The compute-dtype parameters are
 not saved; they are the masters cast.
 
 Writing: each element is written by exactly one rank, the same rule by which the global
-gradient norm counts each parameter once (`SplitRules.uncounted`: tp-replicated parameters
+gradient norm counts each parameter once (`SplitGradRules.uncounted`: tp-replicated parameters
 by tp rank 0, a tied embedding by the first stage) plus data parallelism: at stage 0 dp rank
 0 writes, from stage 1 on each rank writes its own shard. `torch.distributed.checkpoint`
 checks that the boxes tile every tensor exactly and writes them in parallel.
@@ -32,7 +32,7 @@ from torch.distributed._shard.sharded_tensor.metadata import (
 from plait.checkpoint.boxes import Box, range_boxes, to_global
 from plait.comm import Comm
 from plait.mesh import Mesh
-from plait.parallel.grads import SplitRules
+from plait.parallel.grads import SplitGradRules
 from plait.parallel.optimizer_engine import OptimizerEngine
 from plait.parallel.tp.sharding import ShardSpec, param_shard_specs
 
@@ -45,7 +45,7 @@ def canonical(name: str, model: nn.Module) -> str:
 
 
 def owned_boxes(
-    engine: OptimizerEngine, model: nn.Module, rules: SplitRules, mesh: Mesh
+    engine: OptimizerEngine, model: nn.Module, rules: SplitGradRules, mesh: Mesh
 ) -> dict[str, list[tuple[Box, Tensor]]]:
     """`"<state>/<name>"` -> the (global box, data) this rank writes."""
     if engine.replicated and mesh.coord.dp != 0:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from plait.models.config import ModelConfig
+from plait.models.architecture import ModelConfig
 
 INDEX = 8  # int64 token ids and positions
 

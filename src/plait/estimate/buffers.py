@@ -5,7 +5,7 @@
   `MAX_INFLIGHT_BUCKETS` in flight plus the one filling (`zero/reducer.py`). Stages 0-1 keep
   their buckets as the gradients themselves, so they add nothing here.
 - ZeRO-3 gathered layers: the root unit (embedding, final norm, head) stays gathered for the
-  whole forward, with the current block and the prefetched next one (`zero/params.py`).
+  whole forward, with the current block and the prefetched next one (`zero/flat_params.py`).
 - Pipeline receive buffers: each received stage input lives until its backward (the
   schedule's in-flight count on non-first chunks), plus one received output gradient. The
   memory tracker does not see these (they are plain tensors of the runtime); they are part of
@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from plait.config import Config
 from plait.estimate.lines import Line
-from plait.estimate.states import Precision, States
-from plait.parallel.pipeline.plan.actions import Schedule
-from plait.parallel.pipeline.plan.simulate import peak_held
-from plait.parallel.pipeline.plan.stages import StagePlan
+from plait.estimate.model_states import Precision, States
 from plait.parallel.zero.layout import MAX_INFLIGHT_BUCKETS
+from plait.schedule.actions import Schedule
+from plait.schedule.simulate import peak_held
+from plait.schedule.stages import StagePlan
 
 
 def zero_buffers(

@@ -1,7 +1,7 @@
 """`estimate(cfg) -> Estimate`: every byte one rank of each pipeline stage holds, predicted.
 
-Pure: the parameters are counted from the config (`params.py`), the flat groups formed as the
-ZeRO engine forms them (`states.py`), activations summed site by site (`activations.py`) and
+Pure: the parameters are counted from the config (`rank_params.py`), the flat groups formed as the
+ZeRO engine forms them (`model_states.py`), activations summed site by site (`activations.py`) and
 multiplied by what the pipeline schedule keeps in flight (the plan's `peak_held`), buffers
 from the engine's limits (`buffers.py`). No process, no tensor, no model: a planner can call
 it for thousands of layouts.
@@ -23,12 +23,12 @@ from plait.estimate.formulas import (
     zero_model_state_bytes,
 )
 from plait.estimate.lines import LESSON_ORDER, PLACES, Estimate, Line, RankEstimate
-from plait.estimate.params import padded_vocab, rank_params, total_parameters
-from plait.estimate.states import ADAM_STATES, FP32, Precision, States, model_states
-from plait.parallel.pipeline.plan.actions import Schedule
-from plait.parallel.pipeline.plan.schedules import build_schedule
-from plait.parallel.pipeline.plan.simulate import peak_held
-from plait.parallel.pipeline.plan.stages import StagePlan, rank_plans
+from plait.estimate.model_states import ADAM_STATES, FP32, Precision, States, model_states
+from plait.estimate.rank_params import padded_vocab, rank_params, total_parameters
+from plait.schedule.actions import Schedule
+from plait.schedule.schedules import build_schedule
+from plait.schedule.simulate import peak_held
+from plait.schedule.stages import StagePlan, rank_plans
 
 
 def estimate(cfg: Config, schedule: Schedule | None = None) -> Estimate:

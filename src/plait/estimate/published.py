@@ -22,7 +22,7 @@ first stage holds L/p layers for p micro-batches), plus 8sbp (token ids) and sbh
 from __future__ import annotations
 
 from plait.config import Config
-from plait.estimate.params import padded_vocab, total_parameters
+from plait.estimate.rank_params import padded_vocab, total_parameters
 
 
 def deepspeed_zero2_gpu(psi: int, gpus: int, cpu_offload: bool) -> int:

@@ -19,7 +19,7 @@ from typing import Any
 
 from plait.config import Config
 from plait.mesh import Mesh
-from plait.parallel.pipeline.output.report import report
+from plait.schedule.measured import report
 from plait.step import StepResult
 from plait.train import Trainer
 

@@ -12,14 +12,14 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from plait.cli.schedule import formula, unit_costs
 from plait.estimate import estimate
 from plait.lessons import figures
 from plait.lessons.common import lesson_config
 from plait.lessons.records import activations
 from plait.lessons.section import Case, Row, Run, Section
-from plait.parallel.pipeline.output.schedule_cli import formula, unit_costs
-from plait.parallel.pipeline.plan.schedules import build_schedule
-from plait.parallel.pipeline.plan.simulate import predicted_bubble, simulate
+from plait.schedule.schedules import build_schedule
+from plait.schedule.simulate import predicted_bubble, simulate
 
 NAME = "pipeline"
 TITLE = "Pipeline parallelism: naive MP vs GPipe vs 1F1B vs interleaved vs ZB-H1"

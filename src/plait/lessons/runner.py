@@ -20,8 +20,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from plait.errors import ConfigError
 from plait.launch import launch
 from plait.lessons import dp, offload, pipeline, precision, recompute, tp, zero
-from plait.lessons.report import write_report
 from plait.lessons.section import Case, Run, Section
+from plait.lessons.writeup import write_report
 
 MIN_PROCS, MAX_PROCS = 2, 4
 

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from plait.comm import Comm
 from plait.lessons.phases import as_rows, snapshot
 from plait.mesh import Mesh
-from plait.models.config import ModelConfig
+from plait.models.architecture import ModelConfig
 from plait.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear
 
 ARRANGEMENTS = ("column", "row", "paired", "unpaired")

@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from plait.models.config import ModelConfig
+from plait.models.architecture import ModelConfig
 
 RESIDUAL_OUTPUTS = frozenset({"wo", "fc2", "w_down"})
 NORMAL_WEIGHTS = frozenset({"tok", "pos", "head", "wq", "wk", "wv", "fc1", "w_gate", "w_up"})

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from plait.errors import ConfigError
-from plait.models.config import ModelConfig
+from plait.models.architecture import ModelConfig
 
 
 def _gpt2(**shape: Any) -> dict[str, Any]:

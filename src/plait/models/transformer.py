@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from plait.models.config import ModelConfig
+from plait.models.architecture import ModelConfig
 from plait.models.dropout import KeyedDropout
 from plait.models.kv_cache import KVCache, causal_mask
 

@@ -85,7 +85,7 @@ def param_grads(model: nn.Module) -> list[tuple[nn.Parameter, Tensor]]:
 
 
 @dataclass(frozen=True)
-class SplitRules:
+class SplitGradRules:
     """Which of this rank's parameters each rule touches, found once from the split model."""
 
     partial: frozenset[int]  # ids: sequence-parallel partial gradients (summed over tp)
@@ -95,7 +95,7 @@ class SplitRules:
     pp: int
 
     @classmethod
-    def of(cls, model: nn.Module, mesh: Mesh) -> SplitRules:
+    def of(cls, model: nn.Module, mesh: Mesh) -> SplitGradRules:
         tp, pp = mesh.size("tp"), mesh.size("pp")
         tied = tied_embedding_params(model) if pp > 1 else []
         uncounted: set[int] = set()

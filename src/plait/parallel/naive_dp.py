@@ -28,7 +28,7 @@ from plait.memory_tracker import MemoryTracker, tensor_bytes
 from plait.models.transformer import Transformer
 from plait.optim import build_optimizer, set_lr
 from plait.parallel.adam_state import load_moments, whole_pieces
-from plait.parallel.grads import SplitRules
+from plait.parallel.grads import SplitGradRules
 
 
 class Coordinator:
@@ -78,7 +78,7 @@ class Coordinator:
     def grad_pieces(self) -> list[tuple[nn.Parameter, Tensor]]:
         return [(p, p.grad) for p in self.params if p.grad is not None]
 
-    def grad_norm(self, rules: SplitRules) -> Tensor:
+    def grad_norm(self, rules: SplitGradRules) -> Tensor:
         """Rank 0 measures it; every rank reports it."""
         zero = torch.zeros((), dtype=torch.float64, device=self.comm.mesh.device)
         norm = rules.norm(self.grad_pieces(), self.comm) if self.lead else zero

@@ -5,7 +5,7 @@ data parallelism, ZeRO stages 1-3 with mixed precision and offload, and PipeDrea
 object behind this surface:
 
 - `zero.engine.ZeroEngine` (stage 0 is plain data parallelism: one bucketed reduction path);
-- `pipeline.runtime.weight_versions.WeightVersions` (2BW: two weight versions, the update
+- `pipeline.weight_versions.WeightVersions` (2BW: two weight versions, the update
   one step late; its stream hands it each step's gradients at a consistent cut);
 - `naive_dp.Coordinator` (naive data parallelism: rank 0 alone holds the optimizer).
 
@@ -20,8 +20,8 @@ from typing import Any, Protocol
 from torch import Tensor, nn
 
 from plait.memory_tracker import MemoryTracker
-from plait.parallel.grads import SplitRules
-from plait.precision import DynamicLossScaler
+from plait.mixed_precision import DynamicLossScaler
+from plait.parallel.grads import SplitGradRules
 
 
 class OptimizerEngine(Protocol):
@@ -46,9 +46,9 @@ class OptimizerEngine(Protocol):
         """Every data-parallel reduction complete."""
 
     def grad_pieces(self) -> list[tuple[nn.Parameter, Tensor]]:
-        """(parameter, view of the gradient this rank holds of it), for `SplitRules.sync`."""
+        """(parameter, view of the gradient this rank holds of it), for `SplitGradRules.sync`."""
 
-    def grad_norm(self, rules: SplitRules) -> Tensor:
+    def grad_norm(self, rules: SplitGradRules) -> Tensor:
         """The global gradient norm, unscaled, the same on every rank."""
 
     def clip(self, coef: float) -> None:

@@ -5,7 +5,7 @@ its *knobs* (ZeRO stage, offload, recompute, sequence parallelism) trade memory 
 without changing the cut. Only balanced cuts are listed: tp divides the heads, key/value
 heads and MLP columns and stays within a node (its collectives are the busiest); pp x v
 divides the layers (plait also runs uneven splits, `--stage-layers`, which a plan does not
-propose); dp divides the global batch. Which combinations run at all is `rules.py`'s call.
+propose); dp divides the global batch. Which combinations run at all is `composition.py`'s call.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
+from plait.composition import check_tensor_parallel, check_zero
 from plait.errors import ConfigError
-from plait.models.config import ModelConfig
-from plait.rules import check_tensor_parallel, check_zero
+from plait.models.architecture import ModelConfig
 
 INTERLEAVE = (2, 4)  # virtual stages an interleaved schedule is offered with
 FRUGAL = {"none": 0, "selective": 1, "full": 2, "cpu": 1, "nvme": 2}

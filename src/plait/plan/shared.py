@@ -3,7 +3,7 @@
 On a CPU with fewer cores than ranks (`Hardware.contention` c > 1) a rank's speed depends on
 how many ranks are computing at that moment: the operating system shares the cores among
 the runnable processes, and a rank waiting for a message gives its core away. The
-pipeline simulator (`parallel/pipeline/plan/simulate.py`) times each rank as if it owned
+pipeline simulator (`schedule/simulate.py`) times each rank as if it owned
 its device; this one lets the ranks' work progress at the shared rate
 
     rate = min(1, pool / runnable)      pool = p / c  (the cores, counted in pipeline ranks)
@@ -22,9 +22,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from plait.parallel.pipeline.plan.actions import Kind, Schedule
-from plait.parallel.pipeline.plan.simulate import Costs
-from plait.parallel.pipeline.plan.validate import Slot, match_messages
+from plait.schedule.actions import Kind, Schedule
+from plait.schedule.simulate import Costs
+from plait.schedule.validate import Slot, match_messages
 
 _EPS = 1e-12
 

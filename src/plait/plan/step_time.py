@@ -12,7 +12,7 @@ launches, Python; calibrate measures it, it matters for small models only):
   W = F's compute (the weight gradients: backward = 2 x forward) (+ a where W is an action)
 where a is the pipeline runtime's own time per action (`action_overhead_s`, calibrated:
 posting and matching messages, Python; pipelines only).
-The pipeline's simulator (`parallel/pipeline/plan/simulate.py`) runs the schedule under these
+The pipeline's simulator (`schedule/simulate.py`) runs the schedule under these
 costs with each p2p message taking its alpha-beta time, so the bubble, uneven ends (the
 head on the last stage) and p2p latency come out of one simulation; without a pipeline the
 makespan is m·(F + B + W). Tensor-parallel collectives are synchronous in plait: they sit
@@ -37,12 +37,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 
 from plait.config import Config
-from plait.estimate.states import ADAM_STATES, Precision
+from plait.estimate.model_states import ADAM_STATES, Precision
 from plait.models.transformer import head_forward_flops_per_token, layer_forward_flops_per_token
-from plait.parallel.pipeline.plan.actions import Schedule
-from plait.parallel.pipeline.plan.schedules import build_schedule
-from plait.parallel.pipeline.plan.simulate import Costs, simulate
-from plait.parallel.pipeline.plan.stages import StagePlan, rank_plans
 from plait.plan.hardware import Hardware
 from plait.plan.shared import shared_makespan
 from plait.plan.traffic import (
@@ -53,6 +49,10 @@ from plait.plan.traffic import (
     step_collective_seconds,
     tp_seconds,
 )
+from plait.schedule.actions import Schedule
+from plait.schedule.schedules import build_schedule
+from plait.schedule.simulate import Costs, simulate
+from plait.schedule.stages import StagePlan, rank_plans
 
 SHARED = ("flops", "recompute", "tp_f", "tp_b", "send_f", "send_b")
 """ChunkCost's parts that run faster alone where ranks share cores; the runtime's time per

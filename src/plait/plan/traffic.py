@@ -3,7 +3,8 @@
 Every figure comes from the formula the tests assert against `comm.py`'s counts
 (`estimate/formulas.py`): tensor parallel per micro-batch (`tp_comm_per_microbatch`), the
 data-parallel / ZeRO reductions per step (`zero_comm_elements`), and the pipeline's
-point-to-point activations (b·s·h fp32, s/t under sequence parallelism: runtime/engine.py).
+point-to-point activations (b·s·h fp32, s/t under sequence parallelism:
+`parallel/pipeline/driver.py`).
 The link an axis uses follows plait's rank order (topology.py): tp fastest, then dp, then pp,
 so a tp group spans tp consecutive ranks, a dp group tp·dp, a pp group the whole world.
 """
@@ -14,10 +15,10 @@ from dataclasses import dataclass
 
 from plait.config import Config
 from plait.estimate.formulas import tp_comm_per_microbatch, zero_comm_elements
-from plait.estimate.params import rank_params
-from plait.estimate.states import Precision, flat_groups
-from plait.parallel.pipeline.plan.stages import StagePlan
+from plait.estimate.model_states import Precision, flat_groups
+from plait.estimate.rank_params import rank_params
 from plait.plan.hardware import Hardware, Link
+from plait.schedule.stages import StagePlan
 
 FP32 = 4
 

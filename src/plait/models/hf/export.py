@@ -18,8 +18,8 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from plait.errors import ConfigError
-from plait.models.config import ModelConfig
-from plait.models.hf.config import hf_config
+from plait.models.architecture import ModelConfig
+from plait.models.hf.config_json import hf_config
 from plait.models.hf.load import INDEX, WEIGHTS
 from plait.models.hf.mapping import to_hf
 

@@ -19,8 +19,8 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from plait.errors import ConfigError
-from plait.models.config import ModelConfig
-from plait.models.hf.config import model_config, read_config
+from plait.models.architecture import ModelConfig
+from plait.models.hf.config_json import model_config, read_config
 from plait.models.hf.mapping import piece, pieces, to_hf
 from plait.models.init import ShardLike, ValueSource, padded
 from plait.models.transformer import Transformer

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from plait.models.config import ModelConfig
-from plait.models.hf.config import LLAMA, family
+from plait.models.architecture import ModelConfig
+from plait.models.hf.config_json import LLAMA, family
 from plait.models.init import canonical_name
 
 

@@ -7,5 +7,6 @@ vocab     vocabulary-parallel embedding and cross-entropy (full logits never on 
 apply     the per-block plan and `apply_tensor_parallel`
 
 The gradient rules tp adds (sequence-parallel sums, counting shards once in the norm) live
-with the pipeline's in `plait.parallel.grads`; which tp sizes a model admits, in `plait.rules`.
+with the pipeline's in `plait.parallel.grads`; which tp sizes a model admits, in
+`plait.composition`.
 """

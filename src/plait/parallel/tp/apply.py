@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from torch import nn
 
 from plait.comm import Comm
+from plait.composition import check_tensor_parallel
 from plait.mesh import Mesh
-from plait.models.config import ModelConfig
+from plait.models.architecture import ModelConfig
 from plait.parallel.tp.layers import (
     ColumnParallelLinear,
     EnterRegion,
@@ -36,7 +37,6 @@ from plait.parallel.tp.layers import (
     ShardedDropout,
 )
 from plait.parallel.tp.vocab import ParallelEmbedding, VocabParallelCrossEntropy
-from plait.rules import check_tensor_parallel
 
 
 # ---------------------------------------------------------------- styles

@@ -4,11 +4,11 @@ precision and CPU/NVMe offload. Stage 0 is plain data parallelism on the same en
 is one bucketed gradient reduction path in plait, `reducer.py`. Import from the modules.
 
 Files, each one concern:
-  layout.py     buckets, flat groups, padding, each rank's shard (pure arithmetic)
-  adamw.py      element-wise AdamW on flat fp32 slices
-  params.py     parameters as views of flat buffers; stage-3 gather/free/prefetch hooks
-  reducer.py    gradient buckets: all-reduce or reduce-scatter, overlapped with backward
-  states.py     master weights and moments on device or host; nvme.py: in files
-  state_dict.py optimizer state per parameter, for layout-independent checkpoints
-  engine.py     ZeroEngine: the optimizer-engine surface that `plait.step` drives
+  layout.py         buckets, flat groups, padding, each rank's shard (pure arithmetic)
+  adamw.py          element-wise AdamW on flat fp32 slices
+  flat_params.py    parameters as views of flat buffers; stage-3 gather/free/prefetch hooks
+  reducer.py        gradient buckets: all-reduce or reduce-scatter, overlapped with backward
+  master_states.py  master weights and moments on device or host; nvme.py: in files
+  state_dict.py     optimizer state per parameter, for layout-independent checkpoints
+  engine.py         ZeroEngine: the optimizer-engine surface that `plait.step` drives
 """

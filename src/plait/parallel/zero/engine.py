@@ -35,18 +35,18 @@ import torch
 from torch import Tensor, nn
 
 from plait.comm import Comm
+from plait.composition import check_zero
 from plait.errors import ConfigError
 from plait.memory_tracker import MemoryTracker
-from plait.parallel.grads import SplitRules
+from plait.mixed_precision import DynamicLossScaler, Precision, has_inf_or_nan, parse_precision
+from plait.parallel.grads import SplitGradRules
 from plait.parallel.zero.adamw import ElementwiseOptimizer, clip_segments
+from plait.parallel.zero.flat_params import Gatherer, ParamStore, flatten_values
 from plait.parallel.zero.layout import NVME_SUB_GROUP_MB, FlatGroup, build_groups, nvme_sub_group
+from plait.parallel.zero.master_states import ResidentStates
 from plait.parallel.zero.nvme import NvmeStates
-from plait.parallel.zero.params import Gatherer, ParamStore, flatten_values
 from plait.parallel.zero.reducer import GradReducer
 from plait.parallel.zero.state_dict import export_states, import_states
-from plait.parallel.zero.states import ResidentStates
-from plait.precision import DynamicLossScaler, Precision, has_inf_or_nan, parse_precision
-from plait.rules import check_zero
 
 
 class ZeroEngine:
@@ -197,7 +197,7 @@ class ZeroEngine:
                 out.append((g.params[piece.param], view))
         return out
 
-    def grad_norm(self, rules: SplitRules) -> Tensor:
+    def grad_norm(self, rules: SplitGradRules) -> Tensor:
         """The global gradient norm (float64), unscaled: shards summed over dp from stage 1
         on, then over the axes that split the model further (`rules`)."""
         sharded_over = self.axis if self.stage >= 1 else None

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from plait.errors import ConfigError
 from plait.memory_tracker import MemoryTracker
-from plait.parallel.zero.states import Chunk
+from plait.parallel.zero.master_states import Chunk
 
 _F32 = 4
 

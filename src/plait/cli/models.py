@@ -17,8 +17,8 @@ from plait.checkpoint import inspect, store
 from plait.checkpoint.store import resolve
 from plait.data.stream import data_tokenizer
 from plait.data.tokenizer import TokenizerSpec, resolve_tokenizer, text_tokenizer
-from plait.errors import ConfigError
-from plait.models.config import ModelConfig
+from plait.errors import ConfigError, print_bad_input
+from plait.models.architecture import ModelConfig
 from plait.models.generate import Sampling, complete
 from plait.models.hf.export import check_out, write_folder
 from plait.models.hf.load import hf_source, load_config
@@ -111,3 +111,11 @@ def generate_main(args: argparse.Namespace, console: Console) -> None:
     sampling = Sampling(args.temperature, args.top_k, args.seed)
     text = complete(model, text_tokenizer(spec), args.prompt, args.max_new_tokens, sampling)
     console.print(args.prompt + text, markup=False, highlight=False)
+
+
+def run(args: argparse.Namespace, err: Console) -> int:
+    try:
+        (export_main if args.command == "export" else generate_main)(args, Console())
+    except ConfigError as e:
+        return print_bad_input(err, e)
+    return 0

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from plait.errors import ConfigError
-from plait.models.config import ModelConfig
+from plait.models.architecture import ModelConfig
 
 LLAMA, GPT2 = "llama", "gpt2"
 ARCHITECTURES = {LLAMA: "LlamaForCausalLM", GPT2: "GPT2LMHeadModel"}

@@ -25,11 +25,11 @@ from torch import Tensor, nn
 from plait.comm import Comm
 from plait.data.batches import MicroBatch
 from plait.parallel.optimizer_engine import OptimizerEngine
-from plait.parallel.pipeline.plan.actions import Action, Kind, Schedule, TimedAction, comm_batches
-from plait.parallel.pipeline.plan.stages import StagePlan
-from plait.parallel.pipeline.runtime.p2p import Exchange
-from plait.parallel.pipeline.runtime.split_backward import WeightWork, split_input_backward
-from plait.parallel.pipeline.runtime.stage import run_stage
+from plait.parallel.pipeline.p2p import Exchange
+from plait.parallel.pipeline.split_backward import WeightWork, split_input_backward
+from plait.parallel.pipeline.stage import run_stage
+from plait.schedule.actions import Action, Kind, Schedule, TimedAction, comm_batches
+from plait.schedule.stages import StagePlan
 
 
 @dataclass

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import MappingProxyType
 
-from plait.parallel.pipeline.plan.actions import Kind, TimedAction
+from plait.schedule.actions import Kind, TimedAction
 
 COLORS = MappingProxyType(
     {Kind.F: "#3b75af", Kind.B: "#ef8636", Kind.W: "#519e3e", Kind.STEP: "#7f7f7f"}

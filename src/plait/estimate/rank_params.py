@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from plait.models.config import ModelConfig
-from plait.parallel.pipeline.plan.stages import StagePlan
+from plait.models.architecture import ModelConfig
+from plait.schedule.stages import StagePlan
 
 
 @dataclass(frozen=True)

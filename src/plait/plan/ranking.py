@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from plait.estimate.render import gib
+from plait.estimate.table import gib
 from plait.plan.search import Dropped, Plan, Ranked
 from plait.plan.step_time import TERMS
 

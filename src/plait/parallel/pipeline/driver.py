@@ -15,17 +15,17 @@ from plait.comm import Comm
 from plait.config import ParallelConfig
 from plait.data.batches import MicroBatch
 from plait.mesh import Mesh
-from plait.models.config import ModelConfig
+from plait.models.architecture import ModelConfig
 from plait.models.transformer import Transformer
 from plait.parallel.optimizer_engine import OptimizerEngine
-from plait.parallel.pipeline.plan.actions import TimedAction
-from plait.parallel.pipeline.plan.schedules import build_schedule
-from plait.parallel.pipeline.plan.stages import rank_plans
-from plait.parallel.pipeline.runtime.executor import PipelineRuntime
-from plait.parallel.pipeline.runtime.stage import prune_to_stages, run_stage
+from plait.parallel.pipeline.executor import PipelineRuntime
+from plait.parallel.pipeline.stage import prune_to_stages, run_stage
+from plait.schedule.actions import TimedAction
+from plait.schedule.schedules import build_schedule
+from plait.schedule.stages import rank_plans
 
 
-class PipelineEngine:
+class PipelineDriver:
     """This rank's share of a pipeline: its stages and the schedule that drives them."""
 
     def __init__(

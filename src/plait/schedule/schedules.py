@@ -22,7 +22,7 @@ from dataclasses import replace
 from types import MappingProxyType
 
 from plait.errors import ConfigError
-from plait.parallel.pipeline.plan.actions import Action, Kind, Message, Schedule
+from plait.schedule.actions import Action, Kind, Message, Schedule
 
 Builder = Callable[..., Schedule]
 

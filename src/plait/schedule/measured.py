@@ -1,6 +1,6 @@
 """The measured side of a pipeline run: trace, Gantt chart and bubble next to the simulator.
 
-The runtime records when each action ran on every pp rank (`PipelineEngine.gather_timings`);
+The runtime records when each action ran on every pp rank (`PipelineDriver.gather_timings`);
 this module turns those timings into what a reader looks at: a Chrome trace, a Gantt chart,
 the measured bubble, and the simulator's prediction from the measured mean action costs.
 """
@@ -11,9 +11,9 @@ import json
 import statistics
 from pathlib import Path
 
-from plait.parallel.pipeline.output.chart import gantt_chart, write_trace
-from plait.parallel.pipeline.plan.actions import Kind, Schedule, TimedAction
-from plait.parallel.pipeline.plan.simulate import Costs, measure, simulate
+from plait.schedule.actions import Kind, Schedule, TimedAction
+from plait.schedule.chart import gantt_chart, write_trace
+from plait.schedule.simulate import Costs, measure, simulate
 
 
 def report(schedule: Schedule, timings: list[TimedAction], out: Path) -> dict:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from plait.rules import check_recompute
+from plait.composition import check_recompute
 
 
 def checkpoint_module(module: nn.Module) -> None:

@@ -21,8 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
-from plait.parallel.pipeline.plan.actions import Action, Kind, Schedule, TimedAction
-from plait.parallel.pipeline.plan.validate import execution_order, match_messages, validate
+from plait.schedule.actions import Action, Kind, Schedule, TimedAction
+from plait.schedule.validate import execution_order, match_messages, validate
 
 Time = float | Fraction
 """Simulated time; any real number type (Fractions give exact results)."""

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from plait.comm import Comm, Handle, P2PHandle
-from plait.parallel.pipeline.plan.actions import Action, Kind
+from plait.schedule.actions import Action, Kind
 
 
 class Buffers(Protocol):

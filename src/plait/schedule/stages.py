@@ -1,7 +1,7 @@
 """Which layers each pipeline stage runs: the pure split of a model into stages.
 
 Pure arithmetic (no model, no process), so the command line checks a split before any worker
-starts and the runtime (`runtime/stage.py`) prunes the model to it.
+starts and the runtime (`parallel/pipeline/stage.py`) prunes the model to it.
 """
 
 from __future__ import annotations

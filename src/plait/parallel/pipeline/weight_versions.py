@@ -37,9 +37,9 @@ from plait.comm import Comm
 from plait.config import TrainConfig
 from plait.models.transformer import Transformer
 from plait.optim import build_optimizer, set_lr
+from plait.parallel.activation_recompute import apply_recompute
 from plait.parallel.adam_state import load_moments, whole_pieces
-from plait.parallel.grads import SplitRules
-from plait.parallel.recompute import apply_recompute
+from plait.parallel.grads import SplitGradRules
 
 
 def weights_of(step: int) -> int:
@@ -121,7 +121,7 @@ class WeightVersions:
         """Keyed by copy 0's parameters: the split rules were found on that copy."""
         return list(zip(self.params[0], self._grads, strict=True))
 
-    def grad_norm(self, rules: SplitRules) -> Tensor:
+    def grad_norm(self, rules: SplitGradRules) -> Tensor:
         return rules.norm(self.grad_pieces(), self.comm)
 
     def clip(self, coef: float) -> None:

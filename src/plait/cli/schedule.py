@@ -5,6 +5,7 @@ No model runs: this is the cost model alone, to choose p, m, v and the schedule 
 
 from __future__ import annotations
 
+import argparse
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -12,10 +13,11 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from plait.parallel.pipeline.output.chart import gantt_chart, write_trace
-from plait.parallel.pipeline.plan.actions import Schedule
-from plait.parallel.pipeline.plan.schedules import build_schedule
-from plait.parallel.pipeline.plan.simulate import Costs, Simulation, predicted_bubble, simulate
+from plait.errors import ConfigError, print_bad_input
+from plait.schedule.actions import Schedule
+from plait.schedule.chart import gantt_chart, write_trace
+from plait.schedule.schedules import build_schedule
+from plait.schedule.simulate import Costs, Simulation, predicted_bubble, simulate
 
 US_PER_UNIT = 1000.0
 """Trace time scale: one unit (a stage's forward) is drawn as 1 ms."""
@@ -107,3 +109,25 @@ def _print(sim: Simulation, result: dict[str, Any]) -> None:
     for key in ("chart", "trace"):
         if result[key]:
             console.print(f"{key:<9} {result[key]}", highlight=False)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    sched = sub.add_parser(
+        "schedule", help="simulate a pipeline schedule (no model): bubble, memory, chart"
+    )
+    sched.add_argument("--pp", type=int, required=True, help="pipeline stages (ranks)")
+    sched.add_argument("--microbatches", type=int, required=True, help="micro-batches per step")
+    sched.add_argument(
+        "--schedule", default="1f1b", help="naive, gpipe, 1f1b, interleaved, zb-h1, 2bw"
+    )
+    sched.add_argument("--virtual-stages", type=int, default=1, help="chunks per rank (v)")
+    sched.add_argument("--out", default=None, help="folder for the PNG chart and trace JSON")
+
+
+def run(args: argparse.Namespace, err: Console) -> int:
+    out = Path(args.out) if args.out else None
+    try:
+        schedule_main(args.pp, args.microbatches, args.schedule, args.virtual_stages, out)
+    except ConfigError as e:
+        return print_bad_input(err, e)
+    return 0

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from plait.estimate.params import ParamSpec
+from plait.estimate.rank_params import ParamSpec
 from plait.parallel.zero.layout import NVME_SUB_GROUP_MB, bucket_runs, nvme_sub_group, padded_size
 
 FP32 = 4

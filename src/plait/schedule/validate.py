@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from itertools import product
 
-from plait.parallel.pipeline.plan.actions import Action, Kind, Schedule, comm_batches
+from plait.schedule.actions import Action, Kind, Schedule, comm_batches
 
 Slot = tuple[int, int]
 """(rank, index in that rank's action list)."""

@@ -40,13 +40,13 @@ import torch
 from torch import Tensor
 
 from plait.data.batches import MicroBatch, StepBatches
-from plait.parallel.pipeline.plan.actions import Action, Kind, TimedAction, comm_batches
-from plait.parallel.pipeline.plan.schedules import two_bw
-from plait.parallel.pipeline.plan.two_bw_points import update_points
-from plait.parallel.pipeline.runtime.engine import PipelineEngine
-from plait.parallel.pipeline.runtime.p2p import Exchange
-from plait.parallel.pipeline.runtime.stage import run_stage
-from plait.parallel.pipeline.runtime.weight_versions import WeightVersions, weights_of
+from plait.parallel.pipeline.driver import PipelineDriver
+from plait.parallel.pipeline.p2p import Exchange
+from plait.parallel.pipeline.stage import run_stage
+from plait.parallel.pipeline.weight_versions import WeightVersions, weights_of
+from plait.schedule.actions import Action, Kind, TimedAction, comm_batches
+from plait.schedule.schedules import two_bw
+from plait.schedule.two_bw_points import update_points
 
 
 @dataclass
@@ -69,7 +69,7 @@ class TwoBWStream:
 
     def __init__(
         self,
-        pipeline: PipelineEngine,
+        pipeline: PipelineDriver,
         versions: WeightVersions,
         batches: StepBatches,
         steps: int,

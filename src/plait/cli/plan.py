@@ -6,15 +6,15 @@ import argparse
 
 from rich.console import Console
 
-from plait.errors import ConfigError
+from plait.composition import check_tensor_parallel
+from plait.errors import ConfigError, print_bad_input
+from plait.mixed_precision import parse_precision
 from plait.models.presets import get_preset
 from plait.plan.enumerate import Request, divisors, shapes
 from plait.plan.hardware import load_hardware, parse_size
-from plait.plan.render import dropped_line, gib, print_plan, wide_console
+from plait.plan.ranking import dropped_line, gib, print_plan, wide_console
 from plait.plan.search import Plan, plan
 from plait.plan.toml_out import write_plan
-from plait.precision import parse_precision
-from plait.rules import check_tensor_parallel
 
 
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:
@@ -126,7 +126,14 @@ def nothing_fits(out: Plan) -> str:
     )
 
 
-def run_plan(args: argparse.Namespace, err: Console) -> int:
+def run(args: argparse.Namespace, err: Console) -> int:
+    try:
+        return run_plan(args)
+    except ConfigError as e:
+        return print_bad_input(err, e)
+
+
+def run_plan(args: argparse.Namespace) -> int:
     hw = load_hardware(args.hardware)
     memory = parse_size(args.gpu_memory) if args.gpu_memory else hw.memory
     req = request_of(args, args.precision or hw.precision)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from plait.models.transformer import Transformer
-from plait.parallel.pipeline.plan.stages import StagePlan
+from plait.schedule.stages import StagePlan
 
 
 class Absent(nn.Module):

@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from plait.errors import ConfigError
-from plait.models.config import ModelConfig
-from plait.parallel.pipeline.plan.schedules import build_schedule, two_bw
-from plait.parallel.pipeline.plan.stages import split_layers
-from plait.precision import parse_precision
+from plait.mixed_precision import parse_precision
+from plait.models.architecture import ModelConfig
+from plait.schedule.schedules import build_schedule, two_bw
+from plait.schedule.stages import split_layers
 
 RECOMPUTE_MODES = ("none", "full", "selective")
 ZERO_STAGES = (0, 1, 2, 3)

@@ -23,8 +23,8 @@ from __future__ import annotations
 from bisect import bisect_right
 from dataclasses import dataclass
 
-from plait.parallel.pipeline.plan.actions import Kind, Schedule, comm_batches
-from plait.parallel.pipeline.plan.validate import match_messages
+from plait.schedule.actions import Kind, Schedule, comm_batches
+from plait.schedule.validate import match_messages
 
 WINDOW = 2
 """Messages of steps k-WINDOW..k+WINDOW+1 are placed exactly around step k's cut; the others

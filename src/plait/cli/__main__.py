@@ -1,0 +1,7 @@
+"""`python -m plait.cli`: what torchrun and Slurm launch on every rank."""
+
+import sys
+
+from plait.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,99 @@
+"""The flags of a run, shared by `plait train` and `plait estimate`, and the config they build.
+
+Flags are generated from the config dataclasses (`plait.config`), so a field's help string is
+its flag's help and a new field is a new flag. Precedence: defaults < model preset < TOML file
+< flags; the result is validated before any worker starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+from plait.cli.models import init_model
+from plait.config import SECTIONS, Config, build_config, flag_name
+from plait.errors import ConfigError
+from plait.launch import under_torchrun
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+
+def _value_type(f: dataclasses.Field) -> Any:
+    text = str(f.type)
+    if "bool" in text:
+        return bool
+    if "int" in text:
+        return int
+    if "float" in text:
+        return float
+    return str
+
+
+def _add_section(parser: argparse.ArgumentParser, section: str, cls: type) -> None:
+    group = parser.add_argument_group(section)
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("derived"):  # computed from other fields, never given
+            continue
+        kind = _value_type(f)
+        kwargs: dict[str, Any] = {"dest": f"{section}.{f.name}", "default": argparse.SUPPRESS}
+        default = "the preset's" if section == "model" else f.default
+        kwargs["help"] = f.metadata.get("help", "") + f" (default: {default})"
+        if kind is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = kind
+            kwargs["metavar"] = kind.__name__.upper()
+        group.add_argument(flag_name(f), **kwargs)
+
+
+def add_run_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of a run, shared by `train` and `estimate` (every train flag estimates)."""
+    parser.add_argument("--config", help="TOML file with [model] [parallel] [data] [train]")
+    parser.add_argument("--model", dest="preset", help="model preset (see `plait presets`)")
+    for section, cls in SECTIONS.items():
+        _add_section(parser, section, cls)
+
+
+def config_from_args(args: argparse.Namespace, check_data: bool = True) -> Config:
+    """Preset <- TOML <- flags, then validate (raises ConfigError); `check_data=False`
+    leaves the corpus unread (the estimator needs only shapes)."""
+    overrides: dict[str, dict[str, Any]] = load_toml(args.config) if args.config else {}
+    overrides = {k: dict(v) for k, v in overrides.items()}
+    toml_preset = overrides.get("model", {}).pop("preset", None)
+    preset = args.preset or toml_preset
+    for dest, value in vars(args).items():
+        if "." in dest:
+            section, name = dest.split(".", 1)
+            overrides.setdefault(section, {})[name] = value
+    folder = overrides.get("train", {}).get("init_from")
+    if folder:  # the model is the folder's: explicit model values must agree with it
+        model = init_model(folder, overrides.pop("model", {}), preset)
+        cfg = build_config(f"hf:{folder}", overrides, model)
+    else:
+        cfg = build_config(preset or "small-gpt", overrides)
+    cfg.validate(check_data)
+    if check_data and under_torchrun():  # every rank would otherwise fail alone, with a traceback
+        cfg.parallel.layout.check_world(int(os.environ["WORLD_SIZE"]))
+    return cfg
+
+
+def load_toml(path: str | Path) -> dict[str, dict[str, Any]]:
+    """Read a TOML config: sections [model] (with `preset`), [parallel], [data], [train]."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist")
+    try:
+        with p.open("rb") as fh:
+            raw = tomllib.load(fh)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from e
+    for key, value in raw.items():
+        if not isinstance(value, dict):
+            raise ConfigError(f"config file {str(p)!r}: top-level key {key!r} must be a [section]")
+    return raw

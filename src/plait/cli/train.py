@@ -1,0 +1,59 @@
+"""`plait train`: the run's flags, validated before anything starts, then the launcher.
+
+Everything that can be checked before a worker starts is checked here (the config, the
+checkpoint to resume, the output folder); then `plait.launch` starts the workers and this
+module turns how they ended into an exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from rich.console import Console
+
+from plait.checkpoint.store import check_resumable, resolve
+from plait.cli.run_flags import add_run_flags, config_from_args
+from plait.device import device_kind
+from plait.errors import ConfigError, print_bad_input
+from plait.launch import Interrupted, WorkerFailure, launch, under_torchrun
+from plait.outdir import prepare_out
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    train = sub.add_parser("train", help="train a model (spawns dp workers unless under torchrun)")
+    add_run_flags(train)
+
+
+def run(args: argparse.Namespace, err: Console) -> int:
+    try:
+        cfg = config_from_args(args)
+        out = Path(cfg.train.out)
+        start = resolve(cfg.train.resume, out) if cfg.train.resume else None
+        if start is not None:
+            check_resumable(start, cfg.to_dict())
+        if not under_torchrun() or os.environ.get("RANK") == "0":  # one rank owns the folder
+            prepare_out(out, cfg.train.overwrite, bool(cfg.train.resume))
+    except ConfigError as e:
+        return print_bad_input(err, e)
+    if cfg.parallel.precision == "fp16" and device_kind(cfg.train.device) == "cpu":
+        err.print(
+            "[yellow]plait: warning:[/] fp16 on a CPU runs about 10x slower than fp32 "
+            "(torch's CPU fp16 matmul); --precision bf16 is fast here",
+            highlight=False,
+        )
+    try:
+        launch(cfg)
+    except WorkerFailure as e:
+        err.print("[bold red]plait: a worker failed; all ranks stopped.[/]")
+        err.print(str(e), markup=False, highlight=False)
+        return 1
+    except Interrupted as e:
+        if e.forced:
+            err.print("[bold]plait: stopped at once; every rank ended, no checkpoint.[/]")
+        return 128 + e.signum
+    except KeyboardInterrupt:
+        err.print("[bold]plait: interrupted; every rank stopped.[/]")
+        return 130
+    return 0

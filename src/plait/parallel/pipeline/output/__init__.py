@@ -1,1 +1,0 @@
-"""What a pipeline shows: Gantt charts, Chrome traces, the `plait schedule` command."""
