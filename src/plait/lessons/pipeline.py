@@ -12,7 +12,6 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from plait.cli.schedule import formula, unit_costs
 from plait.estimate import estimate
 from plait.lessons import figures
 from plait.lessons.common import lesson_config
@@ -20,6 +19,7 @@ from plait.lessons.records import activations
 from plait.lessons.section import Case, Row, Run, Section
 from plait.schedule.schedules import build_schedule
 from plait.schedule.simulate import predicted_bubble, simulate
+from plait.schedule.unit_costs import formula, unit_costs
 
 NAME = "pipeline"
 TITLE = "Pipeline parallelism: naive MP vs GPipe vs 1F1B vs interleaved vs ZB-H1"
