@@ -56,8 +56,8 @@ from plait.config import TrainConfig
 from plait.mesh import build_mesh
 from plait.models.presets import get_preset
 from plait.optim import build_optimizer
+from plait.parallel.adamw import AdamW
 from plait.parallel.grads import SplitGradRules, clip_coef
-from plait.parallel.zero.adamw import AdamW
 from plait.parallel.zero.engine import ZeroEngine
 from plait.topology import Layout
 from plait.train import build_model

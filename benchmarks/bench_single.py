@@ -47,8 +47,8 @@ from plait.data import GlobalBatchSampler, load_tokens, split_micro
 from plait.mesh import single_process_mesh
 from plait.models.presets import get_preset
 from plait.optim import build_optimizer, lr_at, set_lr
+from plait.parallel.adamw import AdamW
 from plait.parallel.grads import SplitGradRules, clip_coef
-from plait.parallel.zero.adamw import AdamW
 from plait.parallel.zero.engine import ZeroEngine
 from plait.train import Trainer, build_model, corpus_from_tokens
 

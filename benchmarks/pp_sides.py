@@ -34,10 +34,10 @@ from plait.comm import Comm
 from plait.data import GlobalBatchSampler
 from plait.mesh import build_mesh
 from plait.optim import build_optimizer, lr_at, set_lr
+from plait.parallel.adamw import AdamW
 from plait.parallel.grads import tied_embedding_params
 from plait.parallel.pipeline.executor import PipelineRuntime
 from plait.parallel.pipeline.stage import prune_to_stages
-from plait.parallel.zero.adamw import AdamW
 from plait.parallel.zero.engine import ZeroEngine
 from plait.schedule.actions import Action, Kind, TimedAction
 from plait.schedule.schedules import build_schedule

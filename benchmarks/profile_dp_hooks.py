@@ -33,7 +33,7 @@ from plait.comm import Comm
 from plait.config import TrainConfig
 from plait.mesh import build_mesh
 from plait.models.presets import get_preset
-from plait.parallel.zero.adamw import AdamW
+from plait.parallel.adamw import AdamW
 from plait.parallel.zero.engine import ZeroEngine
 from plait.parallel.zero.reducer import GradReducer
 from plait.topology import Layout

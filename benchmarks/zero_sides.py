@@ -38,8 +38,8 @@ from common import logical_bytes, max_over_ranks, median, tally, tensor_bytes
 from plait.comm import Comm
 from plait.config import TrainConfig
 from plait.optim import build_optimizer
+from plait.parallel.adamw import AdamW
 from plait.parallel.grads import SplitGradRules, clip_coef
-from plait.parallel.zero.adamw import AdamW
 from plait.parallel.zero.engine import ZeroEngine
 
 PHASES = ("forward", "backward", "finish", "clip", "step", "zero")

@@ -178,6 +178,9 @@ CHANGES_2 = [  # (saved under, resumed under): every pair keeps micro-batch x ac
     (dict(pp=2, accum=2, n_layers=4), dict(pp=2, accum=2, n_layers=4, par=dict(
         schedule="interleaved", virtual_stages=2))),
     (dict(tp=2, accum=2), dict(dp=2, par=dict(zero=2, offload="cpu"))),
+    # whole-parameter AdamW state (naive dp's coordinator) and ZeRO shards, both ways
+    (dict(dp=2, par=dict(dp_mode="naive")), dict(dp=2, par=dict(zero=2))),
+    (dict(dp=2, par=dict(zero=1)), dict(dp=2, par=dict(dp_mode="naive"))),
 ]  # fmt: skip
 
 

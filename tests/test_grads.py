@@ -17,8 +17,8 @@ from plait.comm import Comm
 from plait.config import TrainConfig
 from plait.mesh import single_process_mesh
 from plait.models.presets import get_preset
+from plait.parallel.adamw import AdamW
 from plait.parallel.grads import NORM_CHUNK, SplitGradRules, clip_coef, squared_norm
-from plait.parallel.zero.adamw import AdamW
 from plait.parallel.zero.engine import ZeroEngine
 from plait.train import build_model
 

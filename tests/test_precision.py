@@ -19,8 +19,8 @@ from plait.mesh import build_mesh
 from plait.mixed_precision import DynamicLossScaler, LossScaleError, has_inf_or_nan, parse_precision
 from plait.models.dropout import sample_keys
 from plait.optim import build_optimizer, lr_at, set_lr
+from plait.parallel.adamw import AdamW
 from plait.parallel.grads import SplitGradRules, clip_coef
-from plait.parallel.zero.adamw import AdamW
 from plait.parallel.zero.engine import ZeroEngine
 from plait.train import build_model
 from reference import corpus_for

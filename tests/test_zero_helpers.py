@@ -17,8 +17,8 @@ from plait.mesh import build_mesh
 from plait.models.dropout import sample_keys
 from plait.optim import build_optimizer, lr_at, set_lr
 from plait.parallel.activation_recompute import apply_recompute
+from plait.parallel.adamw import AdamW
 from plait.parallel.grads import SplitGradRules, clip_coef
-from plait.parallel.zero.adamw import AdamW
 from plait.parallel.zero.engine import ZeroEngine
 from plait.train import build_model
 from reference import small_config

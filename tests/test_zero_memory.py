@@ -15,8 +15,8 @@ from plait.mesh import single_process_mesh
 from plait.mixed_precision import DynamicLossScaler
 from plait.models.presets import get_preset
 from plait.parallel.activation_recompute import apply_recompute
+from plait.parallel.adamw import AdamW
 from plait.parallel.grads import SplitGradRules
-from plait.parallel.zero.adamw import AdamW
 from plait.parallel.zero.engine import ZeroEngine
 from plait.train import build_model
 

@@ -24,8 +24,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from plait.config import TrainConfig
-from plait.parallel.zero.adamw import AdamW
 from plait.parallel.zero.layout import FlatGroup, padded_size
 from plait.parallel.zero.state_dict import assemble
 from reference import corpus_for
@@ -37,7 +35,7 @@ PARAM_REL_L2 = 1e-5
 NOISE_PARAMS = ("attn.wk.bias",)  # all noise: only the absolute bound applies
 
 
-# ---------------------------------------------------------------- pure: layout and AdamW
+# -------------------------------------------------------- pure: layout (AdamW: test_adamw.py)
 
 
 def _group(sizes: list[int], world: int, rank: int) -> FlatGroup:
@@ -68,34 +66,6 @@ def test_decay_segments_are_the_matrices_of_the_shard():
     assert g.decay_segments() == [(7, 27), (30, 33)]  # the 20 and the start of the 30 (2-D)
     g = _group([7, 20, 3, 30, 5], world=2, rank=1)  # shard 1: 33..65, padding 1
     assert g.decay_segments() == [(0, 27)]
-
-
-def test_adamw_is_bitwise_torch_adamw():
-    """Element-wise AdamW on one flat buffer = torch AdamW with decay/no-decay groups."""
-    cfg = TrainConfig(weight_decay=0.1, beta1=0.9, beta2=0.95)
-    gen = torch.Generator().manual_seed(0)
-    shapes = [(4, 6), (6,), (3, 5)]
-    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    torch_opt = torch.optim.AdamW(groups, lr=1.0, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
-    flat = torch.cat([p.detach().reshape(-1) for p in params])
-    states = {"exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
-    decay = [(0, 24), (30, 45)]  # the two matrices, not the vector between them
-    for step, lr in enumerate([1e-2, 3e-2, 2e-2, 1e-3, 5e-3], start=1):
-        grads = [torch.randn(s, generator=gen) for s in shapes]
-        for p, g in zip(params, grads, strict=True):
-            p.grad = g
-        for group in torch_opt.param_groups:
-            group["lr"] = lr
-        torch_opt.step()
-        flat_grad = torch.cat([g.reshape(-1) for g in grads])
-        AdamW.from_train(cfg).update(flat, flat_grad, states, step, lr, decay)
-    assert torch.equal(flat, torch.cat([p.detach().reshape(-1) for p in params]))
-    torch_avg = torch.cat([torch_opt.state[p]["exp_avg"].reshape(-1) for p in params])
-    assert torch.equal(states["exp_avg"], torch_avg)
 
 
 # ---------------------------------------------------------------- multi-rank parity

@@ -76,7 +76,7 @@ def test_zero_option_errors(over, message):
 def _stage3_never_materializes(**kw) -> None:
     from plait.comm import Comm
     from plait.models.init import initial_values
-    from plait.parallel.zero.adamw import AdamW
+    from plait.parallel.adamw import AdamW
     from plait.parallel.zero.engine import ZeroEngine
     from plait.train import build_model
 

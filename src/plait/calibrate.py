@@ -51,8 +51,8 @@ from plait.launch import free_port, stop_all
 from plait.mesh import build_mesh
 from plait.models.presets import get_preset
 from plait.models.transformer import Transformer, matmul_flops_per_token
+from plait.parallel.adamw import AdamW
 from plait.parallel.grads import squared_norm
-from plait.parallel.zero.adamw import AdamW
 from plait.plan.hardware import Hardware, Link, OpCost, ring_steps_and_factor, save_hardware
 from plait.topology import Layout
 

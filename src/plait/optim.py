@@ -1,5 +1,7 @@
-"""AdamW with the usual GPT parameter groups (the 2BW versions step it) and the warmup + cosine
-learning-rate schedule every step follows. Clipping by the global norm: `parallel/grads.py`."""
+"""The warmup + cosine learning-rate schedule every step follows, and torch's AdamW with plait's
+parameter groups for the single-process references and the torch peers (tests, lessons,
+benchmarks). No engine steps torch's AdamW: they all step plait's own (`parallel/adamw.py`),
+which decays the same parameters (`decays`). Clipping by the global norm: `parallel/grads.py`."""
 
 from __future__ import annotations
 
@@ -9,12 +11,15 @@ import torch
 from torch import nn
 
 from plait.config import TrainConfig
+from plait.parallel.adamw import decays
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """Decay matrices and embeddings only: biases and norm gains stay unregularized."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    """Decay matrices and embeddings only: biases and norm gains stay unregularized. Frozen
+    parameters are in no group (no state)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trainable if decays(p)]
+    no_decay = [p for p in trainable if not decays(p)]
     groups = [
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

@@ -34,6 +34,7 @@ from plait.models.hf.load import hf_source
 from plait.models.init import ValueSource, fill_parameters, seeded, source_values, tie_all
 from plait.models.transformer import Transformer
 from plait.parallel.activation_recompute import apply_recompute
+from plait.parallel.adamw import AdamW
 from plait.parallel.grads import SplitGradRules, tied_embedding_params
 from plait.parallel.naive_dp import Coordinator, ScatterGather
 from plait.parallel.optimizer_engine import OptimizerEngine
@@ -41,7 +42,6 @@ from plait.parallel.pipeline.driver import PipelineDriver
 from plait.parallel.pipeline.two_bw import TwoBWStream
 from plait.parallel.pipeline.weight_versions import WeightVersions
 from plait.parallel.tp.apply import apply_tensor_parallel
-from plait.parallel.zero.adamw import AdamW
 from plait.parallel.zero.engine import ZeroEngine
 from plait.step import Accumulate, Pipelined, Runner, Step, StepResult, evaluate_loss
 

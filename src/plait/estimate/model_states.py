@@ -24,7 +24,7 @@ from plait.estimate.rank_params import ParamSpec
 from plait.parallel.zero.layout import NVME_SUB_GROUP_MB, bucket_runs, nvme_sub_group, padded_size
 
 FP32 = 4
-ADAM_STATES = 2  # exp_avg, exp_avg_sq (parallel/zero/adamw.py)
+ADAM_STATES = 2  # exp_avg, exp_avg_sq (parallel/adamw.py)
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 

@@ -11,6 +11,8 @@ the sum of the replicas' parts), and it is slow for the reasons the lesson names
 comm layer and the memory tracker measure: the logits (b·s·V per replica) cross the wire
 twice per micro-batch, nothing overlaps with compute, the parameters go out again every step,
 and rank 0 alone holds the optimizer states and the gathered logits (memory imbalance).
+Rank 0 steps plait's one AdamW over the whole trainable parameters (`whole_adamw.py`); frozen
+parameters are never reduced, stepped or broadcast (every replica initialized them alike).
 `--dp-mode ddp` (the default) is plait's bucketed, overlapped data parallelism.
 """
 
@@ -26,9 +28,9 @@ from plait.config import TrainConfig
 from plait.data.batches import StepBatches
 from plait.memory_tracker import MemoryTracker, tensor_bytes
 from plait.models.transformer import Transformer
-from plait.optim import build_optimizer, set_lr
-from plait.parallel.adam_state import load_moments, whole_pieces
+from plait.parallel.adamw import AdamW
 from plait.parallel.grads import SplitGradRules
+from plait.parallel.whole_adamw import WholeAdamW, trainable
 
 
 class Coordinator:
@@ -43,12 +45,15 @@ class Coordinator:
     def __init__(self, model: Transformer, train: TrainConfig, comm: Comm) -> None:
         self.model, self.comm = model, comm
         self.lead = comm.mesh.axis_rank("dp") == 0
-        self.names = [n for n, _ in model.named_parameters()]
-        self.params = list(model.parameters())
-        self.optimizer = build_optimizer(model, train) if self.lead else None
+        named = trainable(list(model.named_parameters()))
+        self.names, self.params = [n for n, _ in named], [p for _, p in named]
         self.memory = MemoryTracker(comm.mesh.device)
         self.memory.track("params", "parameters", sum(tensor_bytes(p) for p in self.params))
         self.memory.track("grads", "gradients", sum(tensor_bytes(p) for p in self.params))
+        adamw = AdamW.from_train(train)  # its moments count as rank 0's optimizer_states
+        self.optimizer = (
+            WholeAdamW(self.names, self.params, adamw, self.memory) if self.lead else None
+        )
         self.step_count = 0
         self._coef = 1.0
 
@@ -96,10 +101,8 @@ class Coordinator:
             with torch.no_grad():
                 for p in self.params:
                     p.grad.mul_(self._coef)
-            set_lr(self.optimizer, lr)
-            self.optimizer.step()
-            moments = [t for s in self.optimizer.state.values() for t in s.values() if t.dim()]
-            self.memory.track("moments", "optimizer_states", sum(map(tensor_bytes, moments)))
+            grads = [p.grad for p in self.params]
+            self.optimizer.step(self.params, grads, self.step_count, lr)
         self._broadcast_parameters()
         return True
 
@@ -119,17 +122,18 @@ class Coordinator:
 
     def state_dict(self) -> dict[str, Any]:
         """Rank 0's parameters and moments (the only rank that writes: `replicated`)."""
-        pieces = whole_pieces(self.names, self.params, self.optimizer, self.params)
+        pieces = self.optimizer.pieces(self.params)
         return {"step": self.step_count, "loss_scaler": None, "pieces": pieces}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        saved = [state["params"][name] for name in self.names]
-        for p, one in zip(self.params, saved, strict=True):
-            p.copy_(one["master"])
+        """Every rank loads the parameters; rank 0 also the moments."""
+        saved = state["params"]
         if self.lead:
-            shapes = [p.shape for p in self.params]
-            load_moments(self.optimizer, self.params, shapes, saved, state["step"])
+            self.optimizer.load(self.params, saved)
+        else:
+            for name, p in zip(self.names, self.params, strict=True):
+                p.copy_(saved[name]["master"])
         self.step_count = state["step"]
 
     def close(self) -> None:

@@ -7,13 +7,13 @@ while a graph depends on it. Activation recomputation works unchanged, since a r
 forward runs the same copy again.
 
 The update of step k (W(k+1) = W(k) - lr·AdamW(g_k), g_k computed at W(k-1)) writes into the
-copy that held W(k-1), free by then: first W(k) is copied there, then a single AdamW steps it.
-The optimizer's state must carry over from step to step while its target alternates between
-the two copies, so the optimizer owns *shell* parameters: one nn.Parameter per parameter,
-holding no memory of its own, pointed (`.data`) at the target copy's storage right before the
-step. A shell has its own autograd version counter, and the target copy has no live graph
+copy that held W(k-1), free by then: first W(k) is copied there, then plait's AdamW steps it
+in place (`parallel/whole_adamw.py`, the ZeRO engine's AdamW and state format over whole
+parameters). Its moments carry over from step to step while its target alternates between the
+two copies: the copy to update is handed to it each step. The target copy has no live graph
 (checked), so the in-place step can never corrupt a saved tensor of an in-flight micro-batch.
-Two copies plus moments: the paper's 2W + optimizer state, no third weight copy.
+Two copies plus moments: the paper's 2W + optimizer state, no third weight copy. Frozen
+parameters are the same in both copies and are never copied, stepped or given moments.
 
 Under tensor parallelism each copy holds this rank's shards; the copy shares the original's
 `Comm` (deep-copying it would copy process groups).
@@ -35,11 +35,12 @@ from torch import Tensor, nn
 
 from plait.comm import Comm
 from plait.config import TrainConfig
+from plait.memory_tracker import MemoryTracker
 from plait.models.transformer import Transformer
-from plait.optim import build_optimizer, set_lr
 from plait.parallel.activation_recompute import apply_recompute
-from plait.parallel.adam_state import load_moments, whole_pieces
+from plait.parallel.adamw import AdamW
 from plait.parallel.grads import SplitGradRules
+from plait.parallel.whole_adamw import WholeAdamW, trainable
 
 
 def weights_of(step: int) -> int:
@@ -62,15 +63,14 @@ class WeightVersions:
         for c in self.copies:
             apply_recompute(c, recompute)
             c.train()
-        self.params = [list(c.parameters()) for c in self.copies]
-        self.names = [n for n, _ in model.named_parameters()]
+        # The trainable parameters of each copy, in the same order (deepcopy keeps it).
+        self.params = [[p for _, p in trainable(list(c.named_parameters()))] for c in self.copies]
+        self.names = [n for n, _ in trainable(list(model.named_parameters()))]
         self.held = [0, None]  # the version each copy holds (copy 1 holds nothing yet)
         self.latest = 0
-        self.shells = nn.ParameterList(
-            nn.Parameter(torch.empty((0,) * p.dim(), dtype=p.dtype, device=p.device))
-            for p in self.params[0]
-        )
-        self.optimizer = build_optimizer(self.shells, train)
+        # A tracker of its own: 2BW reports no memory (`memory` is None; tests measure storages).
+        tracker = MemoryTracker(comm.mesh.device)
+        self.optimizer = WholeAdamW(self.names, self.params[0], AdamW.from_train(train), tracker)
         self._grads: list[Tensor] | None = None  # the step being updated, from `take`
         self._busy: set[int] = set()
         self._coef = 1.0
@@ -138,13 +138,7 @@ class WeightVersions:
                 g.mul_(self._coef)
             for dst, src in zip(self.params[target], self.params[step % 2], strict=True):
                 dst.copy_(src)
-        for shell, dst, g in zip(self.shells, self.params[target], self._grads, strict=True):
-            shell.data = dst.data  # same storage, the shell's own version counter
-            shell.grad = g
-        set_lr(self.optimizer, lr)
-        self.optimizer.step()
-        for shell in self.shells:
-            shell.grad = None
+        self.optimizer.step(self.params[target], self._grads, step + 1, lr)
         self.held[target], self.latest = step + 1, step + 1
         return True
 
@@ -171,8 +165,10 @@ class WeightVersions:
         moments. Micro-batches of step k already in flight are not state: a resumed stream
         runs them again on W(k-1), to the same bits."""
         newest, older = self.latest % 2, (self.latest - 1) % 2
-        extra = {"previous": self.params[older]}
-        pieces = whole_pieces(self.names, self.params[newest], self.optimizer, self.shells, extra)
+        previous = dict(zip(self.names, self.params[older], strict=True))
+        pieces = self.optimizer.pieces(self.params[newest])
+        for piece in pieces:
+            piece.tensors["previous"] = previous[piece.name].detach().reshape(-1).clone()
         return {"step": self.latest, "loss_scaler": None, "pieces": pieces}
 
     @torch.no_grad()
@@ -182,12 +178,10 @@ class WeightVersions:
         as a run starts them: both copies hold the saved weights."""
         k = int(state["step"])
         newest, older = k % 2, (k - 1) % 2
-        saved = [state["params"][name] for name in self.names]
-        for i, one in enumerate(saved):
-            self.params[newest][i].copy_(one["master"])
-            self.params[older][i].copy_(one.get("previous", one["master"]))
-        shapes = [p.shape for p in self.params[newest]]
-        load_moments(self.optimizer, list(self.shells), shapes, saved, k)
+        saved = state["params"]
+        self.optimizer.load(self.params[newest], saved)  # W(k) and the moments
+        for name, p in zip(self.names, self.params[older], strict=True):
+            p.copy_(saved[name].get("previous", saved[name]["master"]))
         self.held = [k, k - 1] if newest == 0 else [k - 1, k]
         self.latest = k
 
@@ -195,7 +189,6 @@ class WeightVersions:
         pass
 
     def storages(self) -> int:
-        """Distinct parameter storages on this rank (shells alias the copies): measured memory."""
-        ptrs = {p.untyped_storage().data_ptr() for ps in self.params for p in ps}
-        ptrs |= {s.untyped_storage().data_ptr() for s in self.shells if s.numel()}
-        return len(ptrs)
+        """Distinct parameter storages on this rank (the optimizer's masters are views of
+        the copies, never a third one): measured memory."""
+        return len({p.untyped_storage().data_ptr() for ps in self.params for p in ps})

@@ -5,10 +5,11 @@ is one bucketed gradient reduction path in plait, `reducer.py`. Import from the 
 
 Files, each one concern:
   layout.py         buckets, flat groups, padding, each rank's shard (pure arithmetic)
-  adamw.py          element-wise AdamW on flat fp32 slices
   flat_params.py    parameters as views of flat buffers; stage-3 gather/free/prefetch hooks
   reducer.py        gradient buckets: all-reduce or reduce-scatter, overlapped with backward
   master_states.py  master weights and moments on device or host; nvme.py: in files
   state_dict.py     optimizer state per parameter, for layout-independent checkpoints
   engine.py         ZeroEngine: the optimizer-engine surface that `plait.step` drives
+The AdamW it steps is plait's one, `parallel/adamw.py`, shared with the engines that shard
+nothing (`parallel/whole_adamw.py`, which keeps their state in `master_states.py`'s format).
 """

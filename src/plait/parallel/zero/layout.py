@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from plait.models.init import parameter_names
+from plait.parallel.adamw import decays
 
 NVME_SUB_GROUP_MB = 64.0
 """Default size of an NVMe offload sub-group: master weights and states streamed together."""
@@ -81,10 +82,10 @@ class FlatGroup:
 
     def decay_segments(self) -> list[tuple[int, int]]:
         """(start, end) ranges of the shard that get weight decay: matrices and embeddings,
-        never biases or norm gains (the grouping of `plait.optim.build_optimizer`)."""
+        never biases or norm gains (`adamw.decays`)."""
         segments: list[tuple[int, int]] = []
         for piece in self.pieces():
-            if self.params[piece.param].dim() < 2:
+            if not decays(self.params[piece.param]):
                 continue
             start, end = piece.shard_offset, piece.shard_offset + piece.length
             if segments and segments[-1][1] == start:  # adjacent matrices: one range

@@ -56,6 +56,7 @@ class ResidentStates:
         self.place = "host" if offload == "cpu" else "device"
         self.device = torch.device("cpu") if offload == "cpu" else device
         self.names = ("master", *names)
+        self.alias = alias
         self.states: list[dict[str, Tensor]] = []
         for i, m in enumerate(masters):
             if alias:
@@ -69,6 +70,18 @@ class ResidentStates:
                 tensors[name] = torch.zeros(m.numel(), dtype=torch.float32, device=self.device)
                 tracker.track(f"{name}:{i}", "optimizer_states", tensors[name], self.place)
             self.states.append(tensors)
+
+    def rebind(self, masters: list[Tensor]) -> None:
+        """Alias the masters to other tensors of the same sizes: 2BW updates whichever of its
+        two weight copies is free while the moments carry over (`parallel/whole_adamw.py`)."""
+        if not self.alias:
+            raise RuntimeError("only aliased masters can be rebound; these are copies")
+        for i, (tensors, master) in enumerate(zip(self.states, masters, strict=True)):
+            if master.numel() != tensors["master"].numel():
+                raise ValueError(
+                    f"master {i}: {master.numel()} elements, not {tensors['master'].numel()}"
+                )
+            tensors["master"] = master
 
     def chunks(self) -> Iterator[Chunk]:
         for i, tensors in enumerate(self.states):

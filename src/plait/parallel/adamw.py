@@ -1,4 +1,7 @@
-"""AdamW on flat fp32 shards, element-wise, so any slice of the parameters can be updated alone.
+"""plait's one AdamW: element-wise on flat fp32 slices, so any slice of the parameters can be
+updated alone. Every optimizer engine steps it: the ZeRO engine over its shards
+(`zero/engine.py`), 2BW's weight versions and naive data parallelism's coordinator over whole
+parameters (`whole_adamw.py`).
 
 Adam (Kingma & Ba, 2015) with decoupled weight decay (Loshchilov & Hutter, 2019) is purely
 element-wise: each element's update depends on its own gradient and moments only. That is
@@ -7,7 +10,9 @@ middle of a matrix, and still compute exactly the step an unsharded optimizer co
 
 The operations mirror torch.optim.AdamW's single-tensor path one for one (lerp_ for the
 first moment, mul_/addcmul_ for the second, the same bias-correction arithmetic), so on the
-same inputs the results are bitwise identical; tests check that against torch.
+same inputs the results are bitwise identical; tests check that against torch
+(`tests/test_adamw.py`). Which parameters decay is one rule, `decays`, shared with the torch
+AdamW that references and peers build (`plait.optim.build_optimizer`).
 """
 
 from __future__ import annotations
@@ -16,9 +21,15 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from plait.config import TrainConfig
+
+
+def decays(param: nn.Parameter) -> bool:
+    """Whether `param` gets weight decay: matrices and embeddings do; biases and norm gains
+    (vectors) stay unregularized, as in GPT-2's and nanoGPT's training."""
+    return param.dim() >= 2
 
 
 class ElementwiseOptimizer(Protocol):
@@ -50,7 +61,7 @@ class AdamW:
 
     @classmethod
     def from_train(cls, cfg: TrainConfig) -> AdamW:
-        """The hyper-parameters `plait.optim.build_optimizer` gives torch's AdamW."""
+        """The run's hyper-parameters (the same `plait.optim.build_optimizer` gives torch's)."""
         return cls(cfg.beta1, cfg.beta2, 1e-8, cfg.weight_decay)
 
     @torch.no_grad()
