@@ -36,8 +36,8 @@ from plait.mesh import build_mesh
 from plait.optim import build_optimizer, lr_at, set_lr
 from plait.parallel.adamw import AdamW
 from plait.parallel.grads import tied_embedding_params
-from plait.parallel.pipeline.executor import PipelineRuntime
 from plait.parallel.pipeline.stage import prune_to_stages
+from plait.parallel.pipeline.walker import PipelineRuntime
 from plait.parallel.zero.engine import ZeroEngine
 from plait.schedule.actions import Action, Kind, TimedAction
 from plait.schedule.schedules import build_schedule

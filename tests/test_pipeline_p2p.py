@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from plait.comm import P2PHandle
-from plait.parallel.pipeline.executor import _StepState
 from plait.parallel.pipeline.p2p import Exchange
+from plait.parallel.pipeline.walker import Flight
 from plait.schedule.actions import Action, Kind
 
 
@@ -40,10 +40,10 @@ class FakeComm:
         return P2PHandle(FakeHandle(f"recv{n}", self.waited), FakeHandle(f"send{n}", self.waited))  # type: ignore[arg-type]
 
 
-def _exchange() -> tuple[Exchange, FakeComm, _StepState]:
+def _exchange() -> tuple[Exchange, FakeComm, Flight]:
     comm = FakeComm()
     ex = Exchange(comm, (2, 3), torch.float32, torch.device("cpu"))  # type: ignore[arg-type]
-    return ex, comm, _StepState()
+    return ex, comm, Flight()
 
 
 def test_a_receive_is_waited_for_only_by_its_reader():

@@ -1,10 +1,13 @@
-"""Pipeline parallelism inside the trainer: this rank's plans, schedule and runtime.
+"""Pipeline parallelism inside the trainer: this rank's stages, its schedule and its runtime.
 
-What a pipeline step needs beyond running the schedule: the loss lives on the last stage and
-is shared with every pp rank; validation runs forward-only through the stages; the action
-timings of every pp rank are gathered for the trace (`output/report.py` draws and measures
-them). The gradient rules the split adds (the tied embedding's two copies, the norm summed
-over the stages) live in `parallel/grads.py` with the other split-model rules.
+What a pipeline step needs beyond walking the schedule (`walker.py`): the loss lives on the last
+stage and is shared with every pp rank; validation runs forward-only through the stages; the
+action timings of every pp rank are gathered for the trace (`schedule/measured.py` draws and
+measures them). The schedule is built by name from the registry of `plait.schedule.schedules`
+for every schedule alike; PipeDream-2BW's stream (`two_bw.py`) walks its own run-long schedule
+of that family over this rank's stages. The gradient rules the split adds (the tied
+embedding's two copies, the norm summed over the stages) live in `parallel/grads.py` with the
+other split-model rules.
 """
 
 from __future__ import annotations
@@ -18,8 +21,8 @@ from plait.mesh import Mesh
 from plait.models.architecture import ModelConfig
 from plait.models.transformer import Transformer
 from plait.parallel.optimizer_engine import OptimizerEngine
-from plait.parallel.pipeline.executor import PipelineRuntime
 from plait.parallel.pipeline.stage import prune_to_stages, run_stage
+from plait.parallel.pipeline.walker import PipelineRuntime
 from plait.schedule.actions import TimedAction
 from plait.schedule.schedules import build_schedule
 from plait.schedule.stages import rank_plans
@@ -42,8 +45,7 @@ class PipelineDriver:
         self.mesh, self.comm = mesh, comm
         self.p, self.rank = mesh.size("pp"), mesh.axis_rank("pp")
         self.m = microbatches
-        sync = "1f1b" if par.two_bw else par.schedule  # 2BW streams its own: plans, shapes
-        self.schedule = build_schedule(sync, self.p, self.m, par.virtual_stages)
+        self.schedule = build_schedule(par.schedule, self.p, self.m, par.virtual_stages)
         sizes = par.stage_layer_counts()
         self.plans = rank_plans(model.n_layers, self.p, par.virtual_stages, self.rank, sizes)
         seq = seq_len // (par.tp if par.sequence_parallel else 1)  # sequence-parallel shards
@@ -66,8 +68,9 @@ class PipelineDriver:
         engine: OptimizerEngine,
         activation_dtype: torch.dtype = torch.float32,
     ) -> None:
-        """Run this rank's stages of `model`; `engine` reduces their gradients over dp and
-        scales the last stage's loss (fp16); activations travel in `activation_dtype`."""
+        """Run this rank's stages of `model`, one walk of the schedule per step (`run`);
+        `engine` reduces their gradients over dp and scales the last stage's loss (fp16);
+        activations travel in `activation_dtype`. (2BW's stream walks instead: `two_bw.py`.)"""
         self.model = model
         self.activation_dtype = activation_dtype
         self.runtime = PipelineRuntime(

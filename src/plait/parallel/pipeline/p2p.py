@@ -1,10 +1,10 @@
 """Posting a rank's pipeline sends and receives: receives waited for at use, sends drained lazily.
 
-Both runtimes (the synchronous schedules and asynchronous 2BW) walk their action lists in the
-batches `comm_batches` gives and hand each run of consecutive SEND/RECV actions here. The
-batch is posted at once, where the schedule puts it, which is often well before the data is
-needed (a schedule posts the receive of the next gradient before an unrelated forward, as
-Megatron's and torch's runtimes pre-post theirs). A receive is waited for only right before
+The walker (`walker.py`: the synchronous schedules and asynchronous 2BW alike) walks an action
+list in the batches `comm_batches` gives and hands each run of consecutive SEND/RECV actions
+here. The batch is posted at once, where the schedule puts it, which is often well before the
+data is needed (a schedule posts the receive of the next gradient before an unrelated forward,
+as Megatron's and torch's runtimes pre-post theirs). A receive is waited for only right before
 the compute action that reads it (`wait_for`), so that forward runs while the message is
 still on its way. Sends are not waited for: a rank goes on computing while they drain, and
 they are waited for when the step ends. A gloo send completes only once the peer has posted
@@ -31,7 +31,7 @@ from plait.schedule.actions import Action, Kind
 
 
 class Buffers(Protocol):
-    """Where a runtime keeps tensors in flight, keyed by its own micro-batch key."""
+    """Where the walker keeps tensors in flight (`walker.Flight`), keyed by micro-batch."""
 
     inputs: dict  # received activations (stage inputs)
     outputs: dict  # stage outputs to send forward

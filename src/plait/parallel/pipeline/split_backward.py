@@ -98,6 +98,19 @@ class WeightWork:
             torch.autograd.backward([p for p, _ in used], [g for _, g in used])
 
 
+@dataclass
+class PlainWeightWork:
+    """W of the plain split (the fallback above): a second backward from the stage output,
+    restricted to the stage's parameters; B kept the graph (`retain_graph=True`)."""
+
+    out: Tensor
+    grad: Tensor | None
+    params: list[nn.Parameter]
+
+    def run(self) -> None:
+        torch.autograd.backward(self.out, self.grad, inputs=self.params)
+
+
 def split_input_backward(
     out: Tensor, grad: Tensor | None, inp: Tensor, params: list[nn.Parameter]
 ) -> tuple[Tensor, WeightWork]:

@@ -1,4 +1,4 @@
-"""Prune a model to this rank's pipeline stages (`plan/stages.py` says which) and run a stage.
+"""Prune a model to this rank's pipeline stages (`schedule/stages.py` says which) and run a stage.
 
 A rank keeps the *same* Transformer object, with the parts other ranks own replaced by an
 `Absent` placeholder. Parameter names therefore stay the single-process names
@@ -8,6 +8,9 @@ norm, the head and the loss. With tied embeddings the first and last stage each 
 of the embedding matrix; both start from the same initial value (their canonical name is the
 same) and their gradients are summed over the 'pp_ends' group (`parallel/grads.py`), so they
 stay identical.
+
+This file is the one place the pipeline runtime knows the model's parts (blocks, embed, norm,
+head): pruning them, running a stage through them, and naming a stage's parameters.
 """
 
 from __future__ import annotations
@@ -50,3 +53,25 @@ def run_stage(
     for i in plan.layers:
         x = model.blocks[i](x, keys)  # (b, s, h)
     return model.output(x, targets) if plan.last else x
+
+
+def stage_params(model: Transformer, plan: StagePlan) -> list[nn.Parameter]:
+    """The parameters stage `plan` trains, each once (a tied matrix appears once): its
+    blocks', the embedding's on the first stage, the final norm's and head's on the last.
+    The split backward's W computes their gradients."""
+    parts: list[nn.Module] = [model.blocks[i] for i in plan.layers]
+    if plan.first:
+        parts.append(model.embed)
+    if plan.last:
+        parts += [model.norm, model.head]
+    seen: dict[int, nn.Parameter] = {}
+    for part in parts:
+        for p in part.parameters():
+            seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+def stage_recomputed(model: Transformer, plan: StagePlan) -> bool:
+    """Whether a block of the stage runs under full recomputation (`activation_recompute.py`
+    marks it): the split backward then falls back to its plain form (`split_backward.py`)."""
+    return any(getattr(model.blocks[i], "recomputed", False) for i in plan.layers)
