@@ -186,15 +186,9 @@ class Trainer:
         return engine, Pipelined(self.pipeline, self.batches)
 
     @property
-    def model(self) -> Transformer:
-        """This rank's part of the model (2BW: its newest weight version)."""
-        if isinstance(self.engine, WeightVersions):
-            return self.engine.latest_model
-        return self._model
-
-    @property
-    def zero(self) -> ZeroEngine | None:
-        return self.engine if isinstance(self.engine, ZeroEngine) else None
+    def model(self) -> nn.Module:
+        """This rank's part of the model with the newest weights (2BW: its latest version)."""
+        return self.engine.current_model
 
     @property
     def tokens_per_step(self) -> int:
