@@ -50,16 +50,14 @@ def init_worker(cfg: Config, rank: int, world: int, local_rank: int, local_world
     """Join the process group and build this rank's mesh."""
     torch.set_num_threads(threads_per_worker(local_world))
     device = resolve_device(cfg.train.device, local_rank)
-    if world > 1:
+    store = None
+    if world > 1:  # the store is kept for the mesh: the stop agreement uses it (`mesh.store`)
         timeout = datetime.timedelta(seconds=cfg.parallel.comm_timeout)
+        store = _attempt_store(rank, world, timeout)
         dist.init_process_group(
-            backend_for(device),
-            store=_attempt_store(rank, world, timeout),
-            rank=rank,
-            world_size=world,
-            timeout=timeout,
+            backend_for(device), store=store, rank=rank, world_size=world, timeout=timeout
         )
-    return build_mesh(cfg.parallel.layout, device, cfg.parallel.comm_timeout)
+    return build_mesh(cfg.parallel.layout, device, cfg.parallel.comm_timeout, store)
 
 
 def training_run(cfg: Config, mesh: Mesh) -> RunSummary:
