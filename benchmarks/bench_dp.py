@@ -60,6 +60,7 @@ from plait.parallel.adamw import AdamW
 from plait.parallel.grads import SplitGradRules, clip_coef
 from plait.parallel.zero.engine import ZeroEngine
 from plait.topology import Layout
+from plait.torch_private import ddp_logging_data
 from plait.train import build_model
 
 PHASES = ("forward", "backward", "finish", "clip", "optim", "zero")
@@ -180,7 +181,7 @@ class DDPSide(Side):
         return ph
 
     def bucket_info(self) -> dict:
-        data = self.ddp._get_ddp_logging_data()
+        data = ddp_logging_data(self.ddp)
         sizes = data.get("bucket_sizes", "")
         return {"bucket_sizes": sizes, "rebuilt_bucket_sizes": data.get("rebuilt_bucket_sizes")}
 

@@ -245,6 +245,8 @@ class TorchRealSide(Side):
         for p in self.tied:  # Megatron's embedding group: first and last stage sum the copies
             dist.all_reduce(p.grad, group=self.ends_group)
         grads = [p.grad for p in self.params if p.grad is not None]
+        # torch's private foreach kernels, as `clip_grad_norm_` runs them (its public form,
+        # `nn.utils.get_total_norm`, returns the norm, not the sum of squares summed over pp)
         sq = torch.stack(torch._foreach_norm(grads)).pow(2).sum()
         if self.is_last and self.tied and self.p > 1:
             sq -= self.tied[-1].grad.pow(2).sum()  # the first stage counts the shared matrix

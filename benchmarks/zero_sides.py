@@ -10,6 +10,14 @@ Instruments, used only in untimed steps because both run Python on every op:
   `CommStats` on the plait side.
 - torch's `MemTracker` (`FSDPMemTracker` for FSDP2), also for both sides. plait's flat
   buffers exist before the tracker starts, so they are registered with their category.
+
+Private torch APIs, here rather than in `plait.torch_private` because they measure torch, not
+train: the memory trackers live only under `torch.distributed._tools` (no public memory
+tracker by category exists; `torch.cuda.memory` reports totals only, and not on CPU), and
+plait's buffers reach their categories only through `MemTracker._update_and_maybe_create_winfos`
+and `_MemRefType`. `TorchDispatchMode` is torch's documented way to intercept every op,
+though it is imported from `torch.utils._python_dispatch`. A torch upgrade that moves them
+breaks this benchmark, never training.
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ def measure(case: Case, offload_dir: str | None = None) -> dict[str, Any]:
     cfg = case.config(offload_dir and str(Path(offload_dir) / "nvme"))
     mesh = build_mesh(cfg.parallel.layout, torch.device("cpu"), 60)
     trainer = Trainer(cfg, mesh, corpus_for(cfg))
-    tracker = trainer.zero.memory
+    tracker = trainer.engine.memory
     trainer.train_step()
     trainer.train_step(meter_activations=True)
     states = {c: {p: tracker.persistent(c, p) for p in PLACES} for c in MODEL_STATES}

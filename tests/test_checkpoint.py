@@ -10,7 +10,6 @@ single-process names.
 from __future__ import annotations
 
 import json
-from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -106,7 +105,7 @@ def _config(layout: dict):
 def _gathered(trainer: Trainer) -> dict[str, torch.Tensor]:
     """Every parameter this rank holds, whole (tp shards gathered, ZeRO-3 gathered), fp32."""
     specs = param_shard_specs(trainer.model)
-    with trainer.zero.unsharded() if trainer.zero else nullcontext():
+    with trainer.engine.unsharded():
         return {
             n: (full_tensor(p, specs[n], trainer.comm) if n in specs else p.detach())
             .float()

@@ -5,7 +5,6 @@ logits and validation loss must be `transformers`' (fp32, rtol 1e-5)."""
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -69,7 +68,7 @@ def _load(folder: str, layout: dict, tokens: torch.Tensor) -> dict:
     loss = trainer.evaluate()
     batches = [(mb.tokens, mb.targets) for mb in trainer.batches.validation(1)]
     specs = param_shard_specs(trainer.model)
-    with trainer.zero.unsharded() if trainer.zero else nullcontext():
+    with trainer.engine.unsharded():
         params = {
             n: (full_tensor(p, specs[n], trainer.comm) if n in specs else p.detach()).clone()
             for n, p in trainer.model.named_parameters()

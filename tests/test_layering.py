@@ -5,7 +5,9 @@
 - nothing under `parallel/` imports the layers above it (train, run, step, launch, cli, lessons);
 - the pure parts (topology, schedules, estimator, planner, configs) import no process group;
 - `torch.cuda` is touched only in `device.py`;
-- collectives are called only in `comm.py`.
+- collectives are called only in `comm.py`;
+- private APIs (a private torch module, another object's `_attribute`) only in
+  `torch_private.py`, where each says why and names the public alternative.
 
 docs/architecture.md cites this file; a new rule the architecture adopts is added here.
 """
@@ -188,9 +190,69 @@ def test_device_and_collective_calls_live_in_one_module_each(rule):
     assert hits == []
 
 
+PUBLIC_UNDERSCORED = {"os._exit"}  # Python's documented way to end a process at once
+
+
+def private_uses(path: Path) -> list[int]:
+    """Lines that import from a private torch module (`torch.distributed._shard`) or read a
+    private attribute of an object other than `self`/`cls` (`ddp._get_ddp_logging_data`,
+    `t._base`, `torch._foreach_norm`): a private torch API, or another plait object's
+    insides, which it should make public instead. Type annotations are not uses (nothing
+    runs them: `argparse._SubParsersAction` has no public name)."""
+    tree = ast.parse(path.read_text())
+    annotations = {
+        id(inner)
+        for node in ast.walk(tree)
+        for note in (getattr(node, "annotation", None), getattr(node, "returns", None))
+        if note is not None
+        for inner in ast.walk(note)
+    }
+    lines = []
+    for node in ast.walk(tree):
+        if id(node) in annotations:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.Attribute) and node.attr.startswith("_"):
+            mine = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+            dunder = node.attr.startswith("__") and node.attr.endswith("__")
+            if not (mine or dunder or ast.unparse(node) in PUBLIC_UNDERSCORED):
+                lines.append(node.lineno)
+            continue
+        else:
+            continue
+        parts = [part for name in names if name.startswith("torch") for part in name.split(".")]
+        if any(part.startswith("_") and not part.startswith("__") for part in parts):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_private_apis_live_in_torch_private_only():
+    hits = [
+        f"{path.relative_to(SRC)}:{i}"
+        for path in sorted(SRC.rglob("*.py"))
+        if path.name != "torch_private.py"
+        for i in private_uses(path)
+    ]
+    assert hits == []
+
+
 def test_the_rules_catch_what_they_forbid(tmp_path):
-    """The checks themselves can fail: a circle, a collective and a cuda call are found."""
+    """The checks themselves can fail: a circle, a collective, a cuda call and private APIs
+    are found."""
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     bad = tmp_path / "bad.py"
     bad.write_text('"""doc: torch.cuda here is prose."""\nimport torch\ntorch.cuda.synchronize()\n')
     assert [i for i, line in _code_lines(bad) if "torch.cuda" in line] == [3]
+    private = tmp_path / "private.py"
+    private.write_text(
+        "from torch.distributed._shard import sharded_tensor\n"
+        "from torch import _C\n"
+        "import torch._dynamo\n"
+        "base = t._base\n"
+        "self._mine, os._exit, type(t).__name__\n"
+        "def f(sub: argparse._SubParsersAction) -> x._Y: ...\n"
+    )
+    assert private_uses(private) == [1, 2, 3, 4]

@@ -37,7 +37,7 @@ def _trainer(zero: int, precision: str = "fp32", sequence_parallel: bool = False
 def _full_params(trainer: Trainer) -> dict[str, torch.Tensor]:
     """This rank's parameters with dp shards (stage 3) and tp shards gathered."""
     specs = param_shard_specs(trainer.model)
-    with trainer.zero.unsharded():
+    with trainer.engine.unsharded():
         return {
             n: full_tensor(p, specs[n], trainer.comm) if n in specs else p.detach().clone()
             for n, p in trainer.model.named_parameters()
@@ -49,7 +49,7 @@ def _zero_split_parity(zero: int, **kw) -> dict:
     results = [trainer.train_step() for _ in range(cfg.train.steps)]
     val = trainer.evaluate()
     params = _full_params(trainer)
-    groups = [g.names for g in trainer.zero.groups]
+    groups = [g.names for g in trainer.engine.groups]
     trainer.close()
     assert_matches_reference(cfg, corpus, results, params, val, PARAM_ATOL)
     return {"groups": groups, "loss": results[-1].loss}
@@ -91,7 +91,7 @@ def test_zero_with_tp_or_pp_matches_single_process(world4, case):
 def _mixed_pipeline(precision: str, **kw) -> dict:
     cfg, corpus, trainer = _trainer(1, precision, steps=3, **kw)
     results = [trainer.train_step() for _ in range(cfg.train.steps)]
-    scale = trainer.zero.loss_scale
+    scale = trainer.engine.loss_scale
     dtypes = {str(p.dtype) for p in trainer.model.parameters()}
     trainer.close()
     ref_losses, ref_norms, _ = reference_run(cfg, corpus)

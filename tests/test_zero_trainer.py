@@ -23,9 +23,9 @@ def _zero_parity(zero: int, offload: str = "none", offload_dir=None, **kw) -> di
     trainer = Trainer(cfg, mesh, corpus)
     results = [trainer.train_step() for _ in range(cfg.train.steps)]
     val = trainer.evaluate()
-    with trainer.zero.unsharded():
+    with trainer.engine.unsharded():
         params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    state_bytes = trainer.zero.memory.model_state_bytes()
+    state_bytes = trainer.engine.memory.model_state_bytes()
     trainer.close()
     assert_matches_reference(cfg, corpus, results, params, val, PARAM_ATOL)
     return {"state_bytes": state_bytes}

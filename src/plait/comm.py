@@ -219,11 +219,17 @@ class Comm:
         A rank that was asked to stop proposes `done + 1`: no rank can have completed more
         steps than that yet (a step's collectives wait for this rank), so every rank still
         reaches that count and stops there. The first proposal wins, through the process
-        group's key-value store: one round trip per step, and no collective that a rank
-        which already stopped would leave others waiting in."""
+        group's key-value store (the one it was started with, `Mesh.store`): one round trip
+        per step, and no collective that a rank which already stopped would leave others
+        waiting in."""
         if self.mesh.world_size == 1 or not dist.is_initialized():
             return requested
-        store = dist.distributed_c10d._get_default_store()
+        store = self.mesh.store
+        if store is None:
+            raise RuntimeError(
+                "agreeing on a stop needs the store the process group was started with: "
+                "pass it to build_mesh(..., store=...) (launch.init_worker does)"
+            )
         if requested:
             store.compare_set(key, "", str(done + 1))
         if not store.check([key]):

@@ -25,12 +25,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from rich.console import Console
 
+from plait import faults
 from plait.checkpoint.store import latest
 from plait.config import Config
 from plait.device import backend_for, resolve_device, threads_per_worker
-from plait.mesh import build_mesh
+from plait.mesh import Mesh, build_mesh
 from plait.run import ATTEMPT_ENV, attempt, run
 from plait.signals import FORWARDED
+from plait.telemetry import RunSummary
 
 
 def under_torchrun() -> bool:
@@ -48,16 +50,20 @@ def init_worker(cfg: Config, rank: int, world: int, local_rank: int, local_world
     """Join the process group and build this rank's mesh."""
     torch.set_num_threads(threads_per_worker(local_world))
     device = resolve_device(cfg.train.device, local_rank)
-    if world > 1:
+    store = None
+    if world > 1:  # the store is kept for the mesh: the stop agreement uses it (`mesh.store`)
         timeout = datetime.timedelta(seconds=cfg.parallel.comm_timeout)
+        store = _attempt_store(rank, world, timeout)
         dist.init_process_group(
-            backend_for(device),
-            store=_attempt_store(rank, world, timeout),
-            rank=rank,
-            world_size=world,
-            timeout=timeout,
+            backend_for(device), store=store, rank=rank, world_size=world, timeout=timeout
         )
-    return build_mesh(cfg.parallel.layout, device, cfg.parallel.comm_timeout)
+    return build_mesh(cfg.parallel.layout, device, cfg.parallel.comm_timeout, store)
+
+
+def training_run(cfg: Config, mesh: Mesh) -> RunSummary:
+    """The workers' default work: a training run, given the test fault `PLAIT_FAULT` asks of
+    this rank. The variable is read once, here; without it the run has no hook at all."""
+    return run(cfg, mesh, hook=faults.from_env(mesh.rank, attempt()))
 
 
 class Interrupted(Exception):
@@ -93,7 +99,7 @@ def worker(
     local_world: int,
     port: int | None,
     error_dir: str | None = None,
-    target: Callable[[Config, Any], Any] = run,
+    target: Callable[[Config, Any], Any] = training_run,
 ) -> Any:
     """Entry point of one spawned or torchrun-started worker; `target(cfg, mesh)` is the work
     (a training run; `plait lessons` passes its own measuring run, a module-level function)."""
@@ -123,7 +129,7 @@ def _first_failure(error_dir: str, fallback: Exception) -> WorkerFailure:
     return WorkerFailure(first["rank"], first["traceback"], [r["rank"] for r in records[1:]])
 
 
-def launch(cfg: Config, target: Callable[[Config, Any], Any] = run) -> None:
+def launch(cfg: Config, target: Callable[[Config, Any], Any] = training_run) -> None:
     """Run `cfg` on every worker it needs; raises WorkerFailure naming the first failing rank.
 
     torch.multiprocessing terminates the surviving workers as soon as one fails, so no

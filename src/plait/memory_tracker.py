@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from plait.device import peak_allocated_bytes, reset_peak
+from plait.torch_private import view_base
 
 CATEGORIES = (
     "parameters",
@@ -169,7 +170,7 @@ class MemoryTracker:
 
         def pack(t: torch.Tensor) -> torch.Tensor | _Saved:
             nonlocal live
-            base = t if t._base is None else t._base
+            base = view_base(t)  # a view's base (Tensor._base: torch_private says why)
             if base.is_leaf and base.requires_grad:
                 return t
             storage = t.untyped_storage()

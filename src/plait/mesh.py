@@ -1,8 +1,9 @@
 """Process groups per parallel axis, built once and passed explicitly to whoever communicates.
 
-A Mesh is plain data: the layout, this rank's coordinates, its device, and one process group
-per axis of size > 1 (an axis of size 1 has no group: nothing to communicate). No module-level
-state: two meshes can coexist (tests build several in one world).
+A Mesh is plain data: the layout, this rank's coordinates, its device, one process group per
+axis of size > 1 (an axis of size 1 has no group: nothing to communicate), and the key-value
+store the world was started with, when the caller kept it. No module-level state: two meshes
+can coexist (tests build several in one world).
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ class Mesh:
     groups: dict[str, dist.ProcessGroup | None] = field(default_factory=dict)
     group_ranks: dict[str, list[int]] = field(default_factory=dict)
     timeout_s: float = 300.0
+    store: dist.Store | None = None
+    """The store the default process group was initialised with (`launch.init_worker` keeps
+    it): `Comm.agreed_stop` agrees on a stop through it without a collective. None where the
+    world was joined without handing one over (the test harness, benchmarks)."""
 
     @property
     def coord(self) -> Coord:
@@ -78,8 +83,11 @@ def single_process_mesh(device: torch.device | None = None) -> Mesh:
     )
 
 
-def build_mesh(layout: Layout, device: torch.device, timeout_s: float = 300.0) -> Mesh:
-    """Create the groups of every axis; all ranks must call this together, in the same order."""
+def build_mesh(
+    layout: Layout, device: torch.device, timeout_s: float = 300.0, store: dist.Store | None = None
+) -> Mesh:
+    """Create the groups of every axis; all ranks must call this together, in the same order.
+    `store`: the one `dist.init_process_group` was given, kept for `Mesh.store`."""
     if layout.world_size == 1 and not dist.is_initialized():
         mesh = single_process_mesh(device)
         mesh.timeout_s = timeout_s
@@ -101,7 +109,7 @@ def build_mesh(layout: Layout, device: torch.device, timeout_s: float = 300.0) -
                 mine = group
         groups[axis] = mine
     _add_pipeline_ends(layout, rank, timeout, groups, group_ranks)
-    return Mesh(layout, rank, device, groups, group_ranks, timeout_s)
+    return Mesh(layout, rank, device, groups, group_ranks, timeout_s, store)
 
 
 def _add_pipeline_ends(layout: Layout, rank: int, timeout, groups: dict, group_ranks: dict) -> None:

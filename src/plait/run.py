@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+from functools import partial
 from pathlib import Path
+from typing import Protocol
 
 from rich.console import Console
 
@@ -28,9 +30,155 @@ from plait.telemetry import MetricsLog, RunSummary, make_progress, summary_table
 from plait.train import Trainer
 
 
+class RunHook(Protocol):
+    """Points of a run where a test acts (the injected faults of `faults.py`); production
+    runs pass None, so the loop has nothing to check."""
+
+    def before_step(self, step: int) -> None: ...
+
+    def before_commit(self, step: int) -> None: ...
+
+
+def run(
+    cfg: Config, mesh: Mesh, corpus: Corpus | None = None, hook: RunHook | None = None
+) -> RunSummary:
+    """Train `cfg` on this rank; returns the summary (identical numbers on every rank)."""
+    current = Run(cfg, mesh, corpus, hook)
+    try:
+        current.train()
+        current.finish()
+    finally:
+        current.close()
+    return current.report()
+
+
+class Run:
+    """One rank's run, in the order it happens: built (the trainer, a resumed checkpoint, the
+    metrics log), `train` (one step, then its record, until the steps are done or the ranks
+    agree to stop), `finish` (the last checkpoint, the trace), `close`, `report`."""
+
+    def __init__(self, cfg: Config, mesh: Mesh, corpus: Corpus | None, hook: RunHook | None):
+        t = cfg.train
+        self.cfg, self.mesh, self.hook, self.out = cfg, mesh, hook, Path(t.out)
+        self.lead = mesh.is_logging_rank  # rank 0 alone prints and writes files
+        self.console = Console(stderr=True, soft_wrap=True)
+        self.trainer = Trainer(cfg, mesh, corpus)
+        self._resume()
+        keep = self.trainer.step if t.resume else None  # a resumed run continues its metrics
+        self.log = MetricsLog(self.out, t.tensorboard, keep_before=keep) if self.lead else None
+        if self.lead:
+            (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+        self.flops_per_token = matmul_flops_per_token(cfg.model, t.seq_len)
+        self.peak = t.peak_flops or peak_flops(mesh.device)
+        self.summary = _summary(cfg, mesh, self.trainer, self.flops_per_token, self.peak)
+        self.summary.restarts = attempt()
+        self.stop_key = f"plait/stop/{attempt()}"  # a restarted world agrees afresh
+        self.progress = make_progress(self.console, t.steps) if self.lead and t.progress else None
+        if self.progress:
+            self.task = self.progress.add_task("train", total=t.steps, completed=self.trainer.step,
+                                               info="")  # fmt: skip
+        self.saved_at = self.trainer.step if t.resume else -1
+        self.stop = StopRequest()  # last: from here on `close` must run to restore handlers
+
+    def _resume(self) -> None:
+        t = self.cfg.train
+        start = store.resolve(t.resume, self.out) if t.resume else None
+        if start is not None:
+            self.trainer.load(start)
+        elif t.resume and self.lead:
+            where = self.out / "checkpoints"
+            self.console.print(f"no checkpoint under {where} yet: starting from step 0")
+
+    def train(self) -> None:
+        """Step until the configured count, or until the ranks agree to stop on a signal."""
+        trainer = self.trainer
+        if self.progress:
+            self.progress.start()
+        while trainer.step < self.cfg.train.steps:
+            if self.hook:
+                self.hook.before_step(trainer.step)
+            self.record(trainer.train_step())
+            if trainer.comm.agreed_stop(trainer.step, self.stop.requested, self.stop_key):
+                self.summary.stopped_by = self.stop.signum
+                return
+
+    def record(self, result: StepResult) -> None:
+        """Everything after a step: metrics, validation, a checkpoint, progress (every rank
+        calls it: validation and saving are collective)."""
+        t, summary = self.cfg.train, self.summary
+        row = _row(result, self.trainer, self.flops_per_token, self.peak)
+        if result.drain:  # 2BW's last updates: their time is the drain, shared, not a step's
+            row["drain"] = True
+        else:
+            summary.step_times.append(result.time_s)
+        summary.final_loss = result.loss
+        summary.comm_bytes_per_step = row["comm_bytes"]
+        summary.model_state_bytes = row.get("model_state_bytes")
+        done = result.step + 1
+        if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
+            summary.val_loss = row["val_loss"] = self.trainer.evaluate()
+        if t.save_every and done % t.save_every == 0:
+            row.update(self.save())
+        if self.log:
+            self.log.write(row)
+        if self.progress:
+            val = f" val {summary.val_loss:.3f}" if summary.val_loss is not None else ""
+            info = f"loss {result.loss:.3f}{val} {summary.recent_tokens_per_s():,.0f} tok/s"
+            self.progress.update(self.task, advance=1, info=info)
+
+    def save(self) -> dict:
+        """Checkpoint the steps done so far (every rank), say where and what it cost (rank
+        0); returns the metrics row's checkpoint fields."""
+        step = self.saved_at = self.trainer.step
+        before_commit = partial(self.hook.before_commit, step) if self.hook else None
+        stats = self.trainer.save(self.out, before_commit)
+        self.summary.checkpoint = stats["path"]
+        if self.lead:
+            size = stats["bytes"] / 2**20
+            self.console.print(
+                f"checkpoint {stats['path']}: {size:.1f} MiB in {stats['seconds']:.2f} s"
+            )
+        return {"checkpoint_s": stats["seconds"], "checkpoint_bytes": int(stats["bytes"])}
+
+    def finish(self) -> None:
+        """The last checkpoint (unless the last step wrote one), what stopped the run early,
+        the last step's pipeline trace."""
+        t, trainer, summary = self.cfg.train, self.trainer, self.summary
+        if t.save and self.saved_at != trainer.step:
+            self.save()
+        if summary.stopped_by is not None and self.lead:
+            where = f"; checkpoint {summary.checkpoint}" if summary.checkpoint else ""
+            name = signal.Signals(summary.stopped_by).name
+            name = "the launcher's signal" if summary.stopped_by == FORWARDED else name
+            self.console.print(f"plait: stopped by {name} after step {trainer.step}{where}")
+        if t.trace and trainer.pipeline and not self.cfg.parallel.two_bw:  # 2BW: no step
+            summary.pipeline = _trace(trainer, self.out, self.lead)
+
+    def close(self) -> None:
+        """Signal handlers back, progress and log closed, the engine's resources freed."""
+        self.stop.restore()
+        if self.progress:
+            self.progress.stop()
+        if self.log:
+            self.log.close()
+        self.trainer.close()
+
+    def report(self) -> RunSummary:
+        """Rank 0: a sample from the last checkpoint, `summary.json` and the table."""
+        summary = self.summary
+        if self.lead and summary.checkpoint and summary.params <= SAMPLE_MAX_PARAMS:
+            summary.sample = sample(Path(summary.checkpoint), self.trainer.corpus, self.cfg)
+        if self.lead:
+            (self.out / "summary.json").write_text(json.dumps(summary.as_dict(), indent=2))
+            self.console.print(summary_table(summary))
+        return summary
+
+
 def _row(r: StepResult, trainer: Trainer, flops_per_token: int, peak: float | None) -> dict:
+    """A step's metrics row (rank 0 writes it to metrics.jsonl)."""
     tokens_per_s = r.tokens / r.time_s
     flops = tokens_per_s * flops_per_token
+    engine = trainer.engine
     row = {
         "step": r.step,
         "loss": r.loss,
@@ -43,11 +191,10 @@ def _row(r: StepResult, trainer: Trainer, flops_per_token: int, peak: float | No
     }
     if peak:
         row["mfu"] = flops / (peak * trainer.mesh.world_size)
-    if trainer.engine.memory:  # what this rank holds
-        row["model_state_bytes"] = trainer.engine.memory.model_state_bytes()
-    if trainer.zero:  # fp16's scale
-        row["loss_scale"] = trainer.zero.loss_scale
-        row["step_skipped"] = trainer.zero.last_step_skipped
+    if engine.memory:  # what this rank holds
+        row["model_state_bytes"] = engine.memory.model_state_bytes()
+    row["loss_scale"] = engine.loss_scale  # fp16's scaler (1.0 without one)
+    row["step_skipped"] = engine.last_step_skipped
     return row
 
 
@@ -55,92 +202,6 @@ def _trace(trainer: Trainer, out: Path, lead: bool) -> dict | None:
     """The last step's pipeline timeline: every pp rank's actions, drawn and measured."""
     timings = trainer.pipeline.gather_timings()  # collective over the pp axis
     return report(trainer.pipeline.schedule, timings, out) if lead else None
-
-
-def run(cfg: Config, mesh: Mesh, corpus: Corpus | None = None) -> RunSummary:
-    """Train `cfg` on this rank; returns the summary (identical numbers on every rank)."""
-    t, out = cfg.train, Path(cfg.train.out)
-    trainer = Trainer(cfg, mesh, corpus)
-    lead = mesh.is_logging_rank
-    console = Console(stderr=True, soft_wrap=True)
-    start = store.resolve(t.resume, out) if t.resume else None
-    if start is not None:
-        trainer.load(start)
-    elif t.resume and lead:
-        console.print(f"no checkpoint under {out / 'checkpoints'} yet: starting from step 0")
-    keep = trainer.step if t.resume else None  # a resumed run continues its metrics
-    log = MetricsLog(out, t.tensorboard, keep_before=keep) if lead else None
-    if lead:
-        Path(t.out, "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-    flops_per_token = matmul_flops_per_token(cfg.model, t.seq_len)
-    peak = t.peak_flops or peak_flops(mesh.device)
-    summary = _summary(cfg, mesh, trainer, flops_per_token, peak)
-    summary.restarts = attempt()
-    progress = make_progress(console, t.steps) if lead and t.progress else None
-    if progress:
-        task = progress.add_task("train", total=t.steps, completed=trainer.step, info="")
-    saved_at = trainer.step if t.resume else -1
-    stop = StopRequest()
-
-    def save() -> dict:
-        nonlocal saved_at
-        saved_at = trainer.step
-        fault = lambda: injected_fault(mesh.rank, f"save-{trainer.step}")  # noqa: E731
-        return _checkpoint(trainer, out, summary, console if lead else None, fault)
-
-    def record(result: StepResult) -> None:
-        """Everything after a step: metrics, validation, progress (every rank calls it)."""
-        row = _row(result, trainer, flops_per_token, peak)
-        if result.drain:  # 2BW's last updates: their time is the drain, shared, not a step's
-            row["drain"] = True
-        else:
-            summary.step_times.append(result.time_s)
-        summary.final_loss = result.loss
-        summary.comm_bytes_per_step = row["comm_bytes"]
-        summary.model_state_bytes = row.get("model_state_bytes")
-        done = result.step + 1
-        if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
-            summary.val_loss = row["val_loss"] = trainer.evaluate()
-        if t.save_every and done % t.save_every == 0:
-            row.update(save())
-        if log:
-            log.write(row)
-        if progress:
-            val = f" val {summary.val_loss:.3f}" if summary.val_loss is not None else ""
-            info = f"loss {result.loss:.3f}{val} {summary.recent_tokens_per_s():,.0f} tok/s"
-            progress.update(task, advance=1, info=info)
-
-    try:
-        if progress:
-            progress.start()
-        for _ in range(trainer.step, t.steps):
-            injected_fault(mesh.rank, trainer.step)
-            record(trainer.train_step())
-            if trainer.comm.agreed_stop(trainer.step, stop.requested, f"plait/stop/{attempt()}"):
-                summary.stopped_by = stop.signum
-                break
-        if t.save and saved_at != trainer.step:
-            save()
-        if summary.stopped_by is not None and lead:
-            where = f"; checkpoint {summary.checkpoint}" if summary.checkpoint else ""
-            name = signal.Signals(summary.stopped_by).name
-            name = "the launcher's signal" if summary.stopped_by == FORWARDED else name
-            console.print(f"plait: stopped by {name} after step {trainer.step}{where}")
-        if t.trace and trainer.pipeline and not cfg.parallel.two_bw:  # 2BW: one stream, no step
-            summary.pipeline = _trace(trainer, Path(t.out), lead)
-    finally:
-        stop.restore()
-        if progress:
-            progress.stop()
-        if log:
-            log.close()
-        trainer.close()
-    if lead and summary.checkpoint and summary.params <= SAMPLE_MAX_PARAMS:
-        summary.sample = sample(Path(summary.checkpoint), trainer.corpus, cfg)
-    if lead:
-        Path(t.out, "summary.json").write_text(json.dumps(summary.as_dict(), indent=2))
-        console.print(summary_table(summary))
-    return summary
 
 
 SAMPLE_PROMPT, SAMPLE_TOKENS = 16, 48
@@ -176,18 +237,6 @@ def _summary(
     )
 
 
-def _checkpoint(
-    trainer: Trainer, out: Path, summary: RunSummary, console: Console | None, fault
-) -> dict:
-    """Save (every rank), say where and what it cost (rank 0); the row's checkpoint fields."""
-    stats = trainer.save(out, before_commit=fault)
-    summary.checkpoint = stats["path"]
-    if console is not None:
-        size = stats["bytes"] / 2**20
-        console.print(f"checkpoint {stats['path']}: {size:.1f} MiB in {stats['seconds']:.2f} s")
-    return {"checkpoint_s": stats["seconds"], "checkpoint_bytes": int(stats["bytes"])}
-
-
 ATTEMPT_ENV = "PLAIT_ATTEMPT"
 """Which start of the world this is (0: the first), set by the launcher for its workers."""
 
@@ -195,16 +244,3 @@ ATTEMPT_ENV = "PLAIT_ATTEMPT"
 def attempt() -> int:
     """This world's start: torchrun's restart count under torchrun, else the launcher's."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or os.environ.get(ATTEMPT_ENV) or 0)
-
-
-def injected_fault(rank: int, step: int | str) -> None:
-    """Test hook: PLAIT_FAULT='RANK:STEP' makes that rank raise at that step ('RANK:save-N':
-    while saving the step-N checkpoint, before it is committed), on the first start only.
-
-    It exists so the failure paths (one rank dies, all stop, its traceback shown; a restart
-    from the newest checkpoint; a save cut short) are tested end to end through the real
-    launcher.
-    """
-    spec = os.environ.get("PLAIT_FAULT")
-    if spec and spec == f"{rank}:{step}" and attempt() == 0:
-        raise RuntimeError(f"injected fault (PLAIT_FAULT={spec}) on rank {rank} at step {step}")

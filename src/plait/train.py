@@ -44,6 +44,7 @@ from plait.parallel.pipeline.weight_versions import WeightVersions
 from plait.parallel.tp.apply import apply_tensor_parallel
 from plait.parallel.zero.engine import ZeroEngine
 from plait.step import Accumulate, Pipelined, Runner, Step, StepResult, evaluate_loss
+from plait.torch_private import replace_tensors
 
 
 def build_model(
@@ -79,7 +80,7 @@ def build_model(
 def _to_device_without_storage(model: nn.Module, device: torch.device) -> None:
     """Every parameter on `device` with zero-byte storage, one allocated at a time.
 
-    This is `Module.to_empty` (which goes through the same `_apply`) except that each new
+    This is `Module.to_empty` (which goes through the same walk) except that each new
     tensor gives its memory back at once, so the model never exists whole."""
 
     def empty(t: torch.Tensor) -> torch.Tensor:
@@ -87,7 +88,7 @@ def _to_device_without_storage(model: nn.Module, device: torch.device) -> None:
         out.untyped_storage().resize_(0)
         return out
 
-    model._apply(empty)
+    replace_tensors(model, empty)  # torch's private Module._apply: torch_private says why
     tie_all(model)
 
 
@@ -186,15 +187,9 @@ class Trainer:
         return engine, Pipelined(self.pipeline, self.batches)
 
     @property
-    def model(self) -> Transformer:
-        """This rank's part of the model (2BW: its newest weight version)."""
-        if isinstance(self.engine, WeightVersions):
-            return self.engine.latest_model
-        return self._model
-
-    @property
-    def zero(self) -> ZeroEngine | None:
-        return self.engine if isinstance(self.engine, ZeroEngine) else None
+    def model(self) -> nn.Module:
+        """This rank's part of the model with the newest weights (2BW: its latest version)."""
+        return self.engine.current_model
 
     @property
     def tokens_per_step(self) -> int:

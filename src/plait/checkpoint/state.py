@@ -22,12 +22,6 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-from torch.distributed._shard.sharded_tensor.metadata import (
-    ShardedTensorMetadata,
-    TensorProperties,
-)
 
 from plait.checkpoint.boxes import Box, range_boxes, to_global
 from plait.comm import Comm
@@ -35,6 +29,7 @@ from plait.mesh import Mesh
 from plait.parallel.grads import SplitGradRules
 from plait.parallel.optimizer_engine import OptimizerEngine
 from plait.parallel.tp.sharding import ShardSpec, param_shard_specs
+from plait.torch_private import sharded_tensor
 
 
 def canonical(name: str, model: nn.Module) -> str:
@@ -77,10 +72,12 @@ def global_shapes(engine: OptimizerEngine, model: nn.Module) -> dict[str, tuple[
 
 def sharded_state(
     boxes: dict[str, list[tuple[Box, Tensor]]], shapes: dict[str, tuple[int, ...]], comm: Comm
-) -> dict[str, ShardedTensor | Tensor]:
-    """The boxes as ShardedTensors, each with every rank's shard metadata (one gather of the
-    box lists); the checkpoint planner checks that they tile each tensor exactly. A single
-    process owns every box and writes plain tensors (no process group to shard over)."""
+) -> dict[str, Tensor]:
+    """The boxes as sharded tensors, each with every rank's boxes (one gather of the box
+    lists); the checkpoint planner checks that they tile each tensor exactly. A single
+    process owns every box and writes plain tensors (no process group to shard over).
+    The sharded tensor type is torch's private ShardedTensor (`torch_private.sharded_tensor`
+    says why, and what would replace it)."""
     mesh = comm.mesh
     if mesh.world_size == 1:
         return {key: _whole(parts, shapes[key.split("/", 1)[1]]) for key, parts in boxes.items()}
@@ -88,22 +85,13 @@ def sharded_state(
     everyone = comm.all_gather_object(mine, "world", tag="checkpoint-plan")
     out = {}
     for key, parts in boxes.items():
-        name = key.split("/", 1)[1]
-        shards = [
-            Shard(data.contiguous(), _metadata(box, str(data.device), mesh.rank))
-            for box, data in parts
-        ]
+        local = [(box.offsets, box.sizes, data) for box, data in parts]
         every = [
-            _metadata(box, device, rank)
+            (box.offsets, box.sizes, rank, device)
             for rank, theirs in enumerate(everyone)
             for box, device in theirs.get(key, [])
         ]
-        meta = ShardedTensorMetadata(
-            shards_metadata=every,
-            size=torch.Size(shapes[name]),
-            tensor_properties=TensorProperties(dtype=parts[0][1].dtype),
-        )
-        out[key] = ShardedTensor._init_from_local_shards_and_global_metadata(shards, meta)
+        out[key] = sharded_tensor(local, every, shapes[key.split("/", 1)[1]], mesh.rank)
     return out
 
 
@@ -112,10 +100,6 @@ def _whole(parts: list[tuple[Box, Tensor]], shape: tuple[int, ...]) -> Tensor:
     for box, data in parts:
         full[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes, strict=True))] = data
     return full
-
-
-def _metadata(box: Box, device: str, rank: int) -> ShardMetadata:
-    return ShardMetadata(list(box.offsets), list(box.sizes), f"rank:{rank}/{device}")
 
 
 def full_request(engine: OptimizerEngine, model: nn.Module, saved: set[str]) -> dict[str, Tensor]:

@@ -68,7 +68,6 @@ def step_row(trainer: Trainer, result: StepResult, metered: bool = False) -> dic
         row["memory"] = memory.report()
         if metered:
             row["activations"] = memory.peak("activations")
-    if trainer.zero is not None:
-        row["loss_scale"] = trainer.zero.loss_scale
-        row["skipped"] = trainer.zero.last_step_skipped
+    row["loss_scale"] = trainer.engine.loss_scale  # fp16's scaler (1.0 without one)
+    row["skipped"] = trainer.engine.last_step_skipped
     return row

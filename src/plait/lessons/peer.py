@@ -34,6 +34,7 @@ from plait.device import synchronize
 from plait.lessons.measure import save_record
 from plait.mesh import Mesh
 from plait.optim import build_optimizer, lr_at, set_lr
+from plait.torch_private import ddp_logging_data
 from plait.train import build_model, load_corpus
 
 
@@ -101,7 +102,7 @@ def _step(k: int, ddp: DistributedDataParallel, optimizer: torch.optim.Optimizer
 def bucket_bytes(ddp: DistributedDataParallel) -> list[int]:
     """DDP's gradient buckets in bytes, from its logging data (rebuilt after the first step,
     in the order gradients became ready)."""
-    data = ddp._get_ddp_logging_data()
+    data = ddp_logging_data(ddp)
     sizes = data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes") or ""
     return [int(x) for x in str(sizes).split(",") if x.strip()]
 

@@ -18,6 +18,7 @@ parameters are never reduced, stepped or broadcast (every replica initialized th
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -56,6 +57,13 @@ class Coordinator:
         )
         self.step_count = 0
         self._coef = 1.0
+
+    @property
+    def current_model(self) -> Transformer:
+        return self.model  # every replica holds the whole, current model
+
+    def unsharded(self) -> AbstractContextManager:
+        return nullcontext()
 
     def begin_step(self) -> None:
         self.memory.begin_step()

@@ -10,11 +10,14 @@ object behind this surface:
 - `naive_dp.Coordinator` (naive data parallelism: rank 0 alone holds the optimizer).
 
 The runners call `micro_batch` and `scale_loss` while they run the micro-batches; the step
-calls the rest in the order listed.
+calls the rest in the order listed. What the run and the lessons read (`current_model`,
+`loss_scale`, `last_step_skipped`, `memory`) is here too, so no caller asks which engine it
+holds.
 """
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 from torch import Tensor, nn
@@ -31,7 +34,17 @@ class OptimizerEngine(Protocol):
     memory: MemoryTracker | None  # what this rank holds, by category (None: not tracked)
 
     @property
-    def loss_scale(self) -> float: ...
+    def loss_scale(self) -> float:
+        """fp16's current loss scale (1.0 without a scaler): the metrics show it each step."""
+
+    @property
+    def current_model(self) -> nn.Module:
+        """This rank's part of the model holding the newest weights, to evaluate or sample
+        with (2BW: the copy with the latest version; the others: the one model)."""
+
+    def unsharded(self) -> AbstractContextManager:
+        """A context in which every parameter of `current_model` holds its full value
+        (ZeRO stage 3 gathers them; the others hold them already)."""
 
     def begin_step(self) -> None:
         """A step starts (memory peaks, bookkeeping)."""

@@ -28,6 +28,7 @@ and the update (`step`). 2BW is thereby a weight-version policy, not a second tr
 from __future__ import annotations
 
 import copy
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -83,8 +84,12 @@ class WeightVersions:
         return self.copies[c]
 
     @property
-    def latest_model(self) -> Transformer:
+    def current_model(self) -> Transformer:
+        """The copy holding the latest version (evaluation and sampling use it)."""
         return self.model(self.latest)
+
+    def unsharded(self) -> AbstractContextManager:
+        return nullcontext()  # each copy holds its parameters whole
 
     def seal(self, step: int) -> list[Tensor]:
         """Take step `step`'s accumulated gradients off its copy, so the next step starts at

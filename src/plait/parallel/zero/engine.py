@@ -236,6 +236,11 @@ class ZeroEngine:
         self.grads.zero_grad()
 
     # -- parameters and state ------------------------------------------------------------
+    @property
+    def current_model(self) -> nn.Module:
+        """The one model this engine steps (stage 3: blocks gathered as they run)."""
+        return self.model
+
     def unsharded(self) -> AbstractContextManager:
         """Context in which every parameter holds its full value (stage 3 gathers)."""
         return self.gatherer.gathered() if self.gatherer else nullcontext()

@@ -1,0 +1,97 @@
+"""Every private or deprecated torch API plait uses, each with why and the public alternative.
+
+A private name (`torch.x._y`, `module._method`) can change or vanish in any torch release
+without a deprecation period, so plait calls none of them anywhere else: when torch moves
+one, this file is the one to fix, and the reason it was needed is next to it. (The benchmarks
+and the course's lessons measure torch itself; what they read of torch's internals is routed
+here too, or said where it is used: `benchmarks/zero_sides.py`, `benchmarks/pp_sides.py`.)
+
+Gone from this list: `dist.distributed_c10d._get_default_store()` (the stop agreement of
+`Comm.agreed_stop`); the launcher now keeps the store it initialises the process group with
+and hands it over in the `Mesh` (`mesh.store`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+from torch.distributed._shard.sharded_tensor.metadata import (
+    ShardedTensorMetadata,
+    TensorProperties,
+)
+
+BoxOnRank = tuple[Sequence[int], Sequence[int], int, str]
+"""(offsets, sizes, rank, device) of one box of a tensor in single-process coordinates."""
+
+
+def sharded_tensor(
+    local: Sequence[tuple[Sequence[int], Sequence[int], Tensor]],
+    every: Sequence[BoxOnRank],
+    size: Sequence[int],
+    rank: int,
+) -> Tensor:
+    """A tensor of `size` of which this rank holds the boxes `local` ((offsets, sizes,
+    data)), and `every` rank the boxes listed, for `torch.distributed.checkpoint` to write.
+
+    Why private: a checkpoint box is any rectangle (a ZeRO shard cut across a tp shard gives
+    several irregular boxes per rank), and `ShardedTensor` is the one tensor type DCP's
+    default planner writes as arbitrary boxes. It lives in `torch.distributed._shard`, which
+    torch is deprecating, and `_init_from_local_shards_and_global_metadata` is the constructor
+    that takes every rank's boxes without a collective (`plait.checkpoint.state` gathers them
+    once for all tensors). Public alternatives: DTensor, once its placements can describe
+    irregular boxes (today Shard(dim) splits one dimension in even chunks), or a custom
+    `torch.distributed.checkpoint.SavePlanner`/`LoadPlanner` that emits one `WriteItem` with
+    a `ChunkStorageMetadata` per box (`torch.distributed.checkpoint.planner`, public),
+    which takes over what the default planner does for ShardedTensor today.
+    """
+    shards = [Shard(data.contiguous(), _box(o, s, rank, str(data.device))) for o, s, data in local]
+    meta = ShardedTensorMetadata(
+        shards_metadata=[_box(*box) for box in every],
+        size=torch.Size(size),
+        tensor_properties=TensorProperties(dtype=local[0][2].dtype),
+    )
+    return ShardedTensor._init_from_local_shards_and_global_metadata(shards, meta)
+
+
+def _box(offsets: Sequence[int], sizes: Sequence[int], rank: int, device: str) -> ShardMetadata:
+    return ShardMetadata(list(offsets), list(sizes), f"rank:{rank}/{device}")
+
+
+def replace_tensors(module: nn.Module, fn: Callable[[Tensor], Tensor]) -> None:
+    """Replace every parameter and buffer of `module` by `fn(tensor)`, one at a time.
+
+    Why private: `nn.Module._apply` is the walk behind `Module.to`, `to_empty` and `cuda`:
+    it keeps each `nn.Parameter` (and its `requires_grad`) while swapping its tensor, and
+    covers buffers and submodules. plait needs it with its own `fn` (a zero-byte tensor on
+    the target device, `train._to_device_without_storage`) so that a model too large for one
+    device is never allocated whole. Public alternative: `Module.to_empty(device=...)`,
+    which allocates every tensor and keeps them all (the whole model at once)."""
+    module._apply(fn)
+
+
+def view_base(t: Tensor) -> Tensor:
+    """The tensor `t` is a view of, or `t` itself.
+
+    Why private: `Tensor._base` is how autograd knows a view's base; the activation meter
+    (`memory_tracker.MemoryTracker.activations`) uses it to tell a saved view of a parameter
+    (a Linear saves `weight.t()`) from an activation. Public alternative: comparing
+    `t.untyped_storage().data_ptr()` with every parameter's storage, a set to keep current
+    through ZeRO-3's gathers and 2BW's copies."""
+    return t if t._base is None else t._base
+
+
+def ddp_logging_data(ddp: nn.Module) -> dict[str, Any]:
+    """`DistributedDataParallel`'s own record of its buckets (`bucket_sizes`,
+    `rebuilt_bucket_sizes`: bytes, comma-separated) and settings.
+
+    Why private: `_get_ddp_logging_data` is the only place DDP reports the buckets it built
+    (in C++); the lessons and the DDP benchmark compare them with plait's. Public
+    alternative: a communication hook (`DistributedDataParallel.register_comm_hook`) sees
+    each bucket's `GradBucket.buffer()` as it is reduced, at the cost of replacing DDP's
+    all-reduce with the hook's own."""
+    return ddp._get_ddp_logging_data()
