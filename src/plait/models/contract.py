@@ -26,10 +26,10 @@ which the planner, estimating thousands of layouts, relies on.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import TYPE_CHECKING, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from plait.errors import ConfigError
 
@@ -267,12 +267,29 @@ class ModelContract:
     def with_shards(self, specs: Mapping[str, ShardSpec]) -> ModelContract:
         """The given parameters as shards (by name); for layouts `tensor_parallel` does not
         make (a test's irregular slice)."""
+        return self._changed(specs, lambda d, spec: replace(d, shard=spec))
+
+    def freezing(self, names: Iterable[str]) -> ModelContract:
+        """The given parameters frozen (`trainable` False): no gradient, no flat group, no
+        optimizer state, no master copy, in every engine."""
+        return self._changed(dict.fromkeys(names), lambda d, _: replace(d, trainable=False))
+
+    def _changed(self, by_name: Mapping[str, Any], change: Callable) -> ModelContract:
+        """`change(decl, by_name[name])` for each declared name in `by_name`; a part whose
+        declarations all stay keeps its tuple (blocks keep sharing theirs)."""
+        unknown = set(by_name) - self._by_name.keys()
+        if unknown:
+            raise KeyError(f"no such parameters declared: {sorted(unknown)}")
         parts = []
         for part in self.parts:
-            params = tuple(
-                replace(d, shard=specs.get(f"{part.path}.{d.leaf}", d.shard)) for d in part.params
-            )
-            parts.append(part._replace(params=params))
+            names = [f"{part.path}.{d.leaf}" for d in part.params]
+            if any(n in by_name for n in names):
+                params = tuple(
+                    change(d, by_name[n]) if n in by_name else d
+                    for n, d in zip(names, part.params, strict=True)
+                )
+                part = part._replace(params=params)
+            parts.append(part)
         return replace(self, parts=tuple(parts))
 
     def holding(self, parts: Iterable[Part]) -> ModelContract:

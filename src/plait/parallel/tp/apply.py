@@ -53,31 +53,32 @@ class TPContext:
 
 
 Style = Callable[[nn.Module, str, TPContext], None]
-"""Transforms child `name` of `parent` in place (replacing it or annotating it)."""
+"""Transforms the submodule at `path` of `root` in place (replacing it or hooking it)."""
 
 
-def colwise(parent: nn.Module, name: str, ctx: TPContext) -> None:
+def colwise(root: nn.Module, path: str, ctx: TPContext) -> None:
     """Column-parallel; entered once by the block (EnterRegion), not per layer."""
-    layer = ColumnParallelLinear.from_linear(getattr(parent, name), ctx.comm, enter=False)
-    setattr(parent, name, layer)
+    layer = ColumnParallelLinear.from_linear(root.get_submodule(path), ctx.comm, enter=False)
+    root.set_submodule(path, layer)
 
 
-def rowwise(parent: nn.Module, name: str, ctx: TPContext) -> None:
+def rowwise(root: nn.Module, path: str, ctx: TPContext) -> None:
     """Row-parallel; its output leaves the region (g, or reduce-scatter under SP)."""
     layer = RowParallelLinear.from_linear(
-        getattr(parent, name), ctx.comm, sequence_parallel=ctx.sequence_parallel
+        root.get_submodule(path), ctx.comm, sequence_parallel=ctx.sequence_parallel
     )
-    setattr(parent, name, layer)
+    root.set_submodule(path, layer)
 
 
-def enter(parent: nn.Module, name: str, ctx: TPContext) -> None:
+def enter(root: nn.Module, path: str, ctx: TPContext) -> None:
     """The block's input enters the tp region once for all its column-parallel layers."""
-    getattr(parent, name).register_forward_pre_hook(EnterRegion(ctx.comm, ctx.sequence_parallel))
+    hook = EnterRegion(ctx.comm, ctx.sequence_parallel)
+    root.get_submodule(path).register_forward_pre_hook(hook)
 
 
-def shard_dim1_dropout(parent: nn.Module, name: str, ctx: TPContext) -> None:
+def shard_dim1_dropout(root: nn.Module, path: str, ctx: TPContext) -> None:
     """Dropout on a tensor split along dim 1: heads (b, a/t, s, s) or sequence (b, s/t, h)."""
-    setattr(parent, name, ShardedDropout.from_dropout(getattr(parent, name), 1, ctx.comm))
+    root.set_submodule(path, ShardedDropout.from_dropout(root.get_submodule(path), 1, ctx.comm))
 
 
 def block_plan(cfg: ModelConfig, sequence_parallel: bool) -> dict[str, Style]:
@@ -102,9 +103,7 @@ def block_plan(cfg: ModelConfig, sequence_parallel: bool) -> dict[str, Style]:
 
 def apply_plan(root: nn.Module, plan: dict[str, Style], ctx: TPContext) -> None:
     for path, style in plan.items():
-        parent_path, _, name = path.rpartition(".")
-        parent = root.get_submodule(parent_path) if parent_path else root
-        style(parent, name, ctx)
+        style(root, path, ctx)
 
 
 # ---------------------------------------------------------------- the model
