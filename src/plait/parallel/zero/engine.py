@@ -39,8 +39,8 @@ from plait.composition import check_zero
 from plait.errors import ConfigError
 from plait.memory_tracker import MemoryTracker
 from plait.mixed_precision import DynamicLossScaler, Precision, has_inf_or_nan, parse_precision
-from plait.parallel.adamw import ElementwiseOptimizer, clip_segments
 from plait.models.contract import contract_of
+from plait.parallel.adamw import ElementwiseOptimizer, clip_segments
 from plait.parallel.grads import SplitGradRules
 from plait.parallel.zero.flat_params import Gatherer, ParamStore, flatten_values
 from plait.parallel.zero.layout import NVME_SUB_GROUP_MB, FlatGroup, build_groups, nvme_sub_group
