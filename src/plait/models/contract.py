@@ -136,6 +136,9 @@ class Part(NamedTuple):
         """The embedding, the final norm or the head."""
         return cls(kind, None, kind, params)
 
+    def with_params(self, params: tuple[ParamDecl, ...]) -> Part:
+        return Part(self.kind, self.index, self.path, params)
+
 
 class Declared(NamedTuple):
     """A declaration with its place: its single-process name and its part (a tuple: the
@@ -261,7 +264,7 @@ class ModelContract:
         for part in self.parts:
             if id(part.params) not in split:
                 split[id(part.params)] = tuple(d.split(rank, size) for d in part.params)
-            parts.append(part._replace(params=split[id(part.params)]))
+            parts.append(part.with_params(split[id(part.params)]))
         return replace(self, parts=tuple(parts), tp_size=size, sequence_parallel=sequence_parallel)
 
     def with_shards(self, specs: Mapping[str, ShardSpec]) -> ModelContract:
@@ -288,7 +291,7 @@ class ModelContract:
                     change(d, by_name[n]) if n in by_name else d
                     for n, d in zip(names, part.params, strict=True)
                 )
-                part = part._replace(params=params)
+                part = part.with_params(params)
             parts.append(part)
         return replace(self, parts=tuple(parts))
 
