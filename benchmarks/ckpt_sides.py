@@ -30,9 +30,10 @@ import common
 from common import gather_objects, max_over_ranks
 from plait.checkpoint import io as ckpt_io
 from plait.checkpoint import store
-from plait.checkpoint.state import canonical, state_names
+from plait.checkpoint.state import state_names
 from plait.config import Config, build_config
 from plait.mesh import build_mesh
+from plait.models.contract import contract_of
 from plait.models.transformer import Transformer
 from plait.parallel.tp.sharding import param_shard_specs
 from plait.train import Trainer
@@ -102,7 +103,8 @@ def local_pieces(trainer: Trainer) -> list[tuple[tuple, dict[str, Tensor]]]:
         flat = engine.states.states[g.index]
         for piece in g.pieces():
             name = g.names[piece.param]
-            ident = (canonical(name, model), tp if name in specs else -1, piece.start, piece.length)
+            key = contract_of(model).canonical(name)
+            ident = (key, tp if name in specs else -1, piece.start, piece.length)
             lo, hi = piece.shard_offset, piece.shard_offset + piece.length
             out.append((ident, {s: flat[s][lo:hi] for s in names}))
     return out

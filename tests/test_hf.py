@@ -225,11 +225,14 @@ def test_a_row_band_reads_the_rows_of_the_local_tensor(folders, kind: str) -> No
         model = Transformer(cfg)
     # The last of 7 ranks, padded: 300 vocabulary rows -> 42 real + 1 padding, wk's 32 rows
     # -> 2 + 3, wo's 64 columns -> 4 + 6; GPT-2's wk a column range of c_attn.
-    parts = [(model.embed.tok, 0), (model.blocks[1].attn.wk, 0), (model.blocks[0].attn.wo, 1)]
-    for module, dim in parts:
+    parts = {"embed.tok": 0, "blocks.1.attn.wk": 0, "blocks.0.attn.wo": 1}
+    specs = {}
+    for path, dim in parts.items():
+        module = model.get_submodule(path)
         spec = split_spec(tuple(module.weight.shape), dim, 6, 7, pad=True)
-        module.param_shards = {"weight": spec}
+        specs[f"{path}.weight"] = spec
         module.weight = torch.nn.Parameter(torch.empty(spec.shape, device="meta"))
+    model.set_contract(model.contract.with_shards(specs))
     for source in (hf_source(folders[kind], cfg), seeded(cfg, 5)):
         value = source_values(model, source)
         for p in model.parameters():

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from plait.parallel.tp.sharding import ShardSpec
+from plait.models.contract import ShardSpec
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from plait.checkpoint.state import (
     full_request,
@@ -81,7 +82,9 @@ def saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """Every tensor the checkpoint holds, by key, with its single-process shape (DCP's own
     metadata: nothing of plait's is unpickled)."""
     metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    return {key: tuple(m.size) for key, m in metadata.items() if hasattr(m, "size")}
+    return {
+        key: tuple(m.size) for key, m in metadata.items() if isinstance(m, TensorStorageMetadata)
+    }
 
 
 @contextmanager

@@ -1,6 +1,7 @@
 """What a rank writes and reads: its boxes of the model's training state, by single-process name.
 
-Every tensor of a checkpoint is `"<state>/<parameter name>"` with the single-process shape,
+Every tensor of a checkpoint is `"<state>/<parameter name>"` with the single-process shape
+(names, shapes, tp shards and tied copies' canonical names all from the model's contract),
 where state is `master` (the fp32 weights), `exp_avg` or `exp_avg_sq` (and 2BW's `previous`
 weight version, `parallel/pipeline/weight_versions.py`): nothing in it depends
 on dp, tp, pp, the ZeRO stage, the bucket size or offload. The compute-dtype parameters are
@@ -26,17 +27,10 @@ from torch import Tensor, nn
 from plait.checkpoint.boxes import Box, range_boxes, to_global
 from plait.comm import Comm
 from plait.mesh import Mesh
+from plait.models.contract import ShardSpec, contract_of
 from plait.parallel.grads import SplitGradRules
 from plait.parallel.optimizer_engine import OptimizerEngine
-from plait.parallel.tp.sharding import ShardSpec, param_shard_specs
 from plait.torch_private import sharded_tensor
-
-
-def canonical(name: str, model: nn.Module) -> str:
-    """The single-process name: a pipeline's last stage calls its tied copy `head.weight`."""
-    if name == "head.weight" and getattr(model.cfg, "tie_embeddings", False):
-        return "embed.tok.weight"
-    return name
 
 
 def owned_boxes(
@@ -45,7 +39,8 @@ def owned_boxes(
     """`"<state>/<name>"` -> the (global box, data) this rank writes."""
     if engine.replicated and mesh.coord.dp != 0:
         return {}
-    specs, params = param_shard_specs(model), engine.named_parameters()
+    contract, params = contract_of(model), engine.named_parameters()
+    specs = contract.shards()
     out: dict[str, list[tuple[Box, Tensor]]] = {}
     for piece in engine.state_dict()["pieces"]:
         if id(params[piece.name]) in rules.uncounted:
@@ -56,18 +51,15 @@ def owned_boxes(
                 continue
             for state, values in piece.tensors.items():
                 data = values[box.start : box.start + placed.numel].view(placed.sizes)
-                key = f"{state}/{canonical(piece.name, model)}"
+                key = f"{state}/{contract.canonical(piece.name)}"
                 out.setdefault(key, []).append((placed, data))
     return out
 
 
 def global_shapes(engine: OptimizerEngine, model: nn.Module) -> dict[str, tuple[int, ...]]:
     """Single-process name -> single-process shape, for every parameter this rank holds."""
-    specs = param_shard_specs(model)
-    return {
-        canonical(n, model): (specs[n].global_shape if n in specs else tuple(p.shape))
-        for n, p in engine.named_parameters().items()
-    }
+    contract = contract_of(model)
+    return {contract.canonical(n): contract.entry(n).decl.shape for n in engine.named_parameters()}
 
 
 def sharded_state(
@@ -117,12 +109,12 @@ def local_states(
     loaded: dict[str, Tensor], engine: OptimizerEngine, model: nn.Module
 ) -> dict[str, dict[str, Tensor]]:
     """This rank's name -> state -> its tp slice (padding zero), for `load_state_dict`."""
-    specs = param_shard_specs(model)
+    contract = contract_of(model)
     out: dict[str, dict[str, Tensor]] = {}
     for name in engine.named_parameters():
-        key = canonical(name, model)
+        key, spec = contract.canonical(name), contract.entry(name).decl.shard
         out[name] = {
-            state: _slice(loaded[f"{state}/{key}"], specs.get(name))
+            state: _slice(loaded[f"{state}/{key}"], spec)
             for state in engine.saved_states
             if f"{state}/{key}" in loaded
         }

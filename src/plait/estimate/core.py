@@ -24,7 +24,8 @@ from plait.estimate.formulas import (
 )
 from plait.estimate.lines import LESSON_ORDER, PLACES, Estimate, Line, RankEstimate
 from plait.estimate.model_states import ADAM_STATES, FP32, Precision, States, model_states
-from plait.estimate.rank_params import padded_vocab, rank_params, total_parameters
+from plait.estimate.rank_params import padded_vocab, rank_params, total_parameters, tp_contract
+from plait.models.contract import ModelContract
 from plait.schedule.actions import Schedule
 from plait.schedule.schedules import build_schedule
 from plait.schedule.simulate import peak_held
@@ -45,8 +46,9 @@ def estimate(cfg: Config, schedule: Schedule | None = None) -> Estimate:
         )
     sizes = par.stage_layer_counts()
     schedule = schedule or _schedule(cfg)
+    split = tp_contract(m, par.tp)  # what each pipeline rank holds a part of
     ranks = tuple(
-        _rank(cfg, r, rank_plans(m.n_layers, par.pp, par.virtual_stages, r, sizes), schedule)
+        _rank(cfg, split, r, rank_plans(m.n_layers, par.pp, par.virtual_stages, r, sizes), schedule)
         for r in range(par.pp)
     )
     return Estimate(total_parameters(m), ranks, _reference(cfg))
@@ -79,10 +81,16 @@ def chunk_activation_bytes(cfg: Config, plan: StagePlan) -> int:
     return total
 
 
-def _rank(cfg: Config, r: int, plans: list[StagePlan], schedule: Schedule | None) -> RankEstimate:
+def _rank(
+    cfg: Config,
+    split: ModelContract,
+    r: int,
+    plans: list[StagePlan],
+    schedule: Schedule | None,
+) -> RankEstimate:
     par = cfg.parallel
     prec = Precision.of(par.precision, par.reduce_dtype)
-    params = rank_params(cfg.model, par.tp, plans)
+    params = rank_params(split, plans)
     states = model_states(params, par.zero, par.dp, prec, par.offload, par.bucket_mb)
     if par.two_bw:  # two weight versions, plain fp32 Adam (WeightVersions)
         states = _two_bw_states(states)

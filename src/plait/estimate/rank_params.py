@@ -1,27 +1,31 @@
 """Which parameters a rank holds, counted from the config alone (no model is built).
 
-The list follows `models/transformer.py`'s registration order (embedding, blocks, final norm,
-head) with the shapes tensor parallelism gives each shard (`parallel/tp/`): column-parallel
-outputs and the vocabulary split t ways, the vocabulary padded to a multiple of t,
-row-parallel biases and norms replicated. A pipeline rank keeps only its stages' blocks, the
-embedding on the first stage and the final norm and head on the last; a tied embedding is one
-parameter when one rank holds both ends and a copy on each end otherwise
-(`runtime/stage.py`). The ZeRO engine's flat groups are formed from this list
-(`estimate/states.py`), so padding and buckets come out as the engine makes them.
+The list is the model contract's (`models/declare.py`: the declarations a training rank's
+model carries), split for one tp rank and held for one pipeline rank's stages, so "which
+parameters a rank holds" has one home: registration order (embedding, blocks, final norm,
+head), the shapes tensor parallelism gives each shard (column-parallel outputs and the
+vocabulary split t ways, the vocabulary padded to a multiple of t, row-parallel biases and
+norms replicated), the embedding on the first stage and the final norm and head on the last;
+a tied embedding is one parameter when one rank holds both ends and a copy on each end
+otherwise. The ZeRO engine's flat groups are formed from this list (`model_states.py`), so
+padding and buckets come out as the engine makes them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from typing import NamedTuple
 
 from plait.models.architecture import ModelConfig
+from plait.models.contract import ModelContract
+from plait.models.declare import describe
 from plait.schedule.stages import StagePlan
 
 
-@dataclass(frozen=True)
-class ParamSpec:
+class ParamSpec(NamedTuple):
     """One parameter (or tp shard) on a rank: `block` is its transformer block, None for
-    the embedding, final norm and head (ZeRO-3's root unit)."""
+    the embedding, final norm and head (ZeRO-3's root unit). A tuple: the planner makes
+    one per parameter of every rank of thousands of layouts."""
 
     name: str
     numel: int
@@ -35,71 +39,54 @@ def padded_vocab(cfg: ModelConfig, tp: int) -> int:
     return -(-cfg.vocab_size // tp) * tp
 
 
-def _norm(cfg: ModelConfig, name: str, block: int | None) -> list[ParamSpec]:
-    h = cfg.d_model
-    out = [ParamSpec(f"{name}.weight", h, block, tp_partial=True)]  # acts on s/t tokens
-    if cfg.norm == "layernorm" and cfg.bias:
-        out.append(ParamSpec(f"{name}.bias", h, block, tp_partial=True))
+def tp_contract(cfg: ModelConfig, tp: int) -> ModelContract:
+    """The contract of a tp rank's model before the pipeline split: tp rank 0's shards
+    (every tp rank's local shapes are the same, padding included). Made once per layout and
+    handed to `rank_params` for each of its pipeline ranks."""
+    return describe(cfg).tensor_parallel(0, tp, sequence_parallel=False)
+
+
+def rank_params(split: ModelContract, plans: list[StagePlan]) -> list[ParamSpec]:
+    """Every parameter one (pp, tp) rank holds (`split`: `tp_contract`; `plans`: its
+    stages), in registration order (unique: a tied embedding held at both ends by this rank
+    is listed once)."""
+    parts = (p for plan in plans for p in split.stage_parts(plan.layers, plan.first, plan.last))
+    contract = split.holding(parts)
+    numel: dict[int, int] = {}  # blocks share their declarations: one product each
+    alone = contract.split_ties()
+    out = []
+    for name, part, d in contract.params():
+        if id(d) not in numel:
+            numel[id(d)] = math.prod(d.local_shape)
+        out.append(ParamSpec(name, numel[id(d)], part.index, name in alone, d.sp_partial))
     return out
 
 
-def _linear(
-    cfg: ModelConfig, name: str, shape: tuple[int, int], bias: int, block: int, row: bool = False
-) -> list[ParamSpec]:
-    """A Linear (out, in) shard; `bias` is the bias length on this rank (when biases exist);
-    `row`: row-parallel, whose replicated bias is added to the sequence-split output."""
-    out = [ParamSpec(f"{name}.weight", shape[0] * shape[1], block)]
-    if cfg.bias:
-        out.append(ParamSpec(f"{name}.bias", bias, block, tp_partial=row))
-    return out
-
-
-def block_params(cfg: ModelConfig, i: int, tp: int) -> list[ParamSpec]:
-    """Block i's parameters on one tp rank, in registration order."""
-    h, hd, f = cfg.d_model, cfg.head_dim, cfg.ffn_dim
-    q, kv = cfg.n_heads * hd // tp, cfg.kv_heads * hd // tp
-    pre = f"blocks.{i}"
-    out = _norm(cfg, f"{pre}.attn_norm", i)
-    out += _linear(cfg, f"{pre}.attn.wq", (q, h), q, i)
-    out += _linear(cfg, f"{pre}.attn.wk", (kv, h), kv, i)
-    out += _linear(cfg, f"{pre}.attn.wv", (kv, h), kv, i)
-    out += _linear(cfg, f"{pre}.attn.wo", (h, q), h, i, row=True)
-    out += _norm(cfg, f"{pre}.mlp_norm", i)
-    if cfg.mlp == "swiglu":
-        out += _linear(cfg, f"{pre}.mlp.w_gate", (f // tp, h), f // tp, i)
-        out += _linear(cfg, f"{pre}.mlp.w_up", (f // tp, h), f // tp, i)
-        out += _linear(cfg, f"{pre}.mlp.w_down", (h, f // tp), h, i, row=True)
-    else:
-        out += _linear(cfg, f"{pre}.mlp.fc1", (f // tp, h), f // tp, i)
-        out += _linear(cfg, f"{pre}.mlp.fc2", (h, f // tp), h, i, row=True)
-    return out
-
-
-def rank_params(cfg: ModelConfig, tp: int, plans: list[StagePlan]) -> list[ParamSpec]:
-    """Every parameter one (pp, tp) rank holds, in registration order (unique: a tied
-    embedding held at both ends by this rank is listed once)."""
-    first = any(p.first for p in plans)
-    last = any(p.last for p in plans)
-    pipelined = not (first and last)
-    table = padded_vocab(cfg, tp) // tp * cfg.d_model
-    out: list[ParamSpec] = []
-    if first:
-        out.append(ParamSpec("embed.tok.weight", table, None, cfg.tie_embeddings and pipelined))
-        if cfg.pos == "learned":
-            pos = cfg.max_seq_len * cfg.d_model  # added to the sequence-split embedding
-            out.append(ParamSpec("embed.pos.weight", pos, None, tp_partial=True))
-    for i in sorted(i for plan in plans for i in plan.layers):
-        out += block_params(cfg, i, tp)
-    if last:
-        out += _norm(cfg, "norm", None)
-        if not (cfg.tie_embeddings and first):
-            out.append(ParamSpec("head.weight", table, None, cfg.tie_embeddings))
-    return out
+def sequence_partial_elements(cfg: ModelConfig, plans: list[StagePlan]) -> int:
+    """Elements of the parameters of `plans`' parts whose gradient is partial under sequence
+    parallelism (replicated, so the same at any tp): what SP sums over tp each step."""
+    whole = describe(cfg)
+    sums: dict[int, int] = {}  # id(part.params) -> its partial elements (blocks share one)
+    total = 0
+    for plan in plans:
+        for part in whole.stage_parts(plan.layers, plan.first, plan.last):
+            if id(part.params) not in sums:
+                sums[id(part.params)] = sum(math.prod(d.shape) for d in part.params if d.sp_partial)
+            total += sums[id(part.params)]
+    return total
 
 
 def total_parameters(cfg: ModelConfig) -> int:
     """Ψ: the single-process model's unique parameters (`count_parameters` without torch).
-    Every block has the same shapes, so one block is counted and multiplied (a planner calls
-    this for thousands of layouts)."""
-    ends = rank_params(cfg, 1, [StagePlan(0, range(0), True, True)])
-    return sum(p.numel for p in ends) + cfg.n_layers * sum(p.numel for p in block_params(cfg, 0, 1))
+    Blocks share one tuple of declarations, so each is counted once and multiplied (a
+    planner calls this for thousands of layouts)."""
+    contract = describe(cfg)
+    sums: dict[int, int] = {}  # id(part.params) -> its elements (a tied copy: none)
+    total = 0
+    for part in contract.parts:
+        if id(part.params) not in sums:
+            sums[id(part.params)] = sum(
+                math.prod(d.shape) for d in part.params if d.tied_to is None
+            )
+        total += sums[id(part.params)]
+    return total

@@ -15,6 +15,8 @@ import torch
 from torch import Tensor, nn
 
 from plait.models.architecture import ModelConfig
+from plait.models.contract import contract_of
+from plait.models.declare import tied_names
 
 RESIDUAL_OUTPUTS = frozenset({"wo", "fc2", "w_down"})
 NORMAL_WEIGHTS = frozenset({"tok", "pos", "head", "wq", "wk", "wv", "fc1", "w_gate", "w_up"})
@@ -27,9 +29,7 @@ WRAPPER_NAMES = frozenset(
 def canonical_name(cfg: ModelConfig, name: str) -> str:
     """The single-process parameter name: wrapper components dropped, tied head -> tok."""
     name = ".".join(part for part in name.split(".") if part not in WRAPPER_NAMES)
-    if cfg.tie_embeddings and name == "head.weight":
-        return "embed.tok.weight"
-    return name
+    return tied_names(cfg).get(name, name)
 
 
 def _seed_for(seed: int, name: str) -> int:
@@ -64,7 +64,7 @@ def init_value(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int) -
 
 
 class ShardLike(Protocol):
-    """What init needs to know about a shard (plait.parallel.tp.sharding.ShardSpec has it)."""
+    """What init needs to know about a shard (plait.models.contract.ShardSpec has it)."""
 
     @property
     def global_shape(self) -> tuple[int, ...]: ...
@@ -127,16 +127,14 @@ def source_values(model: nn.Module, source: ValueSource) -> Callable[[nn.Paramet
     """A function from each parameter of `model` to its fp32 value from `source` (CPU).
 
     The value depends on the parameter's name (its first name: a tied weight keeps the
-    embedding's) and, for a tensor-parallel shard, on its module's `param_shards` entry
-    (see `shard_value`), never on the parameter's storage: `model` may still be on the meta
-    device, so a sharded engine can fill its shards one group at a time (ZeRO stage 3)
-    without the whole model ever being materialized.
+    embedding's) and, for a tensor-parallel shard, on its `ShardSpec` (both from the model's
+    contract; see `shard_value`), never on the parameter's storage: `model` may still be on
+    the meta device, so a sharded engine can fill its shards one group at a time (ZeRO stage
+    3) without the whole model ever being materialized.
     """
-    where: dict[int, tuple[str, ShardLike | None]] = {}
-    for prefix, module in model.named_modules():
-        shards = getattr(module, "param_shards", {})
-        for leaf, param in module.named_parameters(recurse=False):
-            where.setdefault(id(param), (f"{prefix}.{leaf}" if prefix else leaf, shards.get(leaf)))
+    where: dict[int, tuple[str, ShardLike | None]] = {
+        id(param): (entry.name, entry.decl.shard) for entry, param in contract_of(model).bind(model)
+    }
 
     def value(param: nn.Parameter, rows: tuple[int, int] | None = None) -> Tensor:
         """The local tensor, or only its dim-0 rows [r0, r1) (what a ZeRO-3 shard needs:
@@ -180,9 +178,7 @@ def parameter_names(model: nn.Module) -> dict[int, str]:
 
 def tie_all(model: nn.Module) -> None:
     """Re-tie shared weights (`Module.to_empty` and `_apply` untie them)."""
-    for module in model.modules():
-        if hasattr(module, "tie_weights"):
-            module.tie_weights()
+    contract_of(model).tie(model)
 
 
 def init_parameters(model: nn.Module, seed: int, cfg: ModelConfig | None = None) -> None:
@@ -197,10 +193,9 @@ def init_parameters(model: nn.Module, seed: int, cfg: ModelConfig | None = None)
 def fill_parameters(model: nn.Module, source: ValueSource) -> None:
     """Fill every parameter of `model` (any device, already materialized) from `source`.
 
-    Tied weights are re-tied first (see tie_weights). A module may carry `param_shards`, a
-    dict from its parameter's local name to shard metadata (see `shard_value`): such a
-    parameter is a slice of a larger one (tensor parallelism) and gets exactly that slice of
-    the full value, so every layout starts from the same weights.
+    Tied weights are re-tied first (see tie_weights). A parameter the model's contract
+    declares a shard (see `shard_value`) is a slice of a larger one (tensor parallelism) and
+    gets exactly that slice of the full value, so every layout starts from the same weights.
     """
     tie_all(model)
     value = source_values(model, source)

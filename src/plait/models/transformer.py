@@ -3,7 +3,9 @@
 Read top to bottom: norms, rotary positions, attention, MLPs, the block, the model, then
 initialization and counting. The model never knows how it is parallelized: tensor
 parallelism swaps its Linear layers, the pipeline splits `blocks`, recomputation wraps
-`Block` or `CoreAttention`. So head counts are read from tensor shapes at run time (a
+`Block` or `CoreAttention`; each of them learns the model's parts and parameters from its
+contract (`self.contract`, declared in models/declare.py) and leaves a changed copy of it
+behind (`set_contract`). So head counts are read from tensor shapes at run time (a
 tensor-parallel rank holds a subset of heads), and every dropout has a structural `site`
 id that survives pipeline splitting.
 
@@ -20,6 +22,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from plait.models.architecture import ModelConfig
+from plait.models.contract import ModelContract
+from plait.models.declare import describe
 from plait.models.dropout import KeyedDropout
 from plait.models.kv_cache import KVCache, causal_mask
 
@@ -216,6 +220,8 @@ class LMLoss(nn.Module):
 class Transformer(nn.Module):
     """embed -> blocks -> norm -> head; returns logits, or the mean loss given targets."""
 
+    contract: ModelContract  # what parallel code may know about this model (contract.py)
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         cfg.validate()
@@ -225,16 +231,26 @@ class Transformer(nn.Module):
         self.norm = make_norm(cfg)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.loss = LMLoss()
-        self.tie_weights()
+        self.set_contract(describe(cfg))
+
+    def set_contract(self, contract: ModelContract) -> None:
+        """Adopt `contract`, the description of the model as a parallelizing function left it
+        (`ModelContract.tensor_parallel`, `holding`, `recomputing`): tied weights are tied, the
+        parameters checked against it (names, order, local shapes) and each one's `trainable`
+        flag applied (a new tensor-parallel shard is born trainable)."""
+        contract.tie(self)
+        contract.check(self)
+        self.contract = contract
+        for entry, param in contract.bind(self):
+            param.requires_grad_(entry.decl.trainable)
 
     def tie_weights(self) -> None:
-        """Make head.weight the same Parameter as embed.tok.weight when the config ties them.
+        """Make head.weight the same Parameter as embed.tok.weight when the config ties them
+        and this rank holds both (a pipeline stage may hold one end; see the contract).
 
         Called again by `init_parameters` because `Module.to_empty` unties shared weights.
         """
-        # A pipeline stage may hold only one end (the other is on another rank; see stage.py).
-        if self.cfg.tie_embeddings and hasattr(self.embed, "tok") and hasattr(self.head, "weight"):
-            self.head.weight = self.embed.tok.weight
+        self.contract.tie(self)
 
     def forward(
         self,

@@ -4,16 +4,18 @@ Tensor and pipeline parallelism split the model so that, after the data-parallel
 three things still separate a rank's gradients from the single process's. Every gradient
 owner (the ZeRO engine at any stage, the 2BW weight versions, a bare tp model in a test)
 hands its gradients here as pieces, `(parameter, view of its gradient or of part of it)`,
-and this module applies the rules:
+and this module applies the rules. Which parameter each rule touches is read from the
+model's contract (models/contract.py), never from the model's attributes:
 
 1. Sequence parallelism: a parameter replicated over tp (norm gains, row-parallel biases)
    sees on each tp rank only its sequence shard's gradient; the true gradient is the sum
-   over tp (Korthikanti et al., 2022). Layers mark them in `tp_partial_grads`.
+   over tp (Korthikanti et al., 2022). The contract declares them (`sp_partial`).
 2. Tied embeddings under pipeline parallelism: the first and last stage each hold a copy of
    the embedding matrix; their gradients are summed over the pipeline ends ('pp_ends').
-3. The global norm counts every parameter once: tp shards (`param_shards`) are summed over
-   tp, tp-replicated parameters are counted on tp rank 0 only, pipeline stages are summed
-   over pp, and the last stage's tied copy is skipped (the first stage counts the matrix).
+3. The global norm counts every parameter once: tp shards (the contract's `shard`) are
+   summed over tp, tp-replicated parameters are counted on tp rank 0 only, pipeline stages
+   are summed over pp, and the last stage's tied copy is skipped (the first stage counts
+   the matrix).
 
 Both sums are linear, so they commute with the data-parallel average and work on dp shards
 (ZeRO stage >= 1) as on full gradients: the tp ranks of one dp rank lay their flat groups
@@ -28,7 +30,7 @@ same norm, at the cost of the same single pass over the gradients.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +38,7 @@ from torch import Tensor, nn
 
 from plait.comm import Comm
 from plait.mesh import Mesh
+from plait.models.contract import contract_of
 
 GradPieces = Sequence[tuple[nn.Parameter, Tensor]]
 """(parameter, view of its gradient, or of the part of it this rank holds)."""
@@ -44,44 +47,31 @@ NORM_CHUNK = 1024
 """Elements per float32 partial norm; the partial squares are summed in float64."""
 
 
-def _owned(model: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Parameter]]:
-    """(module, local name, parameter) for every unique parameter of `model`."""
-    seen: set[int] = set()
-    for module in model.modules():
-        for leaf, param in module.named_parameters(recurse=False):
-            if id(param) not in seen:
-                seen.add(id(param))
-                yield module, leaf, param
-
-
 def sequence_parallel_partial_params(model: nn.Module) -> list[nn.Parameter]:
     """Replicated parameters whose gradient each tp rank sees only for its sequence shard
-    (empty without sequence parallelism), in module order: the same on every tp rank."""
-    return [p for m, leaf, p in _owned(model) if leaf in getattr(m, "tp_partial_grads", ())]
+    (empty without sequence parallelism), in registration order: the same on every tp rank."""
+    contract = contract_of(model)
+    if not contract.sequence_parallel:
+        return []
+    return [p for e, p in contract.bind(model) if e.decl.sp_partial]
 
 
 def tp_replicated_params(model: nn.Module) -> list[nn.Parameter]:
-    """Parameters every tp rank holds whole (not a `param_shards` entry)."""
-    return [p for m, leaf, p in _owned(model) if leaf not in getattr(m, "param_shards", {})]
+    """Parameters every tp rank holds whole (the contract declares no shard for them)."""
+    return [p for e, p in contract_of(model).bind(model) if e.decl.shard is None]
 
 
 def tied_embedding_params(model: nn.Module) -> list[nn.Parameter]:
     """The copies of a tied embedding this rank holds as separate parameters: the token
     embedding (first stage) and the head (last stage); one parameter when both ends are
     this rank's, none when untied or neither end is here."""
-    if not getattr(getattr(model, "cfg", None), "tie_embeddings", False):
-        return []
-    found = []
-    if hasattr(model.embed, "tok"):
-        found.append(model.embed.tok.weight)
-    if hasattr(model.head, "weight") and all(model.head.weight is not p for p in found):
-        found.append(model.head.weight)
-    return found
+    contract = contract_of(model)
+    return [p for e, p in contract.bind(model) if contract.tied(e)]
 
 
 def param_grads(model: nn.Module) -> list[tuple[nn.Parameter, Tensor]]:
     """The pieces of a model whose gradients live in `p.grad` (no sharded owner)."""
-    return [(p, p.grad) for _, _, p in _owned(model) if p.grad is not None]
+    return [(p, p.grad) for p in model.parameters() if p.grad is not None]
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from plait.config import Config
 from plait.estimate.formulas import tp_comm_per_microbatch, zero_comm_elements
 from plait.estimate.model_states import Precision, flat_groups
-from plait.estimate.rank_params import rank_params
+from plait.estimate.rank_params import rank_params, sequence_partial_elements, tp_contract
 from plait.plan.hardware import Hardware, Link
 from plait.schedule.stages import StagePlan
 
@@ -100,7 +100,7 @@ def dp_traffic(
     memo = {} if memo is None else memo
     key = (par.tp, par.zero, par.bucket_mb, par.dp, tuple((p.stage, p.layers) for p in plans))
     if key not in memo:
-        params = rank_params(cfg.model, par.tp, plans)
+        params = rank_params(tp_contract(cfg.model, par.tp), plans)
         memo[key] = flat_groups(params, par.zero, par.bucket_mb, par.dp)
     groups = memo[key]
     padded = sum(p for _, p in groups)
@@ -154,8 +154,8 @@ def step_collectives(
         table = -(-m.vocab_size // par.tp) * m.d_model  # the padded vocabulary's tp slice
         out[("pp_ends", "tied_embedding")] = (1, table // shard, prec.reduce)
     if par.tp > 1 and par.sequence_parallel:
-        partial = [p.numel for p in rank_params(m, par.tp, plans) if p.tp_partial]
-        out[("tp", "tp-sp-grads")] = (1, sum(partial) // shard, prec.reduce)
+        partial = sequence_partial_elements(m, plans)
+        out[("tp", "tp-sp-grads")] = (1, partial // shard, prec.reduce)
     return out
 
 

@@ -1,22 +1,25 @@
-"""Prune a model to this rank's pipeline stages (`schedule/stages.py` says which) and run a stage.
+"""Prune a model to this rank's pipeline stages (`schedule/stages.py` says which); run a stage.
 
 A rank keeps the *same* Transformer object, with the parts other ranks own replaced by an
-`Absent` placeholder. Parameter names therefore stay the single-process names
-("blocks.7.attn.wq.weight"), so layout-independent initialization, the data-parallel buckets
-and the optimizer work unchanged. Stage 0 adds the embedding; the last stage adds the final
+`Absent` placeholder; its contract (models/contract.py) then says which parts it holds.
+Parameter names therefore stay the single-process names ("blocks.7.attn.wq.weight"), so
+layout-independent initialization, the data-parallel buckets and the optimizer work
+unchanged. Stage 0 adds the embedding; the last stage adds the final
 norm, the head and the loss. With tied embeddings the first and last stage each hold a copy
 of the embedding matrix; both start from the same initial value (their canonical name is the
 same) and their gradients are summed over the 'pp_ends' group (`parallel/grads.py`), so they
 stay identical.
 
 This file is the one place the pipeline runtime knows the model's parts (blocks, embed, norm,
-head): pruning them, running a stage through them, and naming a stage's parameters.
+head): pruning them, running a stage through them, and naming a stage's parameters, all as
+the model's contract lists them (`stage_parts`).
 """
 
 from __future__ import annotations
 
 from torch import Tensor, nn
 
+from plait.models.contract import ModelContract, Part, contract_of
 from plait.models.transformer import Transformer
 from plait.schedule.stages import StagePlan
 
@@ -29,16 +32,19 @@ class Absent(nn.Module):
 
 
 def prune_to_stages(model: Transformer, plans: list[StagePlan]) -> None:
-    """Replace every part of `model` that none of `plans` runs by Absent (on meta: free)."""
-    keep = {i for plan in plans for i in plan.layers}
-    for i in range(len(model.blocks)):
-        if i not in keep:
-            model.blocks[i] = Absent()
-    if not any(plan.first for plan in plans):
-        model.embed = Absent()
-    if not any(plan.last for plan in plans):
-        model.norm = Absent()
-        model.head = Absent()
+    """Replace every part of `model` that none of `plans` runs by Absent (on meta: free);
+    the model's contract then holds only the parts of `plans` (`stage_parts`)."""
+    contract = model.contract
+    kept = contract.holding(part for plan in plans for part in stage_parts(contract, plan))
+    for part in contract.held_parts():
+        if not kept.holds(part):
+            model.set_submodule(part.path, Absent())
+    model.set_contract(kept)
+
+
+def stage_parts(contract: ModelContract, plan: StagePlan) -> tuple[Part, ...]:
+    """The parts of the model that stage `plan` runs."""
+    return contract.stage_parts(plan.layers, plan.first, plan.last)
 
 
 def run_stage(
@@ -56,22 +62,17 @@ def run_stage(
 
 
 def stage_params(model: Transformer, plan: StagePlan) -> list[nn.Parameter]:
-    """The parameters stage `plan` trains, each once (a tied matrix appears once): its
-    blocks', the embedding's on the first stage, the final norm's and head's on the last.
-    The split backward's W computes their gradients."""
-    parts: list[nn.Module] = [model.blocks[i] for i in plan.layers]
-    if plan.first:
-        parts.append(model.embed)
-    if plan.last:
-        parts += [model.norm, model.head]
-    seen: dict[int, nn.Parameter] = {}
-    for part in parts:
-        for p in part.parameters():
-            seen.setdefault(id(p), p)
-    return list(seen.values())
+    """The parameters stage `plan` trains, each once (a tied matrix appears once), as the
+    contract declares them: the embedding's on the first stage, its blocks', the final norm's
+    and head's on the last; frozen ones left out. The split backward's W computes their
+    gradients."""
+    contract = contract_of(model)
+    parts = stage_parts(contract, plan)
+    return [p for e, p in contract.bind(model, parts) if e.decl.trainable]
 
 
 def stage_recomputed(model: Transformer, plan: StagePlan) -> bool:
-    """Whether a block of the stage runs under full recomputation (`activation_recompute.py`
-    marks it): the split backward then falls back to its plain form (`split_backward.py`)."""
-    return any(getattr(model.blocks[i], "recomputed", False) for i in plan.layers)
+    """Whether a block of the stage runs under full recomputation (the contract records it:
+    `activation_recompute.py`): the split backward then falls back to its plain form
+    (`split_backward.py`)."""
+    return bool(contract_of(model).recomputed & set(plan.layers))

@@ -1,9 +1,12 @@
 """`apply_tensor_parallel`: turn a model from models/transformer.py into its tp-sharded form.
 
 The model's code is unchanged. A declarative plan (module path -> style) says what happens
-to each submodule of a block; the model level (embedding, final norm, head, loss) is
-handled by `_apply_model_level`. Module paths and parameter names stay those of the
-single-process model, so `init_value`, checkpoints and recomputation see the same names.
+to each submodule of a block; the model level (embedding, head, loss) is handled by
+`_apply_model_level`. Module paths and parameter names stay those of the single-process
+model, so `init_value`, checkpoints and recomputation see the same names. What the split
+means for each parameter (its shard, a partial gradient under SP) is the model contract's
+(`ModelContract.tensor_parallel`, from the declarations in models/declare.py): the model
+adopts it at the end, which checks that the plan made exactly the declared shards.
 
 Per block, with t = tp (Shoeybi et al., 2019, section 3; Korthikanti et al., 2022):
 
@@ -30,6 +33,7 @@ from plait.comm import Comm
 from plait.composition import check_tensor_parallel
 from plait.mesh import Mesh
 from plait.models.architecture import ModelConfig
+from plait.models.transformer import Transformer
 from plait.parallel.tp.layers import (
     ColumnParallelLinear,
     EnterRegion,
@@ -49,37 +53,32 @@ class TPContext:
 
 
 Style = Callable[[nn.Module, str, TPContext], None]
-"""Transforms child `name` of `parent` in place (replacing it or annotating it)."""
+"""Transforms the submodule at `path` of `root` in place (replacing it or hooking it)."""
 
 
-def colwise(parent: nn.Module, name: str, ctx: TPContext) -> None:
+def colwise(root: nn.Module, path: str, ctx: TPContext) -> None:
     """Column-parallel; entered once by the block (EnterRegion), not per layer."""
-    layer = ColumnParallelLinear.from_linear(getattr(parent, name), ctx.comm, enter=False)
-    setattr(parent, name, layer)
+    layer = ColumnParallelLinear.from_linear(root.get_submodule(path), ctx.comm, enter=False)
+    root.set_submodule(path, layer)
 
 
-def rowwise(parent: nn.Module, name: str, ctx: TPContext) -> None:
+def rowwise(root: nn.Module, path: str, ctx: TPContext) -> None:
     """Row-parallel; its output leaves the region (g, or reduce-scatter under SP)."""
     layer = RowParallelLinear.from_linear(
-        getattr(parent, name), ctx.comm, sequence_parallel=ctx.sequence_parallel
+        root.get_submodule(path), ctx.comm, sequence_parallel=ctx.sequence_parallel
     )
-    setattr(parent, name, layer)
+    root.set_submodule(path, layer)
 
 
-def enter(parent: nn.Module, name: str, ctx: TPContext) -> None:
+def enter(root: nn.Module, path: str, ctx: TPContext) -> None:
     """The block's input enters the tp region once for all its column-parallel layers."""
-    getattr(parent, name).register_forward_pre_hook(EnterRegion(ctx.comm, ctx.sequence_parallel))
+    hook = EnterRegion(ctx.comm, ctx.sequence_parallel)
+    root.get_submodule(path).register_forward_pre_hook(hook)
 
 
-def shard_dim1_dropout(parent: nn.Module, name: str, ctx: TPContext) -> None:
+def shard_dim1_dropout(root: nn.Module, path: str, ctx: TPContext) -> None:
     """Dropout on a tensor split along dim 1: heads (b, a/t, s, s) or sequence (b, s/t, h)."""
-    setattr(parent, name, ShardedDropout.from_dropout(getattr(parent, name), 1, ctx.comm))
-
-
-def sequence_partial(parent: nn.Module, name: str, ctx: TPContext) -> None:
-    """A replicated module run on sequence shards: its gradients are partial over tp."""
-    module = getattr(parent, name)
-    module.tp_partial_grads = tuple(leaf for leaf, _ in module.named_parameters(recurse=False))
+    root.set_submodule(path, ShardedDropout.from_dropout(root.get_submodule(path), 1, ctx.comm))
 
 
 def block_plan(cfg: ModelConfig, sequence_parallel: bool) -> dict[str, Style]:
@@ -97,27 +96,20 @@ def block_plan(cfg: ModelConfig, sequence_parallel: bool) -> dict[str, Style]:
         plan |= {"mlp.w_gate": colwise, "mlp.w_up": colwise, "mlp.w_down": rowwise}
     else:
         plan |= {"mlp.fc1": colwise, "mlp.fc2": rowwise}
-    if sequence_parallel:
-        plan |= {
-            "attn_norm": sequence_partial,
-            "mlp_norm": sequence_partial,
-            "attn_drop": shard_dim1_dropout,
-            "mlp_drop": shard_dim1_dropout,
-        }
+    if sequence_parallel:  # the norms run on sequence shards unchanged (contract: partial)
+        plan |= {"attn_drop": shard_dim1_dropout, "mlp_drop": shard_dim1_dropout}
     return plan
 
 
 def apply_plan(root: nn.Module, plan: dict[str, Style], ctx: TPContext) -> None:
     for path, style in plan.items():
-        parent_path, _, name = path.rpartition(".")
-        parent = root.get_submodule(parent_path) if parent_path else root
-        style(parent, name, ctx)
+        style(root, path, ctx)
 
 
 # ---------------------------------------------------------------- the model
 def apply_tensor_parallel(
-    model: nn.Module, mesh: Mesh, comm: Comm, sequence_parallel: bool = False
-) -> nn.Module:
+    model: Transformer, mesh: Mesh, comm: Comm, sequence_parallel: bool = False
+) -> Transformer:
     """Shard `model` (a models.transformer.Transformer) over the mesh's tp axis, in place.
 
     Returns the model. With tp = 1 nothing changes. The loss becomes vocabulary-parallel
@@ -131,22 +123,26 @@ def apply_tensor_parallel(
     check_tensor_parallel(cfg, tp, sequence_parallel)
     if tp == 1:
         return model
-    if isinstance(model.head, ColumnParallelLinear):
+    contract = model.contract
+    if contract.tp_size > 1:
         raise ValueError("apply_tensor_parallel was already applied to this model")
     ctx = TPContext(comm, sequence_parallel)
     plan = block_plan(cfg, sequence_parallel)
-    for block in model.blocks:
-        apply_plan(block, plan, ctx)
+    for part in contract.blocks():
+        apply_plan(model.get_submodule(part.path), plan, ctx)
     _apply_model_level(model, ctx)
+    # Adopting the split contract re-ties the head to the embedding shard (same rows, same
+    # padding) and fails loudly if the plan and the declarations disagree on a shape.
+    model.set_contract(contract.tensor_parallel(mesh.axis_rank("tp"), tp, sequence_parallel))
     return model
 
 
-def _apply_model_level(model: nn.Module, ctx: TPContext) -> None:
-    """Embedding, final norm, head and loss; then re-tie the head to the embedding."""
+def _apply_model_level(model: Transformer, ctx: TPContext) -> None:
+    """Embedding, head and loss (the final norm, replicated, runs unchanged)."""
     cfg: ModelConfig = model.cfg
-    model.embed = ParallelEmbedding(model.embed, ctx.comm, ctx.sequence_parallel)
-    if ctx.sequence_parallel:
-        sequence_partial(model, "norm", ctx)
+    embed = model.embed
+    pos = embed.pos if cfg.pos == "learned" else None
+    model.embed = ParallelEmbedding(embed.tok, pos, embed.drop, ctx.comm, ctx.sequence_parallel)
     model.head = ColumnParallelLinear.from_linear(
         model.head,
         ctx.comm,
@@ -156,4 +152,3 @@ def _apply_model_level(model: nn.Module, ctx: TPContext) -> None:
         tag="tp-head",
     )
     model.loss = VocabParallelCrossEntropy(cfg.vocab_size, ctx.comm)
-    model.tie_weights()  # the head's rows are the embedding shard's rows: same padding

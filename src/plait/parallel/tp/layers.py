@@ -11,8 +11,9 @@ of a block in conjugate ways (Shoeybi et al., 2019, section 3):
 
 A column-parallel layer feeding a row-parallel one needs no communication in between
 (the element-wise nonlinearity works on the slice), so a block costs one all-reduce forward
-and one backward. Layers keep their parameter names (`weight`, `bias`) and record each
-shard's place in `param_shards` (see sharding.py).
+and one backward. Layers keep their parameter names (`weight`, `bias`), so the model's
+contract names the same parameters; each layer keeps its own shards' places (`weight_spec`,
+`bias_spec`), which are the ones the contract declares (`apply.py` checks).
 """
 
 from __future__ import annotations
@@ -85,13 +86,12 @@ class ColumnParallelLinear(nn.Module):
         self.gather_output, self.enter = gather_output, enter
         self.sequence_parallel = sequence_parallel
         what = f"out_features of a column-parallel Linear ({in_features} -> {out_features})"
-        spec = split_spec((out_features, in_features), 0, rank, size, pad, what)
-        self.weight = new_shard(spec, like)
-        self.param_shards = {"weight": spec}
+        self.weight_spec = split_spec((out_features, in_features), 0, rank, size, pad, what)
+        self.weight = new_shard(self.weight_spec, like)
+        self.bias_spec: ShardSpec | None = None
         if bias:
-            bias_spec = split_spec((out_features,), 0, rank, size, pad, what)
-            self.bias = new_shard(bias_spec, like)
-            self.param_shards["bias"] = bias_spec
+            self.bias_spec = split_spec((out_features,), 0, rank, size, pad, what)
+            self.bias = new_shard(self.bias_spec, like)
         else:
             self.register_parameter("bias", None)
 
@@ -106,8 +106,9 @@ class ColumnParallelLinear(nn.Module):
             like=linear.weight,
             **kw,
         )
-        for leaf, param in layer.named_parameters():
-            copy_from_full(param, getattr(linear, leaf), layer.param_shards[leaf])
+        copy_from_full(layer.weight, linear.weight, layer.weight_spec)
+        if linear.bias is not None:
+            copy_from_full(layer.bias, linear.bias, layer.bias_spec)
         return layer
 
     def forward(self, x: Tensor) -> Tensor:
@@ -119,7 +120,7 @@ class ColumnParallelLinear(nn.Module):
         return y
 
     def extra_repr(self) -> str:
-        spec = self.param_shards["weight"]
+        spec = self.weight_spec
         return (
             f"in={self.in_features}, out={self.out_features} (local {spec.shape[0]}), "
             f"bias={self.bias is not None}, gather_output={self.gather_output}, "
@@ -132,7 +133,8 @@ class RowParallelLinear(nn.Module):
 
     Under sequence parallelism the sum is a reduce-scatter along the sequence and the
     output is this rank's (b, s/tp, out) shard. The bias is replicated; under SP each rank
-    adds it to its own positions only, so its gradient is partial (see grads.py).
+    adds it to its own positions only, so its gradient is partial (the contract declares it
+    so: models/declare.py; grads.py sums it).
     """
 
     def __init__(
@@ -154,13 +156,10 @@ class RowParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
         what = f"in_features of a row-parallel Linear ({in_features} -> {out_features})"
-        spec = split_spec((out_features, in_features), 1, rank, size, False, what)
-        self.weight = new_shard(spec, like)
-        self.param_shards = {"weight": spec}
+        self.weight_spec = split_spec((out_features, in_features), 1, rank, size, False, what)
+        self.weight = new_shard(self.weight_spec, like)
         if bias:
             self.bias = nn.Parameter(like.new_empty(out_features))
-            if sequence_parallel:
-                self.tp_partial_grads = ("bias",)
         else:
             self.register_parameter("bias", None)
 
@@ -175,8 +174,9 @@ class RowParallelLinear(nn.Module):
             like=linear.weight,
             **kw,
         )
-        for leaf, param in layer.named_parameters():
-            copy_from_full(param, getattr(linear, leaf), layer.param_shards.get(leaf))
+        copy_from_full(layer.weight, linear.weight, layer.weight_spec)
+        if linear.bias is not None:
+            copy_from_full(layer.bias, linear.bias, None)  # replicated
         return layer
 
     def forward(self, x: Tensor) -> Tensor:
@@ -186,7 +186,7 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias  # (b, s, out) or (b, s/tp, out)
 
     def extra_repr(self) -> str:
-        spec = self.param_shards["weight"]
+        spec = self.weight_spec
         return (
             f"in={self.in_features} (local {spec.shape[1]}), out={self.out_features}, "
             f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}"

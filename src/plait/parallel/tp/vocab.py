@@ -51,14 +51,14 @@ class VocabParallelEmbedding(nn.Module):
         self.comm, self.sequence_parallel, self.tag = comm, sequence_parallel, tag
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         spec = split_spec((num_embeddings, embedding_dim), 0, rank, size, pad=True)
+        self.weight_spec = spec
         self.weight = new_shard(spec, like if like is not None else torch.empty(0))
-        self.param_shards = {"weight": spec}
         self.vocab_start, self.num_local = spec.offsets[0], spec.local_shape[0]
 
     @classmethod
     def from_embedding(cls, emb: nn.Embedding, comm: Comm, **kw) -> VocabParallelEmbedding:
         layer = cls(emb.num_embeddings, emb.embedding_dim, comm, like=emb.weight, **kw)
-        copy_from_full(layer.weight, emb.weight, layer.param_shards["weight"])
+        copy_from_full(layer.weight, emb.weight, layer.weight_spec)
         return layer
 
     def forward(self, tokens: Tensor) -> Tensor:
@@ -71,7 +71,7 @@ class VocabParallelEmbedding(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"{self.num_embeddings}, {self.embedding_dim}, rows [{self.vocab_start}, "
-            f"{self.vocab_start + self.num_local}) + {self.param_shards['weight'].padding} pad"
+            f"{self.vocab_start + self.num_local}) + {self.weight_spec.padding} pad"
         )
 
 
@@ -80,21 +80,25 @@ class ParallelEmbedding(nn.Module):
 
     Under sequence parallelism the lookup arrives as this rank's positions
     [r s/tp, (r+1) s/tp): learned positions and dropout apply to that shard only, the
-    position table's gradient is partial (summed over tp by grads.py) and the dropout mask
-    is the shard's slice of the single-process mask.
+    position table's gradient is partial (the contract says so; grads.py sums it over tp)
+    and the dropout mask is the shard's slice of the single-process mask.
     """
 
-    def __init__(self, embed: nn.Module, comm: Comm, sequence_parallel: bool) -> None:
+    def __init__(
+        self,
+        tok: nn.Embedding,
+        pos: nn.Embedding | None,
+        drop: KeyedDropout,
+        comm: Comm,
+        sequence_parallel: bool,
+    ) -> None:
+        """`tok`, `pos` (None: no learned positions) and `drop` of the model's Embedding."""
         super().__init__()
         (self.rank, self.size), self.sequence_parallel = tp_coords(comm), sequence_parallel
         self.tok = VocabParallelEmbedding.from_embedding(
-            embed.tok, comm, sequence_parallel=sequence_parallel
+            tok, comm, sequence_parallel=sequence_parallel
         )
-        if hasattr(embed, "pos"):
-            self.pos = embed.pos
-            if sequence_parallel:
-                self.pos.tp_partial_grads = ("weight",)
-        drop: KeyedDropout = embed.drop
+        self.pos = pos  # None stays a plain attribute: the names are the model's
         self.drop = ShardedDropout.from_dropout(drop, 1, comm) if sequence_parallel else drop
 
     def forward(self, tokens: Tensor, keys: Tensor | None = None) -> Tensor:
@@ -104,7 +108,7 @@ class ParallelEmbedding(nn.Module):
                 "(sequence parallelism splits every sequence across tp ranks)"
             )
         x = self.tok(tokens)  # (b, s, h), or (b, s/tp, h) under SP
-        if hasattr(self, "pos"):
+        if self.pos is not None:
             s, local = tokens.shape[1], x.shape[1]
             if s > self.pos.num_embeddings:
                 raise ValueError(

@@ -39,6 +39,7 @@ from plait.composition import check_zero
 from plait.errors import ConfigError
 from plait.memory_tracker import MemoryTracker
 from plait.mixed_precision import DynamicLossScaler, Precision, has_inf_or_nan, parse_precision
+from plait.models.contract import contract_of
 from plait.parallel.adamw import ElementwiseOptimizer, clip_segments
 from plait.parallel.grads import SplitGradRules
 from plait.parallel.zero.flat_params import Gatherer, ParamStore, flatten_values
@@ -75,8 +76,7 @@ class ZeroEngine:
         only, and never holds more than one group's shard at a time)."""
         check_zero(stage, offload, str(offload_dir) if offload_dir else None)
         self.precision = parse_precision(precision) if isinstance(precision, str) else precision
-        if stage == 3 and not hasattr(model, "blocks"):
-            raise ConfigError("zero stage 3 gathers per block: the model needs a `blocks` list")
+        contract_of(model)  # groups, gathers and names come from the model's contract
         if scaler is not None and not self.precision.needs_scaler:
             raise ConfigError(f"a loss scaler is for fp16; precision is {self.precision.name}")
         self.scaler = scaler or (DynamicLossScaler() if self.precision.needs_scaler else None)

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from plait.comm import Comm, Handle
 from plait.memory_tracker import MemoryTracker
+from plait.models.contract import contract_of
 from plait.parallel.zero.layout import FlatGroup
 
 
@@ -97,7 +98,7 @@ class Gatherer:
 
     def __init__(self, model: torch.nn.Module, store: ParamStore) -> None:
         self.store = store
-        self.blocks = list(getattr(model, "blocks", []))
+        self.blocks = [model.get_submodule(part.path) for part in contract_of(model).blocks()]
         self.root = len(store.groups) - 1
         self.handles: dict[int, Handle | None] = {}  # gathered groups -> in-flight handle
         self.backward = False

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from plait.models.contract import Part, contract_of
 from plait.models.init import parameter_names
 from plait.parallel.adamw import decays
 
@@ -133,6 +134,12 @@ def assign_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[n
     return [[params[i] for i in run] for run in bucket_runs(sizes, bucket_bytes)]
 
 
+def trainable_params(model: nn.Module, parts: Sequence[Part] | None = None) -> list[nn.Parameter]:
+    """The parameters of `parts` (default: all this rank holds) that train, in registration
+    order, as the model's contract declares them: frozen ones get no group at all."""
+    return [p for e, p in contract_of(model).bind(model, parts) if e.decl.trainable]
+
+
 def block_units(model: nn.Module) -> list[list[nn.Parameter]]:
     """Stage 3's gather units in backward order: the last block first, the root last.
 
@@ -141,15 +148,13 @@ def block_units(model: nn.Module) -> list[list[nn.Parameter]]:
     (a tied embedding is both), so it is gathered around the whole forward and the whole
     backward, as FSDP treats its root module.
     """
-    params = [p for p in model.parameters() if p.requires_grad]
-    blocks = list(getattr(model, "blocks", []))
     units: list[list[nn.Parameter]] = []
     taken: set[int] = set()
-    for block in reversed(blocks):
-        unit = [p for p in block.parameters() if p.requires_grad and id(p) not in taken]
+    for part in reversed(contract_of(model).blocks()):
+        unit = [p for p in trainable_params(model, [part]) if id(p) not in taken]
         taken.update(id(p) for p in unit)
         units.append(unit)
-    units.append([p for p in params if id(p) not in taken])
+    units.append([p for p in trainable_params(model) if id(p) not in taken])
     return units
 
 
@@ -167,14 +172,16 @@ def build_groups(
     Stage 3: one group per block (see `block_units`). Stage 0 shards nothing (one shard);
     stages 1-3 pad each group to a multiple of `world`. Each parameter in `isolate` gets a
     group of its own, after the others: its shard on a rank then depends only on its own
-    size, so two pipeline stages holding copies of a tied embedding shard them alike.
+    size, so two pipeline stages holding copies of a tied embedding shard them alike. A
+    parameter the contract declares frozen is in no group: no gradient, no state, no master.
     """
     names = parameter_names(model)
     alone = {id(p) for p in isolate}
-    params = [p for p in model.parameters() if p.requires_grad and id(p) not in alone]
+    trainable = trainable_params(model)
+    params = [p for p in trainable if id(p) not in alone]
     lists = block_units(model) if stage == 3 else assign_buckets(params, bucket_bytes)
     lists = [[p for p in group if id(p) not in alone] for group in lists]
-    lists += [[p] for p in isolate if p.requires_grad]
+    lists += [[p] for p in isolate if any(p is q for q in trainable)]
     shards, me = (1, 0) if stage == 0 else (world, rank)
     groups = []
     for i, group in enumerate(p for p in lists if p):
