@@ -30,7 +30,6 @@ import common
 from common import gather_objects, max_over_ranks
 from plait.checkpoint import io as ckpt_io
 from plait.checkpoint import store
-from plait.checkpoint.state import state_names
 from plait.config import Config, build_config
 from plait.mesh import build_mesh
 from plait.models.contract import contract_of
@@ -97,7 +96,7 @@ def local_pieces(trainer: Trainer) -> list[tuple[tuple, dict[str, Tensor]]]:
     name, the tensor-parallel rank for a sharded parameter, and the flat range."""
     engine, model = trainer.engine, trainer.model
     specs, tp = param_shard_specs(model), trainer.mesh.coord.tp
-    names = state_names(engine)
+    names = engine.saved_states
     out = []
     for g in engine.groups:
         flat = engine.states.states[g.index]
