@@ -1,5 +1,5 @@
-"""`plait tokenizer train` and `plait data prepare`: the data commands, parsed and run here
-so that cli.py only hands them over."""
+"""`plait tokenizer train` and `plait data prepare`: their flags, progress and summary; the
+work itself is `plait.data` (tokenizer.py, prepare.py)."""
 
 from __future__ import annotations
 

@@ -3,6 +3,18 @@ parameters (stage 3) across the data-parallel ranks (Rajbhandari et al., 2020), 
 precision and CPU/NVMe offload. Stage 0 is plain data parallelism on the same engine: there
 is one bucketed gradient reduction path in plait, `reducer.py`. Import from the modules.
 
+How ZeRO-3 works here, in the order a step meets it: the trainable parameters are laid out
+in flat groups, one per block and one *root* for the rest (embedding, final norm, head),
+`layout.block_units`; each rank keeps only its 1/N slice of every group's buffer, of its
+gradients and of its fp32 master and moments. Before a block's forward a hook all-gathers
+the block's buffer into storage that exists only while it is used, prefetching the next
+block (`flat_params.py`); after the forward the storage is freed, and gathered again before
+the block's backward (the root stays gathered around the whole forward and backward). As each
+block's gradients are complete, a reduce-scatter leaves every rank the sum of its own slice
+(`reducer.py`); the optimizer then updates only that slice (`engine.py`, `master_states.py`),
+and the next forward's gathers bring the updated values. Traffic per step: all-gather 2Ψ and
+reduce-scatter Ψ; model states 16Ψ/N (docs/zero.md measures both).
+
 Files, each one concern:
   layout.py         buckets, flat groups, padding, each rank's shard (pure arithmetic)
   flat_params.py    parameters as views of flat buffers; stage-3 gather/free/prefetch hooks

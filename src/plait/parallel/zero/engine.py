@@ -1,5 +1,5 @@
 """ZeroEngine: data parallelism with ZeRO stage 0-3 sharding, mixed precision and offload,
-behind the step protocol of `DataParallel` plus the optimizer it replaces.
+behind the optimizer-engine surface (`parallel/optimizer_engine.py`) that `plait.step` drives.
 
 One step, in the order the trainer calls it:
 
