@@ -256,3 +256,27 @@ def test_the_rules_catch_what_they_forbid(tmp_path):
         "def f(sub: argparse._SubParsersAction) -> x._Y: ...\n"
     )
     assert private_uses(private) == [1, 2, 3, 4]
+
+
+def readme_layout() -> set[str]:
+    """The files README.md's code layout lists under src/plait/, one line each."""
+    text = (SRC.parents[1] / "README.md").read_text()
+    block = text.split("## Layout of the code", 1)[1].split("```", 2)[1]
+    listed, folder = set(), ""
+    for line in block.splitlines():
+        if not line.startswith("  ") or not line.strip():
+            continue
+        indent, name = len(line) - len(line.lstrip()), line.split()[0]
+        if indent == 2:
+            folder, path = (name, None) if name.endswith("/") else ("", name)
+        else:
+            path = folder + name
+        if path:
+            listed.add(path)
+    return listed
+
+
+def test_every_file_has_its_line_in_the_readme_layout():
+    files = {str(p.relative_to(SRC)) for p in SRC.rglob("*") if p.suffix in (".py", ".toml")}
+    listed = readme_layout()
+    assert (sorted(files - listed), sorted(listed - files)) == ([], [])
