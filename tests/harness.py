@@ -31,7 +31,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-PRELOAD = ["harness", "torch", "torch.distributed", "plait.train", "plait.step"]
+PRELOAD = ["harness", "torch", "torch.distributed", "plait.cli"]  # plait.cli imports the rest
 
 
 def _context() -> mp.context.BaseContext:
