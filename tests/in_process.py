@@ -2,9 +2,9 @@
 
 `plait train ARGS` parses and validates the flags, checks a checkpoint to resume and the
 output folder, then launches the workers, each of which runs `plait.run.run(cfg, mesh)`.
-`train(world, args)` runs that same `plait.cli.main`, with the launch replaced by the same
-per-rank call on the ranks of a harness `World` (started once per module): everything but
-the launcher, without seconds of process start-up per run. tests/test_launch.py tests the
+`train(world, args)` runs that same `plait.cli.main`, with its launch (in `plait.cli.train`)
+replaced by the same per-rank call on the ranks of a harness `World` (started once per
+module): everything but the launcher, without seconds of process start-up per run. tests/test_launch.py tests the
 launcher itself (spawned workers, signals, failures, restarts, torchrun).
 """
 
@@ -17,8 +17,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import plait.cli.train as train_command
 from harness import World
-from plait import cli
+from plait.cli import main
 from plait.config import Config
 from plait.device import resolve_device, threads_per_worker
 from plait.mesh import build_mesh
@@ -59,6 +60,6 @@ def train(world: World, args: list[str]) -> tuple[int, str]:
 
     err = io.StringIO()
     with pytest.MonkeyPatch.context() as patch, redirect_stderr(err):
-        patch.setattr(cli, "launch", launch)
-        code = cli.main(["train", *args])
+        patch.setattr(train_command, "launch", launch)
+        code = main(["train", *args])
     return code, err.getvalue() + "".join(printed)

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import pytest
 
+import plait.cli.train as train_command
 from docs_scratch import scratch_folder, shared_artifacts
-from plait import cli
 from plait.cli import build_parser, main
 from plait.config import Config
 from plait.lessons.runner import check_request
@@ -68,7 +68,7 @@ def artifacts(tmp_path_factory) -> Path:
 def _train_checks(argv: list[str], monkeypatch) -> list[Config]:
     """`plait train ARGV` up to the launch of its workers; returns what it would launch."""
     launched: list[Config] = []
-    monkeypatch.setattr(cli, "launch", launched.append)
+    monkeypatch.setattr(train_command, "launch", launched.append)
     assert main(argv) == 0
     return launched
 
