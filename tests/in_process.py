@@ -4,8 +4,9 @@
 output folder, then launches the workers, each of which runs `plait.run.run(cfg, mesh)`.
 `train(world, args)` runs that same `plait.cli.main`, with its launch (in `plait.cli.train`)
 replaced by the same per-rank call on the ranks of a harness `World` (started once per
-module): everything but the launcher, without seconds of process start-up per run. tests/test_launch.py tests the
-launcher itself (spawned workers, signals, failures, restarts, torchrun).
+module): everything but the launcher, without seconds of process start-up per run.
+tests/test_launch.py tests the launcher itself (spawned workers, signals, failures,
+restarts, torchrun).
 """
 
 from __future__ import annotations
