@@ -4,6 +4,12 @@ Starting processes and a process group costs seconds here, so a `World` keeps it
 alive and feeds them functions (importable, module-level) to run on every rank. A check that
 raises on any rank fails the test with that rank's traceback; a check that outlives its
 timeout kills the world (the next check starts a fresh one) instead of hanging the suite.
+
+Workers are forked from a fork server that imported torch and plait once for the whole
+session (`multiprocessing`'s 'forkserver' start method with a preload): a fresh interpreter
+per worker ('spawn') spent seconds of every world's start importing them again. Each world
+is still new processes, none sharing state with the test process or an earlier world (the
+server itself never runs torch: it only imports).
 """
 
 from __future__ import annotations
@@ -23,6 +29,16 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+PRELOAD = ["harness", "torch", "torch.distributed", "plait.cli"]  # plait.cli imports the rest
+
+
+def _context() -> mp.context.BaseContext:
+    """The fork server's context; the first call (per test session) names what it preloads."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
 
 
 def _serve(rank: int, world: int, port: int, tasks: mp.Queue, results: mp.Queue) -> None:
@@ -57,7 +73,7 @@ class World:
         self._start()
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         port = _free_port()
         self._tasks = [ctx.Queue() for _ in range(self.n)]
         self._results = ctx.Queue()

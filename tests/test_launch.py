@@ -1,10 +1,18 @@
-"""End to end through the real command: local spawn, torchrun, and failure on one rank."""
+"""End to end through the real command and launcher: local spawn, torchrun, signals, and
+failure on one rank.
+
+The launcher is what these tests test, so each runs `plait train` as a process of its own
+and one run is checked for every property it shows. What follows a launched run and does
+not depend on the launcher (a resumed run continuing the losses) runs in process on a
+harness world (tests/in_process.py); so do the tests of what a run writes
+(test_train_command.py). A signal is sent at a phase the test observes (a metrics row
+written, the launcher's marker that it passed a first signal on), never after a fixed time.
+"""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -14,13 +22,10 @@ from pathlib import Path
 
 import pytest
 
+import in_process
+from in_process import TINY
+from phases import pause_env, release, wait_for_phase
 from plait.checkpoint import store
-
-TINY = [
-    "--model", "tiny-gpt", "--dp", "2", "--steps", "4", "--seq-len", "32",
-    "--global-batch", "4", "--micro-batch", "1", "--eval-batches", "1", "--eval-every", "2",
-    "--max-bytes", "200000", "--no-progress",
-]  # fmt: skip
 
 
 def _plait(args: list[str], env: dict | None = None, launcher: list[str] | None = None):
@@ -84,30 +89,45 @@ def test_train_dp2_writes_metrics_and_summary(plain):
     assert "unigram baseline" in proc.stderr
 
 
-def test_failure_on_one_rank_stops_all_with_its_traceback(tmp_path):
+def test_failure_on_one_rank_stops_all_and_its_unfinished_save_is_skipped(world2, tmp_path):
+    """Rank 1 dies while the step-4 checkpoint is written: every rank stops, the launcher
+    exits 1 with rank 1's traceback, no worker and no temporary file is left; what rank 0
+    wrote before the failure is on disk, line by line. The step-4 folder is never committed,
+    and --resume latest continues from step 2 with a warning."""
     marker = f"PLAIT_TEST_MARK_{uuid.uuid4().hex}"
     temp = tmp_path / "temp"  # the run's temporary folder: nothing may be left in it
     temp.mkdir()
-    env = {"PLAIT_FAULT": "1:2", marker: "1", "TMPDIR": str(temp)}
-    proc = _plait(["--out", str(tmp_path / "run")], env=env)
+    out = tmp_path / "cut"
+    env = {"PLAIT_FAULT": "1:save-4", marker: "1", "TMPDIR": str(temp)}
+    proc = _plait(["--out", str(out), "--save-every", "2"], env=env)
     assert proc.returncode == 1
     assert "a worker failed; all ranks stopped" in proc.stderr
     assert "rank 1 failed first" in proc.stderr
-    assert "injected fault (PLAIT_FAULT=1:2) on rank 1 at step 2" in proc.stderr
+    assert "injected fault (PLAIT_FAULT=1:save-4) on rank 1 at step save-4" in proc.stderr
     assert "Traceback" in proc.stderr
     assert _processes_with(marker) == []  # no orphan worker left behind
     left = [p.name for p in temp.iterdir() if p.name != "torchinductor_root"]  # torch's cache
     assert left == []  # no pytorch-errorfile-*, no plait-errors-* folder
-    # what rank 0 wrote before the failure is on disk, line by line
-    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2
+    assert not (out / "checkpoints" / "step-4" / "COMMITTED").exists()
+    before = _losses(out)
+    assert len(before) == 3  # steps 0-2, written line by line; step 3's waits for its save
+    code, err = in_process.train(world2, [*TINY, "--out", str(out), "--resume", "latest",
+                                          "--steps", "6"])  # fmt: skip
+    assert code == 0, err
+    assert "step-4: the save did not finish" in err
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5]
+    assert _losses(out)[:2] == before[:2]  # the rows before the checkpoint are kept
 
 
-def _start(args: list[str], marker: str, launcher: list[str] | None = None) -> subprocess.Popen:
+def _start(
+    args: list[str], marker: str, launcher: list[str] | None = None, env: dict | None = None
+) -> subprocess.Popen:
     cmd = (launcher or [sys.executable, "-m", "plait.cli"]) + ["train", *TINY, *CONSTANT_LR]
     cmd += args
     return subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, marker: "1"}, start_new_session=True,
+        env={**os.environ, marker: "1", **(env or {})}, start_new_session=True,
     )  # fmt: skip
 
 
@@ -128,11 +148,11 @@ def _signal_after_rows(proc: subprocess.Popen, metrics: Path, send) -> str:
 @pytest.mark.parametrize(
     ("signum", "group"), [(signal.SIGINT, True), (signal.SIGTERM, False)], ids=["ctrl-c", "term"]
 )
-def test_a_signal_ends_the_step_saves_and_exits(signum, group, plain, tmp_path):
+def test_a_signal_ends_the_step_saves_and_exits(signum, group, plain, world2, tmp_path):
     """Ctrl-C (SIGINT to the whole group) or SIGTERM to the launcher alone: every rank finishes
     its step, a checkpoint is written, one line says where, the exit code is 128 + signal;
-    no worker is left, every metrics line is whole, and the run resumes from there with the
-    losses of a run never stopped."""
+    no worker is left, every metrics line is whole, and the run resumes from there (in
+    process) with the losses of a run never stopped."""
     marker = f"PLAIT_TEST_MARK_{uuid.uuid4().hex}"
     run = tmp_path / "run"
     proc = _start(["--steps", "100000", "--out", str(run)], marker)
@@ -146,22 +166,29 @@ def test_a_signal_ends_the_step_saves_and_exits(signum, group, plain, tmp_path):
     assert "plait: stopped by " in err and f"after step {done}; checkpoint " in err
     assert (run / "checkpoints" / f"step-{done}" / "COMMITTED").exists()
     steps = ["--steps", str(done + 1), *CONSTANT_LR]
-    resumed = _plait(["--out", str(run), "--resume", "latest", *steps])
-    assert resumed.returncode == 0, resumed.stderr
+    code, resumed = in_process.train(world2, [*TINY, "--out", str(run), "--resume", "latest",
+                                              *steps])  # fmt: skip
+    assert code == 0, resumed
     assert len(_losses(run)) == done + 1
     assert _losses(run) == _losses(plain[1])[: done + 1]  # bitwise: same layout
 
 
 def test_a_second_signal_stops_at_once(tmp_path):
     """SIGTERM twice to the launcher: no waiting for the step or the save; every worker ends,
-    no traceback, and no checkpoint of that moment is ever taken for a finished one."""
+    no traceback, and no checkpoint of that moment is ever taken for a finished one. The
+    second is sent once the launcher has passed the first on (it pauses there for the
+    test): two signals sent too close together arrive as one."""
     marker = f"PLAIT_TEST_MARK_{uuid.uuid4().hex}"
-    proc = _start(["--steps", "100000", "--out", str(tmp_path)], marker)
+    pause = tmp_path / "pause"
+    pause.mkdir()
+    env = pause_env("forwarded", pause)
+    proc = _start(["--steps", "100000", "--out", str(tmp_path)], marker, env=env)
 
     def twice() -> None:
         proc.send_signal(signal.SIGTERM)
-        time.sleep(0.05)
+        wait_for_phase(pause, "forwarded", ["launcher"], proc)
         proc.send_signal(signal.SIGTERM)
+        release(pause, "forwarded")
 
     err = _signal_after_rows(proc, tmp_path / "metrics.jsonl", twice)
     assert proc.returncode == 143, err
@@ -195,67 +222,6 @@ def test_torchrun_world_must_match_layout(tmp_path):
     assert "world size 1 != dp*pp*tp = 2*1*1 = 2" in proc.stderr
 
 
-def test_pipeline_trace_chart_and_measured_bubble(tmp_path):
-    proc = _plait(["--out", str(tmp_path), "--dp", "1", "--pp", "2", "--microbatches", "4",
-                   "--schedule", "gpipe", "--trace"])  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    name = "pipeline-gpipe-p2-m4-v1"
-    trace = json.loads((tmp_path / f"{name}.trace.json").read_text())
-    computes = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["name"][0] in "FB"]
-    assert len(computes) == 2 * 2 * 4  # F and B of 4 micro-batches on each of 2 ranks
-    assert (tmp_path / f"{name}.png").stat().st_size > 0
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert 0 < summary["pipeline"]["measured_bubble"] < 1
-    assert summary["pipeline"]["simulated_bubble"] > 0
-    assert "pipeline bubble (gpipe)" in proc.stderr
-
-
-def test_asynchronous_2bw_with_tensor_parallelism_from_the_command_line(tmp_path):
-    proc = _plait(["--out", str(tmp_path), "--dp", "1", "--pp", "2", "--microbatches", "2",
-                   "--schedule", "2bw", "--tp", "2", "--sequence-parallel"])  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1, 2, 3]
-    assert "val_loss" in rows[-1]
-    assert [r.get("drain", False) for r in rows] == [False, False, True, True]  # after the pipe
-    assert f"checkpoint {tmp_path}/checkpoints/step-4:" in proc.stderr  # both versions
-
-
-def test_zero_with_pipeline_and_fp16_from_the_command_line(tmp_path):
-    proc = _plait(["--out", str(tmp_path), "--dp", "1", "--pp", "2", "--microbatches", "4",
-                   "--schedule", "zb-h1", "--zero", "1", "--precision", "fp16"])  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1, 2, 3]
-    assert all(r["loss_scale"] == 2.0**16 and not r["step_skipped"] for r in rows)
-    assert rows[-1]["loss"] < rows[0]["loss"]
-
-
-def test_save_then_resume_in_another_layout_from_the_command_line(tmp_path):
-    """dp2 ZeRO-2 saves at steps 2 and 4; the step-4 checkpoint is dropped as if the run had
-    been killed after step 2's; `--resume latest` under tp2 + SP continues the metrics."""
-    out = str(tmp_path)
-    first = _plait(["--out", out, "--zero", "2", "--save-every", "2"])
-    assert first.returncode == 0, first.stderr
-    assert f"checkpoint {out}/checkpoints/step-2:" in first.stderr
-    full = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert "checkpoint_bytes" in full[1] and "checkpoint_s" in full[1]
-    shutil.rmtree(tmp_path / "checkpoints" / "step-4")
-    again = _plait(["--out", out])
-    assert again.returncode == 2 and "--resume latest to continue it" in again.stderr
-    resumed = _plait(["--out", out, "--dp", "1", "--tp", "2", "--sequence-parallel",
-                      "--global-batch", "4", "--resume", "latest"])  # fmt: skip
-    assert resumed.returncode == 0, resumed.stderr
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1, 2, 3]
-    assert rows[:2] == full[:2]  # kept as written
-    for mine, theirs in zip(rows[2:], full[2:], strict=True):
-        assert abs(mine["loss"] - theirs["loss"]) <= 1e-5 * theirs["loss"]
-    changed = _plait(["--out", out, "--resume", "latest", "--seq-len", "16", "--steps", "8"])
-    assert changed.returncode == 2
-    assert "saved with train.seq_len=32; this run asks for 16" in changed.stderr
-
-
 @pytest.mark.parametrize("launcher", ["plait", "torchrun"])
 def test_a_killed_rank_restarts_from_the_newest_checkpoint(launcher, plain, tmp_path):
     """Rank 1 dies at step 3 after the step-2 checkpoint; with --max-restarts 1 the world
@@ -274,19 +240,3 @@ def test_a_killed_rank_restarts_from_the_newest_checkpoint(launcher, plain, tmp_
     assert _losses(out) == _losses(plain[1])[:4]  # bitwise: same layout
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["restarts"], summary["world_size"]) == (1, 2)
-
-
-def test_a_save_cut_short_leaves_the_previous_checkpoint(tmp_path):
-    """Rank 1 dies while the step-4 checkpoint is written: that folder is never committed,
-    and --resume latest continues from step 2 with a warning."""
-    out = tmp_path / "cut"
-    proc = _plait(["--out", str(out), "--save-every", "2"], env={"PLAIT_FAULT": "1:save-4"})
-    assert proc.returncode == 1 and "injected fault (PLAIT_FAULT=1:save-4)" in proc.stderr
-    assert not (out / "checkpoints" / "step-4" / "COMMITTED").exists()
-    before = _losses(out)  # steps 0-2: step 3's row waits for its checkpoint
-    resumed = _plait(["--out", str(out), "--resume", "latest", "--steps", "6"])
-    assert resumed.returncode == 0, resumed.stderr
-    assert "step-4: the save did not finish" in resumed.stderr
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5]
-    assert _losses(out)[:2] == before[:2]  # the rows before the checkpoint are kept

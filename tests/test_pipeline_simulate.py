@@ -23,7 +23,7 @@ from plait.schedule.schedules import (
     zb_h1,
 )
 from plait.schedule.simulate import Costs, measure, predicted_bubble, simulate
-from test_schedules import grid
+from schedule_grid import grid
 
 
 def unit(v: int = 1) -> Costs:

@@ -123,14 +123,25 @@ def test_terms_sum_to_the_total():
 
 
 def test_calibrated_profile_carries_the_optimizer_probe(tmp_path):
+    import torch
+
     from plait.calibrate import _optimizer_s_per_element, profile_of
+    from plait.device import threads_per_worker
     from plait.plan.hardware import load_hardware, save_hardware
 
     class Alone:  # a one-rank stand-in for the calibration world's Comm
         def barrier(self) -> None:
             pass
 
-    per_element = _optimizer_s_per_element(Alone(), repeats=2, n=2**14)
+    # With a calibrate worker's share of the cores (two ranks: threads_per_worker(2)), not
+    # all of them: torch's threads spin-wait for each other when another process holds a
+    # core, which on a loaded machine made this probe a hundred times slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads_per_worker(2))
+    try:
+        per_element = _optimizer_s_per_element(Alone(), repeats=2, n=2**14)
+    finally:
+        torch.set_num_threads(threads)
     assert 0 < per_element < 1e-6  # element-wise kernels: nanoseconds per element here
     rows = [(op, 2, b, 1e-4 + b / 1e9) for op in ("all_reduce", "all_gather", "reduce_scatter",
                                                  "p2p") for b in (4096, 2**20)]  # fmt: skip
@@ -173,21 +184,25 @@ def test_calibrate_refuses_what_it_cannot_write_before_measuring(tmp_path, capsy
 
 def test_ctrl_c_stops_calibrate_and_every_rank(tmp_path):
     """Ctrl-C reaches the whole group: the workers ignore it, the parent stops them all,
-    says so in one line, exits 130 and writes nothing."""
+    says so in one line, exits 130 and writes nothing. The Ctrl-C is sent once both workers
+    ignore it (they pause at the 'calibrate' phase), not after a fixed time: a worker still
+    importing would take it as a KeyboardInterrupt."""
     import os
     import signal
     import subprocess
     import sys
-    import time
+
+    from phases import pause_env, wait_for_phase
 
     out = tmp_path / "hw.toml"
     proc = subprocess.Popen(
         [sys.executable, "-m", "plait.cli", "calibrate", "--ranks", "2", "--out", str(out)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        env={**os.environ, **pause_env("calibrate", tmp_path)},
     )  # fmt: skip
     try:
-        time.sleep(5)  # the workers are measuring
+        wait_for_phase(tmp_path, "calibrate", ["rank0", "rank1"], proc)
         os.killpg(proc.pid, signal.SIGINT)
         err = proc.communicate(timeout=60)[1]
     finally:

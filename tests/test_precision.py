@@ -4,7 +4,8 @@ The emulated reference is the textbook recipe written out per parameter with no 
 machinery: a 16-bit compute model, fp32 master weights with torch's AdamW, gradients
 converted to the reduction dtype, divided by dp and all-reduced, unscaled into fp32 master
 gradients; the masters rounded back into the compute model after each step. Every ZeRO
-stage must reproduce it bit for bit (no clipping: its norm is summed in another order).
+stage, trained by the production step (`Trainer.train_step`), must reproduce it bit for bit
+(no clipping: its norm is summed in another order).
 """
 
 from __future__ import annotations
@@ -19,12 +20,10 @@ from plait.mesh import build_mesh
 from plait.mixed_precision import DynamicLossScaler, LossScaleError, has_inf_or_nan, parse_precision
 from plait.models.dropout import sample_keys
 from plait.optim import build_optimizer, lr_at, set_lr
-from plait.parallel.adamw import AdamW
-from plait.parallel.grads import SplitGradRules, clip_coef
 from plait.parallel.zero.engine import ZeroEngine
 from plait.train import build_model
 from reference import corpus_for
-from test_zero_helpers import run, zero_config
+from zero_helpers import after_finish, record, zero_config, zero_trainer
 
 # ---------------------------------------------------------------- pure
 
@@ -113,30 +112,27 @@ def _emulate(cfg, corpus, precision: str, reduce: str | None, scaler: DynamicLos
     return losses, scales, {n: p.detach().clone() for n, p in master.named_parameters()}
 
 
+def _start_scaler(scaler: DynamicLossScaler, scale: float, window: int) -> None:
+    """Give the engine's fp16 scaler, before its first step, a start that moves within a
+    few steps (the default's window is 2000 steps)."""
+    scaler.scale, scaler.window = scale, window
+
+
 def _against_emulation(precision: str, reduce: str | None, stages: list[int]) -> dict:
     cfg = zero_config(steps=6)
     cfg.train.grad_clip = 0.0
     corpus = corpus_for(cfg)
     fp16 = precision == "fp16"
-
-    def scaler():
-        return DynamicLossScaler(scale=2.0**14, window=3) if fp16 else None
-
-    ref_scaler = scaler()
+    ref_scaler = DynamicLossScaler(scale=2.0**14, window=3) if fp16 else None
     losses, scales, masters = _emulate(cfg, corpus, precision, reduce, ref_scaler)
     dtypes = {}
     for stage in stages:
-        eng_scaler = scaler()
-        got = run(
-            cfg,
-            corpus,
-            "zero",
-            stage=stage,
-            precision=parse_precision(precision, reduce),
-            scaler=eng_scaler,
-        )
-        assert got["losses"] == losses, stage
-        engine: ZeroEngine = got["adapter"].engine
+        trainer = zero_trainer(cfg, corpus, stage, precision=precision, reduce=reduce)
+        engine: ZeroEngine = trainer.engine
+        if fp16:
+            _start_scaler(engine.scaler, 2.0**14, 3)
+        got = record(trainer)
+        assert got.losses == losses, stage
         full = {}
         for piece in engine.state_dict()["pieces"]:
             full.setdefault(piece.name, []).append(piece)
@@ -144,18 +140,18 @@ def _against_emulation(precision: str, reduce: str | None, stages: list[int]) ->
             flat = masters[name].reshape(-1)
             for p in pieces:
                 assert torch.equal(p.tensors["master"], flat[p.start : p.start + p.length]), name
-        for name, value in got["params"].items():  # compute copies = rounded masters
+        for name, value in got.params.items():  # compute copies = rounded masters
             assert torch.equal(value, masters[name].to(engine.precision.param_dtype).float())
         if fp16:
-            assert eng_scaler.state_dict() == ref_scaler.state_dict()
+            assert engine.scaler.state_dict() == ref_scaler.state_dict()
         dtypes[stage] = sorted(
             {
                 (row["op"], row["tag"], row["dtype"])
-                for row in got["stats"][-1]
+                for row in got.stats[-1]
                 if row["tag"] in ("grad", "params")
             }
         )
-        got["adapter"].close()
+        trainer.close()
     return {"dtypes": dtypes, "scales": scales}
 
 
@@ -180,41 +176,31 @@ def test_engine_equals_emulated_mixed_precision(world2, precision, reduce, dtype
 
 
 def _overflow(stage: int) -> dict:
-    """fp16 steps on a fixed batch; rank 1 plants an inf in its own gradient shard."""
+    """fp16 steps of the Trainer; at the steps asked, rank 1 plants an inf in its own
+    gradient shard once the step's reduction has finished."""
     cfg = zero_config()
-    corpus = corpus_for(cfg)
-    mesh = build_mesh(cfg.parallel.layout, torch.device("cpu"), 60)
-    model = build_model(cfg.model, mesh.device, cfg.train.seed)
-    scaler = DynamicLossScaler(scale=256.0, window=2)
-    engine = ZeroEngine(
-        model,
-        Comm(mesh),
-        AdamW.from_train(cfg.train),
-        stage=stage,
-        precision="fp16",
-        bucket_mb=0.02,
-        scaler=scaler,
-    )
-    x, y = corpus.train.batch(torch.arange(2) + 2 * mesh.rank)
+    cfg.train.grad_clip = 1.0
+    trainer = zero_trainer(cfg, corpus_for(cfg), stage, precision="fp16")
+    engine, rank = trainer.engine, trainer.mesh.rank
+    scaler = engine.scaler
+    _start_scaler(scaler, 256.0, 2)
+    out: dict = {}
+
+    def plant(inject: bool) -> None:
+        if inject and rank == 1:
+            engine.grad_shards()[-1][0] = float("inf")  # this rank's shard only
+        out["local_inf"] = bool(has_inf_or_nan(engine.grad_shards(), trainer.mesh.device))
 
     def step(inject: bool) -> bool:
-        engine.micro_batch(is_last=True)
-        engine.scale_loss(model(x, y)).backward()
-        engine.finish()
-        if inject and mesh.rank == 1:
-            engine.grad_shards()[-1][0] = float("inf")  # this rank's shard only
-        out["local_inf"] = bool(has_inf_or_nan(engine.grad_shards(), mesh.device))
-        engine.clip(clip_coef(engine.grad_norm(SplitGradRules.of(model, mesh)), 1.0))
-        stepped = engine.step(1e-3)
-        engine.zero_grad()
-        return stepped
+        with after_finish(engine, lambda: plant(inject)):
+            trainer.train_step()
+        return not engine.last_step_skipped
 
     def snapshot():
         with engine.unsharded():
-            params = [p.detach().clone() for p in model.parameters()]
+            params = [p.detach().clone() for p in trainer.model.parameters()]
         return params, engine.state_dict()["pieces"]
 
-    out: dict = {}
     out.update(first=step(False), scale_before=scaler.scale)
     params, states = snapshot()
     out["skipped"] = not step(True)
@@ -231,7 +217,7 @@ def _overflow(stage: int) -> dict:
     with pytest.raises(LossScaleError) as info:
         step(True)
     out["error"] = str(info.value)
-    engine.close()
+    trainer.close()
     return out
 
 

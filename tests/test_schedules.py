@@ -22,17 +22,7 @@ from plait.schedule.schedules import (
 )
 from plait.schedule.simulate import simulate
 from plait.schedule.validate import ScheduleError, validate
-
-
-def grid(name: str):
-    """(p, m, v) for the validator grid: p 1..5, m p..3p; interleaved p >= 2, m | p, v 2..3."""
-    for p in range(1, 6):
-        for m in range(p, 3 * p + 1):
-            if name != "interleaved":
-                yield p, m, 1
-            elif p >= 2 and m % p == 0:
-                yield from ((p, m, v) for v in (2, 3))
-
+from schedule_grid import grid
 
 _TOKEN = re.compile(r"(SEND_F|RECV_F|SEND_B|RECV_B|F|B|W)(\d+)\.(\d+)(?:[<>](\d+))?$")
 

@@ -16,8 +16,7 @@ import torch
 from plait.estimate.formulas import zero_comm_elements, zero_model_state_bytes
 from plait.mixed_precision import parse_precision
 from reference import corpus_for
-from test_zero_helpers import run, zero_config
-from test_zero_parity import _parity
+from zero_helpers import parity, train, zero_config
 
 N = 4
 BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
@@ -25,7 +24,7 @@ BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 
 def test_stages_match_stage0_on_four_ranks_uneven(world4):
     results = world4.run(
-        _parity, [1, 2, 3], exact=False, clip=1.0, dp=N, accum=2, d_model=45, n_heads=3
+        parity, [1, 2, 3], exact=False, clip=1.0, dp=N, accum=2, d_model=45, n_heads=3
     )
     assert all(results[0][s]["padding"] > 0 for s in (1, 2, 3))
     for stage in (1, 2, 3):  # the four ranks' shards partition the parameters exactly
@@ -33,13 +32,14 @@ def test_stages_match_stage0_on_four_ranks_uneven(world4):
 
 
 def _measure(precision: str, accum: int) -> dict:
-    """One short run per stage: persistent bytes by category, peaks, last step's traffic."""
+    """One short run per stage through the Trainer: persistent bytes by category, peaks,
+    last step's traffic."""
     cfg = zero_config(dp=N, accum=accum, steps=2, n_layers=4, d_model=45, n_heads=3)
     corpus = corpus_for(cfg)
     out = {}
     for stage in (0, 1, 2, 3):
-        got = run(cfg, corpus, "zero", stage=stage, precision=precision)
-        engine = got["adapter"].engine
+        got, trainer = train(cfg, corpus, stage, precision=precision)
+        engine = trainer.engine
         mem = engine.memory
         cats = ("parameters", "gradients", "master_weights", "optimizer_states")
         groups = engine.groups
@@ -49,18 +49,18 @@ def _measure(precision: str, accum: int) -> dict:
             "psi": sum(g.numel for g in groups),
             "psi_padded": sum(g.padded for g in groups),
             "peak": {
-                c: got["memory"][-1]["peak"]["device"][c] for c in ("parameters", "comm_buffers")
+                c: got.memory[-1]["peak"]["device"][c] for c in ("parameters", "comm_buffers")
             },
             "largest_group": max(g.padded for g in groups),
             "group_sizes": [g.padded for g in groups],
             "root_group": groups[-1].padded,
             "traffic": {
                 (r["op"], r["dtype"]): r["elements"]
-                for r in got["stats"][-1]
+                for r in got.stats[-1]
                 if r["tag"] in ("grad", "params")
             },
         }
-        got["adapter"].close()
+        trainer.close()
     return out
 
 

@@ -1,6 +1,8 @@
 """ZeRO stages 1-3 train exactly like stage 0 (DataParallel + torch AdamW), in fp32.
 
-The reference and the engine run in the same worker, one after the other, on the same data.
+The reference (zero_helpers.reference: the plain loop, per-parameter all-reduce, torch
+AdamW) and the engine, trained by the production step (`Trainer.train_step`), run in the
+same worker, one after the other, on the same data.
 
 Bitwise: without gradient clipping, every stage computes each element by the same sum and
 the same AdamW arithmetic as stage 0, so loss, gradients and parameters are *equal*,
@@ -27,13 +29,16 @@ import torch
 from plait.parallel.zero.layout import FlatGroup, padded_size
 from plait.parallel.zero.state_dict import assemble
 from reference import corpus_for
-from test_zero_helpers import run, zero_config
-
-RTOL = 1e-6
-PARAM_ATOL = 1e-5
-PARAM_REL_L2 = 1e-5
-NOISE_PARAMS = ("attn.wk.bias",)  # all noise: only the absolute bound applies
-
+from zero_helpers import (
+    EngineStep,
+    parity,
+    record,
+    reference,
+    train,
+    with_zero,
+    zero_config,
+    zero_trainer,
+)
 
 # -------------------------------------------------------- pure: layout (AdamW: test_adamw.py)
 
@@ -69,53 +74,9 @@ def test_decay_segments_are_the_matrices_of_the_shard():
 
 
 # ---------------------------------------------------------------- multi-rank parity
-
-
-def _compare(ref: dict, got: dict, exact: bool) -> None:
-    """Loss and norm per step, this rank's gradient pieces, final parameters (module doc)."""
-    if exact:
-        assert got["losses"] == ref["losses"]  # the norm is summed in another order
-    close = dict(rtol=RTOL, atol=0.0)
-    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), **close)
-    torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(ref["norms"]), **close)
-    for step, (rg, gg) in enumerate(zip(ref["grads"], got["grads"], strict=True)):
-        assert gg
-        for (name, start), piece in gg.items():
-            expect = rg[name][start : start + piece.numel()]
-            if exact:
-                assert torch.equal(piece, expect), f"step {step} grad {name}[{start}:]"
-            elif step == 0:
-                atol = RTOL * float(rg[name].abs().max())
-                torch.testing.assert_close(piece, expect, rtol=RTOL, atol=atol)
-    for name, expect in ref["params"].items():
-        value = got["params"][name]
-        if exact:
-            assert torch.equal(value, expect), name
-        torch.testing.assert_close(value, expect, rtol=0.0, atol=PARAM_ATOL, msg=name)
-        if not name.endswith(NOISE_PARAMS):
-            assert float((value - expect).norm() / expect.norm()) <= PARAM_REL_L2, name
-
-
-def _parity(stages: list[int], exact: bool, clip: float, **kw) -> dict:
-    """Stage 0 once, then each stage in `stages`; returns padding and the covered elements."""
-    cfg = zero_config(**kw)
-    cfg.train.grad_clip = clip
-    corpus = corpus_for(cfg)
-    ref = run(cfg, corpus, "dp")
-    ref["adapter"].close()
-    out = {}
-    for stage in stages:
-        got = run(cfg, corpus, "zero", stage=stage)
-        _compare(ref, got, exact)
-        engine = got["adapter"].engine
-        out[stage] = {
-            "padding": sum(g.padding for g in engine.groups),
-            "groups": len(engine.groups),
-            "elements": sum(p.length for p in engine.state_dict()["pieces"]),
-        }
-        got["adapter"].close()
-    out["numel"] = sum(p.numel() for p in ref["params"].values())
-    return out
+# Every engine run below goes through the production step (`Trainer.train_step`, or
+# `plait.step.Step` over a test-built engine where no config field carries the option);
+# the reference is the plain data-parallel loop (zero_helpers.reference).
 
 
 BITWISE = [
@@ -128,7 +89,7 @@ BITWISE = [
 
 @pytest.mark.parametrize("case", BITWISE, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 def test_bitwise_equal_without_clipping(world2, case):
-    results = world2.run(_parity, [1, 2, 3], exact=True, clip=0.0, **case)
+    results = world2.run(parity, [1, 2, 3], exact=True, clip=0.0, **case)
     for stage in (1, 2, 3):  # the two ranks' shards partition the parameters exactly
         assert sum(r[stage]["elements"] for r in results) == results[0]["numel"]
     assert results[0][3]["groups"] == 3  # stage 3: two blocks and the root
@@ -137,7 +98,7 @@ def test_bitwise_equal_without_clipping(world2, case):
 
 
 def test_stage1_bitwise_with_accumulation(world2):
-    world2.run(_parity, [1], exact=True, clip=0.0, accum=3)
+    world2.run(parity, [1], exact=True, clip=0.0, accum=3)
 
 
 CASES_2 = [
@@ -149,7 +110,7 @@ CASES_2 = [
 
 @pytest.mark.parametrize("case", CASES_2, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 def test_stages_match_stage0_with_clipping_and_accumulation(world2, case):
-    world2.run(_parity, [1, 2, 3], exact=False, clip=1.0, **case)
+    world2.run(parity, [1, 2, 3], exact=False, clip=1.0, **case)
 
 
 # ---------------------------------------------------------------- state per parameter
@@ -161,20 +122,14 @@ def _states(stage: int, bucket_mb: float, load: dict | None = None) -> dict:
     corpus = corpus_for(cfg)
     out = {}
     if load is None:
-        ref = run(cfg, corpus, "dp")
-        opt = ref["adapter"].opt
-        out["torch"] = {
-            n: {"master": p.detach().clone(), **{k: v.clone() for k, v in opt.state[p].items()}}
-            for n, p in ref["adapter"].model.named_parameters()
-        }
-        ref["adapter"].close()
-    got = run(cfg, corpus, "zero", stage=stage, bucket_mb=bucket_mb, steps=0 if load else 4)
-    engine = got["adapter"].engine
-    if load is not None:
-        engine.load_state_dict({"params": load, "step": 4})
-        out["params"] = got["adapter"].params()
-    out["pieces"] = engine.state_dict()["pieces"]
-    got["adapter"].close()
+        out["torch"] = reference(cfg, corpus).optimizer
+        trainer = train(cfg, corpus, stage, bucket_mb=bucket_mb)[1]
+    else:
+        trainer = zero_trainer(cfg, corpus, stage, bucket_mb=bucket_mb)
+        trainer.engine.load_state_dict({"params": load, "step": 4})
+        out["params"] = record(trainer, steps=0).params
+    out["pieces"] = trainer.engine.state_dict()["pieces"]
+    trainer.close()
     return out
 
 
@@ -202,30 +157,29 @@ def test_state_per_parameter_reassembles_and_reloads_under_another_layout(world2
 
 
 def _offload(stage: int, precision: str, directory: str) -> dict:
-    """CPU and NVMe offload against no offload: the same numbers, bit for bit."""
+    """CPU and NVMe offload against no offload: the same numbers, bit for bit. NVMe with a
+    sub-group of 0.01 MiB (many of them), which no config field sets: its engine is built
+    here and run by the production step (zero_helpers.EngineStep)."""
     cfg = zero_config(accum=2, steps=6)
     corpus = corpus_for(cfg)
-    common = dict(stage=stage, precision=precision)
     runs = {
-        "none": run(cfg, corpus, "zero", **common),
-        "cpu": run(cfg, corpus, "zero", offload="cpu", **common),
-        "nvme": run(
-            cfg, corpus, "zero", offload="nvme", offload_dir=directory, sub_group_mb=0.01, **common
-        ),
+        "none": train(cfg, corpus, stage, precision=precision),
+        "cpu": train(cfg, corpus, stage, precision=precision, offload="cpu"),
     }
-    base = runs["none"]
-    base_states = base["adapter"].engine.state_dict()["pieces"]
+    nvme = with_zero(cfg, stage, precision, offload="nvme", offload_dir=directory)
+    nvme_step = EngineStep(nvme, corpus, sub_group_mb=0.01)
+    runs["nvme"] = record(nvme_step), nvme_step
+    base, base_trainer = runs["none"]
+    base_states = base_trainer.engine.state_dict()["pieces"]
     for kind in ("cpu", "nvme"):
-        got = runs[kind]
-        assert got["losses"] == base["losses"] and got["norms"] == base["norms"], kind
-        for name, value in base["params"].items():
-            assert torch.equal(got["params"][name], value), (kind, name)
-        for mine, theirs in zip(
-            got["adapter"].engine.state_dict()["pieces"], base_states, strict=True
-        ):
+        got, trainer = runs[kind]
+        assert got.losses == base.losses and got.norms == base.norms, kind
+        for name, value in base.params.items():
+            assert torch.equal(got.params[name], value), (kind, name)
+        for mine, theirs in zip(trainer.engine.state_dict()["pieces"], base_states, strict=True):
             for key, value in theirs.tensors.items():
                 assert torch.equal(mine.tensors[key], value), (kind, mine.name, key)
-    engine = runs["nvme"]["adapter"].engine
+    engine = nvme_step.engine
     memory, states = engine.memory, engine.states
     out = {
         "sub_group": states.staging["master"].numel(),
@@ -241,8 +195,8 @@ def _offload(stage: int, precision: str, directory: str) -> dict:
         "chunks": len(states.layout),
     }
     path = states.path
-    for r in runs.values():
-        r["adapter"].close()
+    for _, trainer in runs.values():
+        trainer.close()
     out["file_removed"] = not path.exists()
     return out
 

@@ -54,6 +54,7 @@ from plait.models.transformer import Transformer, matmul_flops_per_token
 from plait.parallel.adamw import AdamW
 from plait.parallel.grads import squared_norm
 from plait.plan.hardware import Hardware, Link, OpCost, ring_steps_and_factor, save_hardware
+from plait.signals import pause_at
 from plait.topology import Layout
 
 SIZES = [2**k for k in range(10, 23, 2)]  # fp32 elements: 4 KiB to 16 MiB
@@ -210,6 +211,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     # Ctrl-C reaches the whole process group: the parent alone decides (it stops every
     # worker), so that no rank leaves the others waiting in a collective.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    pause_at("calibrate", f"rank{rank}")  # a test's Ctrl-C comes after this line
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(threads_per_worker(world))
     timeout = datetime.timedelta(seconds=300)

@@ -31,7 +31,7 @@ from plait.config import Config
 from plait.device import backend_for, resolve_device, threads_per_worker
 from plait.mesh import Mesh, build_mesh
 from plait.run import ATTEMPT_ENV, attempt, run
-from plait.signals import FORWARDED
+from plait.signals import FORWARDED, pause_at
 from plait.telemetry import RunSummary
 
 
@@ -218,6 +218,7 @@ def _pass_signals_on(ctx: mp.ProcessContext, received: list[int]) -> dict:
         for p in ctx.processes:
             if p.is_alive():
                 os.kill(p.pid, FORWARDED)
+        pause_at("forwarded", "launcher")  # a test's second signal comes after this line
 
     return {s: signal.signal(s, handle) for s in (signal.SIGINT, signal.SIGTERM)}
 

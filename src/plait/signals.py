@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import signal
+import time
+from pathlib import Path
 from types import FrameType
 
 FORWARDED = signal.SIGUSR1
@@ -44,3 +46,24 @@ class StopRequest:
     def restore(self) -> None:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
+
+
+PAUSE_ENV = "PLAIT_PAUSE_AT"
+
+
+def pause_at(phase: str, who: str) -> None:
+    """Test hook, at one-time phases only (never on a step's path): with PLAIT_PAUSE_AT set
+    to 'PHASE:FOLDER' for this `phase`, write FOLDER/PHASE.WHO and wait until FOLDER/PHASE.go
+    exists (or this process is stopped).
+
+    A test that must act at a phase (Ctrl-C once every calibrate worker ignores it; a second
+    signal once the launcher has passed the first on) waits for the marker instead of a
+    fixed time, which a loaded machine outlasts (a worker still importing takes Ctrl-C as a
+    KeyboardInterrupt).
+    """
+    want, _, folder = os.environ.get(PAUSE_ENV, "").partition(":")
+    if want != phase or not folder:
+        return
+    Path(folder, f"{phase}.{who}").write_text(str(os.getpid()))
+    while not Path(folder, f"{phase}.go").exists():
+        time.sleep(0.01)

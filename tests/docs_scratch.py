@@ -1,0 +1,46 @@
+"""Folders in which the docs' command lines run as written (no tests here).
+
+The docs' lines name files that their earlier lines make (a tokenizer, prepared shards), that
+the reader brings (`my_corpus/`), or that sit in the checkout (`configs/`). Each line runs in
+a folder of its own holding all of them: made once per module (a stand-in corpus, a
+tokenizer trained on it and shards prepared with it, tiny Hugging Face folders with random
+weights) and linked in, except what the line itself writes; the configs are copied (a
+`plan --out configs/...` line writes there).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from hf_models import gpt2_config, llama_config, save
+from plait.data.prepare import PrepareJob, prepare
+from plait.data.sources import iter_texts, source_files
+from plait.data.tokenizer import train_bpe
+
+CORPUS_TEXT = "plait reads text. " * 20_000  # the stand-in for the reader's `my_corpus/`
+LINKED = ("my_corpus", "tok.json", "shards", "hf")
+
+
+def shared_artifacts(folder: Path, root: Path) -> Path:
+    """Make, in `folder`, what the docs' lines read; returns `folder`."""
+    corpus = folder / "my_corpus"
+    corpus.mkdir()
+    (corpus / "corpus.txt").write_text(CORPUS_TEXT)
+    train_bpe(iter_texts(source_files(str(corpus)), "text"), 320, folder / "tok.json", None, False)
+    prepare(PrepareJob(str(corpus), folder / "shards", str(folder / "tok.json")))
+    save(llama_config(max_position_embeddings=1024), folder / "hf" / "tiny-llama")
+    save(gpt2_config(n_positions=1024), folder / "hf" / "gpt2-small")  # its context
+    shutil.copytree(root / "configs", folder / "configs")
+    return folder
+
+
+def scratch_folder(folder: Path, artifacts: Path, argv: list[str]) -> Path:
+    """`folder` made a place to run the line `argv`: the shared artifacts it may read
+    linked (not the one it writes, its `--out`), the configs copied."""
+    out = argv[argv.index("--out") + 1].rstrip("/") if "--out" in argv else None
+    for name in LINKED:
+        if name != out:
+            (folder / name).symlink_to(artifacts / name)
+    shutil.copytree(artifacts / "configs", folder / "configs")
+    return folder
