@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch import nn
 
 from plait.config import Config, build_config
 from plait.data import GlobalBatchSampler, load_tokens
@@ -159,3 +160,16 @@ def assert_matches_reference(
         ref = ref_params["embed.tok.weight" if tied and name == "head.weight" else name]
         torch.testing.assert_close(p, ref, rtol=rtol, atol=param_atol, msg=lambda m, n=name: n + m)
     assert abs(val - ref_val) <= rtol * abs(ref_val), (val, ref_val)
+
+
+class Tiny(nn.Module):
+    """Every kind of parameter: embedding and matrix (decay), bias and norm gain (no decay),
+    and a frozen matrix (no state at all)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.norm = nn.LayerNorm(4)
+        self.proj = nn.Linear(4, 3)
+        self.frozen = nn.Linear(3, 3, bias=False)
+        self.frozen.weight.requires_grad_(False)

@@ -17,22 +17,10 @@ from plait.optim import build_optimizer, set_lr
 from plait.parallel.adamw import AdamW, decays
 from plait.parallel.whole_adamw import WholeAdamW, trainable
 from plait.parallel.zero.state_dict import assemble
+from reference import Tiny
 
 CFG = TrainConfig(weight_decay=0.1, beta1=0.9, beta2=0.95)
 LRS = [1e-2, 3e-2, 2e-2, 1e-3, 5e-3]
-
-
-class Tiny(nn.Module):
-    """Every kind of parameter: embedding and matrix (decay), bias and norm gain (no decay),
-    and a frozen matrix (no state at all)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(10, 4)
-        self.norm = nn.LayerNorm(4)
-        self.proj = nn.Linear(4, 3)
-        self.frozen = nn.Linear(3, 3, bias=False)
-        self.frozen.weight.requires_grad_(False)
 
 
 def _grads(model: nn.Module, gen: torch.Generator) -> list[torch.Tensor]:

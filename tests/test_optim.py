@@ -13,6 +13,7 @@ from torch import nn
 
 from plait.config import TrainConfig
 from plait.optim import build_optimizer, lr_at, set_lr
+from reference import Tiny
 
 # --- schedule -----------------------------------------------------------------------------
 
@@ -73,16 +74,6 @@ def test_warmup_longer_than_the_run_does_not_divide_by_zero() -> None:
 
 
 # --- parameter groups ---------------------------------------------------------------------
-
-
-class Tiny(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(10, 4)
-        self.norm = nn.LayerNorm(4)
-        self.proj = nn.Linear(4, 3)
-        self.frozen = nn.Linear(3, 3, bias=False)
-        self.frozen.weight.requires_grad_(False)
 
 
 def ids(group: dict) -> set[int]:
