@@ -156,3 +156,16 @@ def test_export_writes_the_usual_modes(tmp_path, mask, dirs, files) -> None:
     written = list((tmp_path / "hf").iterdir())
     assert {p.name for p in written} >= {"config.json", "model.safetensors"}
     assert {p.stat().st_mode & 0o777 for p in written} == {files}
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["checkpoint", "info", "F"], ["export", "--checkpoint", "F", "--out", "T/hf"],
+     ["train", "--resume", "F", "--out", "T/run"]],
+)  # fmt: skip
+def test_a_file_given_as_a_checkpoint_is_named_a_file(tree, capsys, argv) -> None:
+    (tree / "F").write_text("not a checkpoint")
+    argv = [str(tree / a) if a in ("F", "T/hf", "T/run") else a for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint {str(tree / 'F')!r} is a file; give a checkpoint folder" in err
