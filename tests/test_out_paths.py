@@ -45,11 +45,13 @@ FILE_CASES = [
     ("parent is a file", "T/afile/x.out", "its folder 'T/afile' is a file"),
     ("unwritable", UNWRITABLE, "cannot be written"),
     ("a folder", "T/adir", "is a folder; give a file path"),
+    ("unwritable parent", f"{UNWRITABLE}/x.out", "its folder '/proc/plait-no-such' does not exist"),
 ]
 FOLDER_CASES = [
     ("missing parent", "T/afile/sub/run", "cannot be made: 'T/afile' is a file"),
     ("unwritable", UNWRITABLE, "cannot be written"),
     ("a file", "T/afile", "is a file; give a folder"),
+    ("unwritable parent", f"{UNWRITABLE}/sub", "cannot be written"),
 ]
 EXISTING = {  # an existing output each command refuses to replace unless asked
     "checkpoint consolidate": ("T/afile", "already exists; add --overwrite to replace it"),
