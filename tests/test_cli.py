@@ -304,4 +304,4 @@ def test_output_folder_that_cannot_be_written(tmp_path: Path, capsys) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("x")
     err = error_of(["train", "--out", str(blocker / "run")], capsys)
-    assert f"output folder '{blocker / 'run'}' cannot be written" in err
+    assert f"--out '{blocker / 'run'}' cannot be made: '{blocker}' is a file" in err

@@ -320,8 +320,11 @@ def test_load_toml_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as e:
         load_toml(missing)
     assert str(e.value) == f"config file {str(missing)!r} does not exist"
-    with pytest.raises(ConfigError, match="does not exist"):
+    with pytest.raises(ConfigError, match="is a folder; give a TOML file"):
         load_toml(tmp_path)  # a folder is not a config file
+    (tmp_path / "binary.toml").write_bytes(b"\xff\xfe\x00model")
+    with pytest.raises(ConfigError, match="is not text"):
+        load_toml(tmp_path / "binary.toml")
 
 
 def test_load_toml_invalid(tmp_path: Path) -> None:

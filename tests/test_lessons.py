@@ -142,7 +142,10 @@ def test_bad_requests_exit_2_before_anything_runs(tmp_path, capsys):
     (tmp_path / "file").write_text("")
     assert main(["lessons", "--out", str(tmp_path / "file" / "sub")]) == 2
     err = capsys.readouterr().err
-    assert f"output folder {tmp_path / 'file' / 'sub'} cannot be written: Not a directory" in err
+    assert (
+        f"--out '{tmp_path / 'file' / 'sub'}' cannot be made: '{tmp_path / 'file'}' is a file"
+        in err
+    )
     assert not list(tmp_path.glob("**/lessons.md"))
 
 

@@ -179,7 +179,9 @@ def test_calibrate_refuses_what_it_cannot_write_before_measuring(tmp_path, capsy
     assert main(["calibrate", "--out", str(tmp_path / "no" / "hw.toml")]) == 2
     assert main(["calibrate", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert f"--out {tmp_path / 'no' / 'hw.toml'}: not a file in an existing folder" in err
+    missing = tmp_path / "no"
+    assert f"--out '{missing / 'hw.toml'}': its folder '{missing}' does not exist" in err
+    assert f"--out '{tmp_path}' is a folder; give a file path" in err
 
 
 def test_ctrl_c_stops_calibrate_and_every_rank(tmp_path):

@@ -51,6 +51,7 @@ from plait.launch import free_port, stop_all
 from plait.mesh import build_mesh
 from plait.models.presets import get_preset
 from plait.models.transformer import Transformer, matmul_flops_per_token
+from plait.outdir import check_out_file
 from plait.parallel.adamw import AdamW
 from plait.parallel.grads import squared_norm
 from plait.plan.hardware import Hardware, Link, OpCost, ring_steps_and_factor, save_hardware
@@ -292,9 +293,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     if args.ranks < 2:
         raise ConfigError(f"--ranks must be >= 2 (collectives need two ranks), got {args.ranks}")
     get_preset(args.model)
-    target = Path(args.out)
-    if not target.parent.is_dir() or target.is_dir():
-        raise ConfigError(f"--out {args.out}: not a file in an existing folder")
+    check_out_file(Path(args.out))
     with tempfile.TemporaryDirectory(prefix="plait-calibrate-") as d:
         out = str(Path(d, "result.json"))
         ctx = mp.start_processes(

@@ -90,6 +90,8 @@ def resolve(resume: str, out: Path) -> Path | None:
 
 def complete(path: Path) -> Path:
     """`path`, if it is a checkpoint whose save finished; ConfigError naming it otherwise."""
+    if path.is_file():
+        raise ConfigError(f"checkpoint {str(path)!r} is a file; give a checkpoint folder")
     if not path.is_dir():
         raise ConfigError(f"checkpoint {str(path)!r} does not exist")
     if not committed(path):

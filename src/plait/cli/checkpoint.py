@@ -11,6 +11,7 @@ from rich.table import Table
 
 from plait.checkpoint import inspect
 from plait.errors import ConfigError, print_bad_input
+from plait.outdir import check_out_file
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -23,6 +24,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     whole.add_argument("path", help="a checkpoint folder (OUT/checkpoints/step-N)")
     whole.add_argument("--out", required=True, help="the .safetensors file to write")
+    whole.add_argument("--overwrite", action="store_true", help="replace an existing --out")
 
 
 def run(args: argparse.Namespace, err: Console) -> int:
@@ -36,6 +38,7 @@ def run(args: argparse.Namespace, err: Console) -> int:
                 table.add_row(key, f"{value:,}" if isinstance(value, int) else str(value))
             Console().print(table)
         else:
+            check_out_file(Path(args.out), overwrite=args.overwrite)
             done = inspect.consolidate(Path(args.path), Path(args.out))
             Console().print(
                 f"wrote {args.out}: {done['tensors']} tensors, {done['parameters']:,} "

@@ -22,6 +22,7 @@ from plait.data.prepare import SHARD_TOKENS, PrepareJob, prepare
 from plait.data.sources import check_sources, iter_texts, source_files, total_bytes
 from plait.data.tokenizer import train_bpe
 from plait.errors import ConfigError, print_bad_input
+from plait.outdir import check_out_file
 
 COMMANDS = ("tokenizer", "data")
 
@@ -72,6 +73,7 @@ def run_data_command(args: argparse.Namespace, err: Console) -> int:
 
 
 def _train_tokenizer(args: argparse.Namespace) -> int:
+    check_out_file(Path(args.out))
     files = source_files(args.data)
     check_sources(files, args.text_key)
     spec = train_bpe(

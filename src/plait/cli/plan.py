@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from rich.console import Console
 
@@ -10,6 +11,7 @@ from plait.composition import check_tensor_parallel
 from plait.errors import ConfigError, print_bad_input
 from plait.mixed_precision import parse_precision
 from plait.models.presets import get_preset
+from plait.outdir import check_out_file
 from plait.plan.enumerate import Request, divisors, shapes
 from plait.plan.hardware import load_hardware, parse_size
 from plait.plan.ranking import dropped_line, gib, print_plan, wide_console
@@ -137,6 +139,8 @@ def run_plan(args: argparse.Namespace) -> int:
     hw = load_hardware(args.hardware)
     memory = parse_size(args.gpu_memory) if args.gpu_memory else hw.memory
     req = request_of(args, args.precision or hw.precision)
+    if args.out:
+        check_out_file(Path(args.out))
     out = plan(req, hw, memory, args.top)
     if not out.ranked:
         raise ConfigError(nothing_fits(out))

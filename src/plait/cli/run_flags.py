@@ -86,6 +86,8 @@ def config_from_args(args: argparse.Namespace, check_data: bool = True) -> Confi
 def load_toml(path: str | Path) -> dict[str, dict[str, Any]]:
     """Read a TOML config: sections [model] (with `preset`), [parallel], [data], [train]."""
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"config file {str(p)!r} is a folder; give a TOML file")
     if not p.is_file():
         raise ConfigError(f"config file {str(p)!r} does not exist")
     try:
@@ -93,6 +95,8 @@ def load_toml(path: str | Path) -> dict[str, dict[str, Any]]:
             raw = tomllib.load(fh)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from e
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {str(p)!r} is not text (a TOML file is UTF-8)") from None
     for key, value in raw.items():
         if not isinstance(value, dict):
             raise ConfigError(f"config file {str(p)!r}: top-level key {key!r} must be a [section]")

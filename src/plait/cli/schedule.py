@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from plait.errors import ConfigError, print_bad_input
+from plait.outdir import check_out_folder
 from plait.schedule.simulate import Simulation
 from plait.schedule.unit_costs import unit_simulation
 
@@ -70,6 +71,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace, err: Console) -> int:
     out = Path(args.out) if args.out else None
     try:
+        if out is not None:
+            check_out_folder(out)
         schedule_main(args.pp, args.microbatches, args.schedule, args.virtual_stages, out)
     except ConfigError as e:
         return print_bad_input(err, e)

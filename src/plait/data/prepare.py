@@ -36,6 +36,7 @@ from plait.data.sources import (
 )
 from plait.data.tokenizer import Encoder, TokenizerSpec, resolve_tokenizer
 from plait.errors import ConfigError
+from plait.outdir import check_out_folder
 
 SHARD_TOKENS = 1 << 27  # 256 MiB of uint16 per shard
 
@@ -59,6 +60,9 @@ def check(job: PrepareJob) -> tuple[TokenizerSpec, list[Path]]:
     """Everything that can fail on bad input, in the calling process: ConfigError names it."""
     if job.workers < 1:
         raise ConfigError(f"workers must be at least 1, got {job.workers}")
+    if job.shard_tokens < 1:
+        raise ConfigError(f"--shard-tokens must be at least 1, got {job.shard_tokens}")
+    check_out_folder(job.out)
     if job.out.exists() and not job.overwrite:
         raise ConfigError(f"output folder {str(job.out)!r} exists; add --overwrite to replace it")
     spec = resolve_tokenizer(job.tokenizer)

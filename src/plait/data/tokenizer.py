@@ -18,6 +18,7 @@ import numpy as np
 
 from plait.data.corpus import ByteTokenizer
 from plait.errors import ConfigError
+from plait.outdir import check_out_file
 
 # The end-of-document token a trained tokenizer gets, and the names looked for in others.
 EOS_TOKEN = "<|endoftext|>"
@@ -164,11 +165,15 @@ def train_bpe(
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=progress,
     )
+    check_out_file(out)  # before the training, which can take minutes
     tok.train_from_iterator(texts, trainer, length=length)
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
-    tok.save(str(tmp))
-    tmp.replace(out)
+    try:
+        tok.save(str(tmp))
+        tmp.replace(out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return resolve_tokenizer(out)
 
 

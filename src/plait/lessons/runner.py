@@ -22,6 +22,7 @@ from plait.launch import launch
 from plait.lessons import dp, offload, pipeline, precision, recompute, tp, zero
 from plait.lessons.section import Case, Run, Section
 from plait.lessons.writeup import write_report
+from plait.outdir import check_out_folder
 
 MIN_PROCS, MAX_PROCS = 2, 4
 
@@ -39,13 +40,7 @@ def check_request(only: Sequence[str] | None, out: Path) -> list[str]:
     unknown = [n for n in names if n not in known]
     if unknown:
         raise ConfigError(f"unknown lesson {', '.join(unknown)}; known: {', '.join(known)}")
-    probe = out / ".plait-write-test"
-    try:  # the only sure test: make the folder and write in it (root passes access checks)
-        out.mkdir(parents=True, exist_ok=True)
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        raise ConfigError(f"output folder {out} cannot be written: {e.strerror}") from None
+    check_out_folder(out)
     return names
 
 

@@ -22,11 +22,13 @@ from plait.models.architecture import ModelConfig
 from plait.models.hf.config_json import hf_config
 from plait.models.hf.load import INDEX, WEIGHTS
 from plait.models.hf.mapping import to_hf
+from plait.outdir import check_out_folder, publish
 
 
 def check_out(out: Path) -> None:
-    """The export target must not exist yet (or be an empty folder)."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    """The export target: a writable folder path that does not exist yet (or is empty)."""
+    check_out_folder(out)
+    if out.is_dir() and any(out.iterdir()):
         raise ConfigError(f"--out {str(out)!r} already exists and is not an empty folder")
 
 
@@ -82,6 +84,7 @@ def write_folder(
             hf["eos_token_id"] = hf["bos_token_id"] = tokenizer[1]
         (tmp / "config.json").write_text(json.dumps(hf, indent=2))
         files = _write_weights(tmp, tensors, max_shard_bytes)
+        publish(tmp)  # mkdtemp's 0700 and safetensors' 0600: others could not load it
         if out.exists():
             out.rmdir()  # empty (check_out)
         tmp.rename(out)
