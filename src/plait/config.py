@@ -354,9 +354,9 @@ def check_types(cfg: Config) -> None:
 def validate_config(cfg: Config, check_data: bool = True) -> None:
     """Everything checkable before workers start; the first problem found is raised."""
     check_types(cfg)
-    for section in ("parallel", "data", "train"):  # model: in its validate()
+    cfg.model.validate()  # the model's problems first (its domains included)
+    for section in ("parallel", "data", "train"):
         check_fields(section, getattr(cfg, section))
-    cfg.model.validate()
     t, par = cfg.train, cfg.parallel
     layout = par.layout
     per_step = t.micro_batch * layout.dp
