@@ -232,6 +232,13 @@ class TrainConfig:
             "help": "peak FLOP/s per device for MFU; 0 = known GPUs only",
         },
     )
+    nan_policy: str = field(
+        default="stop",
+        metadata={
+            "help": "a NaN/inf loss or gradient norm: stop (exit 1, the last checkpoint kept) "
+            "or skip the step (counted in the summary); fp16's scaler skips overflows itself"
+        },
+    )
     device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
     progress: bool = field(default=True, metadata={"help": "show a progress bar on rank 0"})
     trace: bool = field(
@@ -391,6 +398,10 @@ def validate_config(cfg: Config, check_data: bool = True) -> None:
         par.reduce_dtype,
         par.schedule,
     )
+    if t.nan_policy not in ("stop", "skip"):
+        raise ConfigError(f"nan_policy must be stop or skip; got {t.nan_policy!r}")
+    if t.nan_policy == "skip" and par.two_bw:  # its weight versions advance every step
+        raise ConfigError("--nan-policy skip does not combine with --schedule 2bw; use stop")
     if t.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"device must be auto, cpu or cuda; got {t.device!r}")
     if t.device == "cuda" and not cuda_available():
