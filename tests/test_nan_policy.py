@@ -70,3 +70,15 @@ def test_nan_policy_values(tmp_path: Path) -> None:
     assert code == 2
     assert "--nan-policy skip does not combine with --schedule 2bw" in err
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_every_rank_stops_at_the_same_step_through_the_launcher(tmp_path: Path) -> None:
+    """dp2, spawned: the loss and the norm are global, so both ranks refuse step 1 (no rank
+    waits in a collective for the other); the launcher prints the reason alone, exit 1, and
+    does not restart a diverged run."""
+    code, err = _train(["--out", str(tmp_path), "--dp", "2", "--comm-timeout", "60",
+                        "--max-restarts", "1"])  # fmt: skip
+    assert code == 1
+    assert "plait: error: step 1: non-finite loss on rank " in err
+    assert "restart" not in err and "Traceback" not in err
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-1"]
