@@ -108,7 +108,7 @@ def test_data_prepare_refuses_shard_tokens_0_before_making_anything(tree, capsys
     argv = ["data", "prepare", "--data", str(tree / "IN" / "corpus.txt"), "--shard-tokens", "0"]
     before = listing(tree)
     assert main([*argv, "--workers", "1", "--out", str(tree / "shards")]) == 2
-    assert "--shard-tokens must be at least 1, got 0" in capsys.readouterr().err
+    assert "--shard-tokens must be >= 1, got 0" in capsys.readouterr().err
     assert listing(tree) == before
 
 

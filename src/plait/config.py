@@ -21,6 +21,7 @@ from plait.composition import (
 )
 from plait.data import data_tokenizer, stream_length
 from plait.device import cuda_available
+from plait.domain import Domain, above, at_least, check_fields, fraction
 from plait.errors import ConfigError
 from plait.models.architecture import ModelConfig
 from plait.models.presets import get_preset
@@ -31,9 +32,14 @@ from plait.topology import Layout
 class ParallelConfig:
     """How the work is split across processes."""
 
-    dp: int = field(default=1, metadata={"help": "data-parallel replicas"})
-    pp: int = field(default=1, metadata={"help": "pipeline-parallel stages (ranks)"})
-    tp: int = field(default=1, metadata={"help": "tensor-parallel ranks (Megatron style)"})
+    dp: int = field(default=1, metadata={"domain": at_least(1), "help": "data-parallel replicas"})
+    pp: int = field(
+        default=1, metadata={"domain": at_least(1), "help": "pipeline-parallel stages (ranks)"}
+    )
+    tp: int = field(
+        default=1,
+        metadata={"domain": at_least(1), "help": "tensor-parallel ranks (Megatron style)"},
+    )
     sequence_parallel: bool = field(
         default=False, metadata={"help": "tensor parallel: shard norms/dropout by sequence"}
     )
@@ -49,19 +55,31 @@ class ParallelConfig:
         metadata={"help": "pipeline schedule: naive, gpipe, 1f1b, interleaved, zb-h1, 2bw"},
     )
     virtual_stages: int = field(
-        default=1, metadata={"help": "model chunks per pipeline rank (interleaved schedule)"}
+        default=1,
+        metadata={
+            "domain": at_least(1),
+            "help": "model chunks per pipeline rank (interleaved schedule)",
+        },
     )
     microbatches: int = field(
         default=0,
-        metadata={"help": "micro-batches per step; sets micro-batch = global / (dp x this)"},
+        metadata={
+            "domain": at_least(0),
+            "help": "micro-batches per step; sets micro-batch = global / (dp x this)",
+        },
     )
     stage_layers: str = field(
         default="", metadata={"help": "layers per pipeline stage, e.g. '3,3,2'; default even"}
     )
-    bucket_mb: float = field(default=25.0, metadata={"help": "gradient bucket size in MiB"})
+    bucket_mb: float = field(
+        default=25.0, metadata={"domain": above(0), "help": "gradient bucket size in MiB"}
+    )
     zero: int = field(
         default=0,
-        metadata={"help": "ZeRO stage: 0 replicate, 1 optimizer states, 2 +grads, 3 +params"},
+        metadata={
+            "domain": Domain(int, 0, 3),
+            "help": "ZeRO stage: 0 replicate, 1 optimizer states, 2 +grads, 3 +params",
+        },
     )
     precision: str = field(default="fp32", metadata={"help": "fp32, bf16 or fp16 (loss scaling)"})
     reduce_dtype: str | None = field(
@@ -77,7 +95,8 @@ class ParallelConfig:
         default="none", metadata={"help": "activation recomputation: none, full or selective"}
     )
     comm_timeout: float = field(
-        default=300.0, metadata={"help": "seconds before a stalled collective raises"}
+        default=300.0,
+        metadata={"domain": above(0), "help": "seconds before a stalled collective raises"},
     )
 
     @property
@@ -112,8 +131,12 @@ class DataConfig:
             "flag": "--data",
         },
     )
-    max_bytes: int = field(default=8_000_000, metadata={"help": "read at most this many bytes"})
-    val_fraction: float = field(default=0.05, metadata={"help": "tail share held out"})
+    max_bytes: int = field(
+        default=8_000_000, metadata={"domain": at_least(1), "help": "read at most this many bytes"}
+    )
+    val_fraction: float = field(
+        default=0.05, metadata={"domain": fraction(low_open=True), "help": "tail share held out"}
+    )
     tokenizer: str | None = field(
         default=None,
         metadata={"help": "tokenizer.json or Hugging Face tokenizer folder; default: bytes"},
@@ -128,36 +151,72 @@ class DataConfig:
 class TrainConfig:
     """The optimization loop."""
 
-    steps: int = field(default=600, metadata={"help": "optimizer steps"})
-    micro_batch: int = field(default=8, metadata={"help": "sequences per micro-batch per rank"})
-    global_batch: int = field(
-        default=16, metadata={"help": "sequences per step = micro-batch x accumulation x dp"}
+    steps: int = field(default=600, metadata={"domain": at_least(1), "help": "optimizer steps"})
+    micro_batch: int = field(
+        default=8, metadata={"domain": at_least(1), "help": "sequences per micro-batch per rank"}
     )
-    seq_len: int = field(default=128, metadata={"help": "tokens per sequence"})
-    lr: float = field(default=3e-3, metadata={"help": "peak learning rate"})
-    min_lr: float = field(default=3e-4, metadata={"help": "learning rate at the end of cosine"})
-    warmup_steps: int = field(default=30, metadata={"help": "linear warmup steps"})
-    weight_decay: float = field(default=0.1, metadata={"help": "AdamW decay (matrices only)"})
-    beta1: float = field(default=0.9, metadata={"help": "AdamW beta1"})
-    beta2: float = field(default=0.95, metadata={"help": "AdamW beta2"})
-    grad_clip: float = field(default=1.0, metadata={"help": "global gradient-norm clip; 0 = off"})
-    eval_every: int = field(default=50, metadata={"help": "validate every N steps; 0 = only last"})
-    eval_batches: int = field(default=4, metadata={"help": "global batches per validation"})
-    seed: int = field(default=0, metadata={"help": "seed for weights, data order and dropout"})
+    global_batch: int = field(
+        default=16,
+        metadata={
+            "domain": at_least(1),
+            "help": "sequences per step = micro-batch x accumulation x dp",
+        },
+    )
+    seq_len: int = field(
+        default=128, metadata={"domain": at_least(1), "help": "tokens per sequence"}
+    )
+    lr: float = field(default=3e-3, metadata={"domain": above(0), "help": "peak learning rate"})
+    min_lr: float = field(
+        default=3e-4,
+        metadata={"domain": at_least(0, float), "help": "learning rate at the end of cosine"},
+    )
+    warmup_steps: int = field(
+        default=30, metadata={"domain": at_least(0), "help": "linear warmup steps"}
+    )
+    weight_decay: float = field(
+        default=0.1, metadata={"domain": at_least(0, float), "help": "AdamW decay (matrices only)"}
+    )
+    beta1: float = field(default=0.9, metadata={"domain": fraction(), "help": "AdamW beta1"})
+    beta2: float = field(default=0.95, metadata={"domain": fraction(), "help": "AdamW beta2"})
+    grad_clip: float = field(
+        default=1.0,
+        metadata={"domain": at_least(0, float), "help": "global gradient-norm clip; 0 = off"},
+    )
+    eval_every: int = field(
+        default=50,
+        metadata={"domain": at_least(0), "help": "validate every N steps; 0 = only last"},
+    )
+    eval_batches: int = field(
+        default=4, metadata={"domain": at_least(1), "help": "global batches per validation"}
+    )
+    seed: int = field(
+        default=0,
+        metadata={"domain": at_least(0), "help": "seed for weights, data order and dropout"},
+    )
     out: str = field(default="runs/default", metadata={"help": "output folder"})
     overwrite: bool = field(
         default=False, metadata={"help": "replace the run already in the output folder"}
     )
     tensorboard: bool = field(default=False, metadata={"help": "also log to TensorBoard"})
     save_every: int = field(
-        default=0, metadata={"help": "write a checkpoint every N steps; 0 = only at the end"}
+        default=0,
+        metadata={
+            "domain": at_least(0),
+            "help": "write a checkpoint every N steps; 0 = only at the end",
+        },
     )
     save: bool = field(
         default=True, metadata={"help": "write a checkpoint at the end (--no-save: none at all)"}
     )
-    keep_checkpoints: int = field(default=3, metadata={"help": "keep the newest N checkpoints"})
+    keep_checkpoints: int = field(
+        default=3, metadata={"domain": at_least(1), "help": "keep the newest N checkpoints"}
+    )
     max_restarts: int = field(
-        default=0, metadata={"help": "restart the world from the newest checkpoint on a failure"}
+        default=0,
+        metadata={
+            "domain": at_least(0),
+            "help": "restart the world from the newest checkpoint on a failure",
+        },
     )
     resume: str = field(
         default="", metadata={"help": "continue from 'latest' (in --out) or a checkpoint folder"}
@@ -167,7 +226,18 @@ class TrainConfig:
         metadata={"help": "start from a Hugging Face Llama/GPT-2 folder (its config and weights)"},
     )
     peak_flops: float = field(
-        default=0.0, metadata={"help": "peak FLOP/s per device for MFU; 0 = known GPUs only"}
+        default=0.0,
+        metadata={
+            "domain": at_least(0, float),
+            "help": "peak FLOP/s per device for MFU; 0 = known GPUs only",
+        },
+    )
+    nan_policy: str = field(
+        default="stop",
+        metadata={
+            "help": "a NaN/inf loss or gradient norm: stop (exit 1, the last checkpoint kept) "
+            "or skip the step (counted in the summary); fp16's scaler skips overflows itself"
+        },
     )
     device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
     progress: bool = field(default=True, metadata={"help": "show a progress bar on rank 0"})
@@ -291,12 +361,11 @@ def check_types(cfg: Config) -> None:
 def validate_config(cfg: Config, check_data: bool = True) -> None:
     """Everything checkable before workers start; the first problem found is raised."""
     check_types(cfg)
-    cfg.model.validate()
+    cfg.model.validate()  # the model's problems first (its domains included)
+    for section in ("parallel", "data", "train"):
+        check_fields(section, getattr(cfg, section))
     t, par = cfg.train, cfg.parallel
-    layout = par.layout  # raises on dp < 1
-    for name in ("steps", "micro_batch", "global_batch", "seq_len", "eval_batches"):
-        if getattr(t, name) < 1:
-            raise ConfigError(f"train.{name} must be >= 1, got {getattr(t, name)}")
+    layout = par.layout
     per_step = t.micro_batch * layout.dp
     if t.global_batch % per_step:
         raise ConfigError(
@@ -308,22 +377,8 @@ def validate_config(cfg: Config, check_data: bool = True) -> None:
             f"seq_len {t.seq_len} exceeds the model's max_seq_len {cfg.model.max_seq_len}"
         )
     check_recompute(par.recompute)
-    if t.lr <= 0 or t.min_lr < 0 or t.min_lr > t.lr:
-        raise ConfigError(f"need 0 <= min_lr <= lr and lr > 0; got lr={t.lr}, min_lr={t.min_lr}")
-    if t.save_every < 0 or t.keep_checkpoints < 1 or t.max_restarts < 0:
-        raise ConfigError(
-            f"save_every and max_restarts must be >= 0 and keep_checkpoints >= 1; got "
-            f"{t.save_every}, {t.max_restarts}, {t.keep_checkpoints}"
-        )
-    if t.warmup_steps < 0 or t.grad_clip < 0 or t.eval_every < 0:
-        raise ConfigError(
-            f"warmup_steps, grad_clip and eval_every must be >= 0; got {t.warmup_steps}, "
-            f"{t.grad_clip}, {t.eval_every}"
-        )
-    if par.bucket_mb <= 0 or par.comm_timeout <= 0:
-        raise ConfigError(
-            f"bucket_mb and comm_timeout must be > 0; got {par.bucket_mb}, {par.comm_timeout}"
-        )
+    if t.min_lr > t.lr:
+        raise ConfigError(f"need min_lr <= lr; got lr={t.lr}, min_lr={t.min_lr}")
     check_pipeline(
         cfg.model.n_layers,
         par.pp,
@@ -343,6 +398,10 @@ def validate_config(cfg: Config, check_data: bool = True) -> None:
         par.reduce_dtype,
         par.schedule,
     )
+    if t.nan_policy not in ("stop", "skip"):
+        raise ConfigError(f"nan_policy must be stop or skip; got {t.nan_policy!r}")
+    if t.nan_policy == "skip" and par.two_bw:  # its weight versions advance every step
+        raise ConfigError("--nan-policy skip does not combine with --schedule 2bw; use stop")
     if t.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"device must be auto, cpu or cuda; got {t.device!r}")
     if t.device == "cuda" and not cuda_available():
@@ -351,8 +410,6 @@ def validate_config(cfg: Config, check_data: bool = True) -> None:
         raise ConfigError(
             f"model.vocab_size {cfg.model.vocab_size} is smaller than the byte tokenizer's 256"
         )
-    if not 0.0 < cfg.data.val_fraction < 1.0:
-        raise ConfigError(f"data.val_fraction must be in (0, 1), got {cfg.data.val_fraction}")
     if check_data:
         _validate_corpus(cfg)
 

@@ -21,6 +21,11 @@ class CommTimeoutError(CommError):
     """A collective or point-to-point call did not complete in time (op, axis and step named)."""
 
 
+class NonFiniteError(RuntimeError):
+    """A step's loss or gradient norm is NaN or infinite (--nan-policy stop). Both values are
+    global, so every rank raises it at the same step; the launcher reports it in one line."""
+
+
 BAD_INPUT = 2
 """The exit code of bad input, the same for every command."""
 

@@ -29,6 +29,7 @@ from plait import faults
 from plait.checkpoint.store import latest
 from plait.config import Config
 from plait.device import backend_for, resolve_device, threads_per_worker
+from plait.errors import NonFiniteError
 from plait.mesh import Mesh, build_mesh
 from plait.run import ATTEMPT_ENV, attempt, run
 from plait.signals import FORWARDED, pause_at
@@ -75,10 +76,11 @@ class Interrupted(Exception):
 
 
 class WorkerFailure(RuntimeError):
-    """A local worker failed; carries the rank that failed first and its traceback."""
+    """A local worker failed; carries the rank that failed first and its traceback, and
+    `line`: the one-line reason when plait diagnosed it (a NonFiniteError), else None."""
 
-    def __init__(self, rank: int, trace: str, others: list[int]) -> None:
-        self.rank, self.trace, self.others = rank, trace, others
+    def __init__(self, rank: int, trace: str, others: list[int], line: str | None = None) -> None:
+        self.rank, self.trace, self.others, self.line = rank, trace, others, line
         also = f" (then ranks {others} failed too)" if others else ""
         super().__init__(f"rank {rank} failed first{also}:\n{trace}")
 
@@ -109,9 +111,10 @@ def worker(
     try:
         mesh = init_worker(cfg, rank, world, local_rank, local_world)
         return target(cfg, mesh)
-    except BaseException:
+    except BaseException as e:
         if error_dir is not None:  # the launcher picks the earliest failure: the root cause
             record = {"rank": rank, "time": time.time(), "traceback": traceback.format_exc()}
+            record["line"] = str(e) if isinstance(e, NonFiniteError) else None
             Path(error_dir, f"rank{rank}.json").write_text(json.dumps(record))
         raise
     finally:
@@ -126,7 +129,8 @@ def _first_failure(error_dir: str, fallback: Exception) -> WorkerFailure:
         return WorkerFailure(getattr(fallback, "error_index", -1), str(fallback), [])
     records.sort(key=lambda r: r["time"])
     first = records[0]
-    return WorkerFailure(first["rank"], first["traceback"], [r["rank"] for r in records[1:]])
+    others = [r["rank"] for r in records[1:]]
+    return WorkerFailure(first["rank"], first["traceback"], others, first.get("line"))
 
 
 def launch(cfg: Config, target: Callable[[Config, Any], Any] = training_run) -> None:
@@ -149,7 +153,7 @@ def launch(cfg: Config, target: Callable[[Config, Any], Any] = training_run) -> 
                 _run_world(cfg, target)
                 return
             except WorkerFailure as failure:
-                if start == restarts:
+                if start == restarts or failure.line:  # a diverged run would diverge again
                     raise
                 _say_restart(failure, start + 1, restarts, Path(cfg.train.out))
                 train = dataclasses.replace(cfg.train, resume="latest")
@@ -175,6 +179,8 @@ def _run_world(cfg: Config, target: Callable[[Config, Any], Any]) -> None:
     if world == 1:
         try:
             summary = worker(0, cfg, 1, 1, None, None, target)
+        except NonFiniteError as e:
+            raise WorkerFailure(0, traceback.format_exc(), [], str(e)) from None
         except Exception:
             raise WorkerFailure(0, traceback.format_exc(), []) from None
         if getattr(summary, "stopped_by", None) is not None:

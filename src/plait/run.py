@@ -112,6 +112,7 @@ class Run:
         else:
             summary.step_times.append(result.time_s)
         summary.final_loss = result.loss
+        summary.skipped_steps += result.skipped
         summary.comm_bytes_per_step = row["comm_bytes"]
         summary.model_state_bytes = row.get("model_state_bytes")
         done = result.step + 1
@@ -194,7 +195,7 @@ def _row(r: StepResult, trainer: Trainer, flops_per_token: int, peak: float | No
     if engine.memory:  # what this rank holds
         row["model_state_bytes"] = engine.memory.model_state_bytes()
     row["loss_scale"] = engine.loss_scale  # fp16's scaler (1.0 without one)
-    row["step_skipped"] = engine.last_step_skipped
+    row["step_skipped"] = r.skipped  # fp16 overflow or --nan-policy skip
     return row
 
 

@@ -5,6 +5,7 @@
     finish the data-parallel reduction                engine.finish()
     apply the split-model gradient rules              rules.sync(...)  (parallel/grads.py)
     clip by the global norm                           engine.grad_norm(rules), engine.clip(...)
+    a non-finite loss or norm: stop, or skip          check_finite (--nan-policy)
     step                                              engine.step(lr), engine.zero_grad()
 
 What differs between plain data parallelism, ZeRO 1-3 with mixed precision and offload, and
@@ -14,6 +15,7 @@ PipeDream-2BW is only the optimizer engine (`parallel/optimizer_engine.py`) and 
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Protocol
@@ -25,6 +27,7 @@ from plait.comm import Comm
 from plait.config import TrainConfig
 from plait.data.batches import MicroBatch, StepBatches
 from plait.device import synchronize
+from plait.errors import NonFiniteError
 from plait.optim import lr_at
 from plait.parallel.grads import SplitGradRules, clip_coef
 from plait.parallel.optimizer_engine import OptimizerEngine
@@ -42,6 +45,7 @@ class StepResult:
     time_s: float
     tokens: int
     drain: bool = False  # 2BW's last updates, after the pipe emptied: not a step's time
+    skipped: bool = False  # the optimizer step was skipped (fp16 overflow, --nan-policy skip)
 
 
 class Runner(Protocol):
@@ -113,15 +117,33 @@ class Step:
         engine.finish()
         self.grad_rules.sync(engine.grad_pieces(), self.comm)
         norm = engine.grad_norm(self.grad_rules)
-        engine.clip(clip_coef(norm, self.train.grad_clip))
-        engine.step(lr)
+        self.comm.all_reduce(loss, "dp", op="avg", tag="loss")  # now global, as the norm is
+        finite = math.isfinite(float(loss)) and math.isfinite(float(norm))
+        if finite or engine.scaler is not None:  # fp16: the scaler skips an overflow itself
+            engine.clip(clip_coef(norm, self.train.grad_clip))
+            skipped = not engine.step(lr)
+            if not (finite or skipped):  # fp16 stepped on a non-finite loss: never keep it
+                self.refuse(step, float(loss), float(norm))
+        elif self.train.nan_policy == "skip":
+            skipped = True
+        else:
+            self.refuse(step, float(loss), float(norm))
         engine.zero_grad()
-        self.comm.all_reduce(loss, "dp", op="avg", tag="loss")
         synchronize(self.comm.mesh.device)
         tokens = self.train.global_batch * self.train.seq_len
         elapsed = time.perf_counter() - start
         drain = self.runner.draining
-        return StepResult(step, float(loss), lr, float(norm), elapsed, tokens, drain)
+        return StepResult(step, float(loss), lr, float(norm), elapsed, tokens, drain, skipped)
+
+    def refuse(self, step: int, loss: float, norm: float) -> None:
+        """--nan-policy stop: every rank raises here at the same step (the loss and the norm
+        are global), before an update could reach a checkpoint."""
+        raise NonFiniteError(
+            f"step {step}: non-finite {'loss' if not math.isfinite(loss) else 'gradient norm'} "
+            f"on rank {self.comm.mesh.rank} (loss {loss}, gradient norm {norm}); the run "
+            "stopped (--nan-policy stop) and its last checkpoint is kept: lower --lr, or "
+            "--nan-policy skip to skip such steps"
+        )
 
 
 @torch.no_grad()

@@ -93,6 +93,7 @@ class RunSummary:
     checkpoint: str | None = None  # the last checkpoint written
     restarts: int = 0  # times the world was started again after a failure
     stopped_by: int | None = None  # the signal that stopped the run early
+    skipped_steps: int = 0  # optimizer steps skipped: fp16 overflow or --nan-policy skip
     sample: dict[str, str] | None = None  # {"prompt", "text"}: the trained model writing
 
     @property
@@ -129,6 +130,8 @@ def summary_table(s: RunSummary) -> Table:
     table.add_row("steps", str(s.steps))
     if s.restarts:
         table.add_row("restarts", f"{s.restarts} (from the newest checkpoint)")
+    if s.skipped_steps:
+        table.add_row("skipped steps", f"{s.skipped_steps} (non-finite loss or gradients)")
     table.add_row("final train loss", f"{s.final_loss:.4f} nats/token")
     baseline = f"{s.unigram_baseline:.4f} nats/token (byte frequencies, no context)"
     table.add_row("unigram baseline", baseline)

@@ -21,6 +21,7 @@ from rich.progress import (
 from plait.data.prepare import SHARD_TOKENS, PrepareJob, prepare
 from plait.data.sources import check_sources, iter_texts, source_files, total_bytes
 from plait.data.tokenizer import train_bpe
+from plait.domain import at_least
 from plait.errors import ConfigError, print_bad_input
 from plait.outdir import check_out_file
 
@@ -32,7 +33,9 @@ def add_data_commands(sub: argparse._SubParsersAction) -> None:
     tok_actions = tok.add_subparsers(dest="action", required=True)
     train = tok_actions.add_parser("train", help="train on text files, folders, .jsonl, .parquet")
     _add_data_flag(train)
-    train.add_argument("--vocab-size", type=int, required=True, help="tokens, with <|endoftext|>")
+    train.add_argument(
+        "--vocab-size", type=at_least(1), required=True, help="tokens, with <|endoftext|>"
+    )
     train.add_argument("--out", required=True, help="the tokenizer.json file to write")
     _add_common(train)
     data = sub.add_parser("data", help="prepare token shards for `plait train --data DIR`")
@@ -43,8 +46,10 @@ def add_data_commands(sub: argparse._SubParsersAction) -> None:
         "--tokenizer", default=None, help="tokenizer.json or HF folder; default: bytes"
     )
     prep.add_argument("--out", required=True, help="the shard folder to write")
-    prep.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes")
-    prep.add_argument("--shard-tokens", type=int, default=SHARD_TOKENS, help="tokens per shard")
+    prep.add_argument("--workers", type=at_least(1), default=os.cpu_count() or 1, help="processes")
+    prep.add_argument(
+        "--shard-tokens", type=at_least(1), default=SHARD_TOKENS, help="tokens per shard"
+    )
     prep.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     _add_common(prep)
 

@@ -7,6 +7,7 @@ import argparse
 from rich.console import Console
 
 from plait.cli.run_flags import add_run_flags, config_from_args
+from plait.domain import above
 from plait.errors import ConfigError, print_bad_input
 from plait.estimate import estimate
 from plait.estimate.table import print_estimate, print_json
@@ -19,7 +20,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_run_flags(est)
     est.add_argument("--json", action="store_true", help="print JSON only (exact bytes)")
     est.add_argument(
-        "--device-memory", type=float, metavar="GIB", help="fail (exit 2) if a rank needs more"
+        "--device-memory", type=above(0), metavar="GIB", help="fail (exit 2) if a rank needs more"
     )
 
 

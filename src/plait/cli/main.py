@@ -20,6 +20,8 @@ from plait.cli import (
     schedule,
     train,
 )
+from plait.domain import Parser, check_parsed
+from plait.errors import ConfigError, print_bad_input
 
 Handler = Callable[[argparse.Namespace, Console], int]
 
@@ -52,8 +54,8 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="plait", description=DESCRIPTION)
+def build_parser() -> Parser:
+    parser = Parser(prog="plait", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"plait {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     train.add_parser(sub)
@@ -70,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     err = Console(stderr=True, soft_wrap=True)  # one line per message, whatever the width
+    try:
+        check_parsed(parser, args)  # every numeric flag in its domain, before anything runs
+    except ConfigError as e:
+        return print_bad_input(err, e)
     return HANDLERS[args.command](args, err)

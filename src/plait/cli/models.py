@@ -17,6 +17,7 @@ from plait.checkpoint import inspect, store
 from plait.checkpoint.store import resolve
 from plait.data.stream import data_tokenizer
 from plait.data.tokenizer import TokenizerSpec, resolve_tokenizer, text_tokenizer
+from plait.domain import above, at_least
 from plait.errors import ConfigError, print_bad_input
 from plait.models.architecture import ModelConfig
 from plait.models.generate import Sampling, complete
@@ -34,16 +35,22 @@ def add_model_commands(sub: argparse._SubParsersAction) -> None:
     exp.add_argument("--checkpoint", required=True, help="a checkpoint folder, or a run's OUT")
     exp.add_argument("--format", choices=("hf",), default="hf", help="config.json + safetensors")
     exp.add_argument("--out", required=True, help="the folder to write (must not exist)")
-    exp.add_argument("--max-shard-mb", type=float, default=2048.0, help="largest safetensors file")
+    exp.add_argument(
+        "--max-shard-mb", type=above(0), default=2048.0, help="largest safetensors file"
+    )
     gen = sub.add_parser("generate", help="continue a prompt with a trained model (one process)")
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", help="a checkpoint folder, or OUT to use its latest")
     source.add_argument("--init-from", help="a Hugging Face Llama/GPT-2 folder")
     gen.add_argument("--prompt", required=True, help="the text to continue")
-    gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
-    gen.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest; 0: all")
-    gen.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
+    gen.add_argument("--max-new-tokens", type=at_least(1), default=64, help="tokens to generate")
+    gen.add_argument(
+        "--temperature", type=at_least(0, float), default=0.0, help="0: greedy (default)"
+    )
+    gen.add_argument(
+        "--top-k", type=at_least(0), default=0, help="sample among the k likeliest; 0: all"
+    )
+    gen.add_argument("--seed", type=at_least(0), default=0, help="seed of the sampling generator")
 
 
 def checkpoint_path(given: str) -> Path:

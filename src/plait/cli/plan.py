@@ -8,6 +8,7 @@ from pathlib import Path
 from rich.console import Console
 
 from plait.composition import check_tensor_parallel
+from plait.domain import at_least
 from plait.errors import ConfigError, print_bad_input
 from plait.mixed_precision import parse_precision
 from plait.models.presets import get_preset
@@ -24,18 +25,20 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
         "plan", help="rank the layouts of a model on a cluster by predicted step time"
     )
     p.add_argument("--model", default="small-gpt", help="model preset (see `plait presets`)")
-    p.add_argument("--gpus", type=int, required=True, help="devices in all")
-    p.add_argument("--gpus-per-node", type=int, help="devices per node (default: all)")
+    p.add_argument("--gpus", type=at_least(1), required=True, help="devices in all")
+    p.add_argument("--gpus-per-node", type=at_least(1), help="devices per node (default: all)")
     p.add_argument("--gpu-memory", help="device memory, e.g. 80GiB (default: the hardware's)")
-    p.add_argument("--global-batch", type=int, required=True, help="sequences per step")
-    p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
+    p.add_argument("--global-batch", type=at_least(1), required=True, help="sequences per step")
+    p.add_argument("--seq-len", type=at_least(1), required=True, help="tokens per sequence")
     p.add_argument("--hardware", default="h100", help="h100, a100, cpu or a profile's file")
     p.add_argument("--precision", help="fp32, bf16 or fp16 (default: the hardware's)")
-    p.add_argument("--max-micro-batch", type=int, default=8, help="largest micro-batch tried")
+    p.add_argument(
+        "--max-micro-batch", type=at_least(1), default=8, help="largest micro-batch tried"
+    )
     p.add_argument("--offload-dir", help="also consider NVMe offload, to this folder")
     for axis in ("dp", "tp", "pp"):
-        p.add_argument(f"--{axis}", type=int, help=f"only layouts with this {axis}")
-    p.add_argument("--top", type=int, default=8, help="layouts shown")
+        p.add_argument(f"--{axis}", type=at_least(1), help=f"only layouts with this {axis}")
+    p.add_argument("--top", type=at_least(1), default=8, help="layouts shown")
     p.add_argument("--out", help="write the best layout as a TOML config for plait train")
 
 

@@ -46,8 +46,8 @@ def _add_section(parser: argparse.ArgumentParser, section: str, cls: type) -> No
         kwargs["help"] = f.metadata.get("help", "") + f" (default: {default})"
         if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
-        else:
-            kwargs["type"] = kind
+        else:  # a number's domain (field metadata) converts it and is checked before a run
+            kwargs["type"] = f.metadata.get("domain", kind)
             kwargs["metavar"] = kind.__name__.upper()
         group.add_argument(flag_name(f), **kwargs)
 

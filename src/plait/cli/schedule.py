@@ -12,6 +12,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from plait.domain import at_least
 from plait.errors import ConfigError, print_bad_input
 from plait.outdir import check_out_folder
 from plait.schedule.simulate import Simulation
@@ -59,12 +60,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sched = sub.add_parser(
         "schedule", help="simulate a pipeline schedule (no model): bubble, memory, chart"
     )
-    sched.add_argument("--pp", type=int, required=True, help="pipeline stages (ranks)")
-    sched.add_argument("--microbatches", type=int, required=True, help="micro-batches per step")
+    sched.add_argument("--pp", type=at_least(1), required=True, help="pipeline stages (ranks)")
+    sched.add_argument(
+        "--microbatches", type=at_least(1), required=True, help="micro-batches per step"
+    )
     sched.add_argument(
         "--schedule", default="1f1b", help="naive, gpipe, 1f1b, interleaved, zb-h1, 2bw"
     )
-    sched.add_argument("--virtual-stages", type=int, default=1, help="chunks per rank (v)")
+    sched.add_argument("--virtual-stages", type=at_least(1), default=1, help="chunks per rank (v)")
     sched.add_argument("--out", default=None, help="folder for the PNG chart and trace JSON")
 
 

@@ -46,6 +46,9 @@ def run(args: argparse.Namespace, err: Console) -> int:
     try:
         launch(cfg)
     except WorkerFailure as e:
+        if e.line:  # diagnosed (a non-finite loss): the reason, without a traceback
+            err.print(f"plait: error: {e.line}", markup=False, highlight=False)
+            return 1
         err.print("[bold red]plait: a worker failed; all ranks stopped.[/]")
         err.print(str(e), markup=False, highlight=False)
         return 1

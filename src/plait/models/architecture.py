@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from plait.domain import above, at_least, check_fields, fraction
 from plait.errors import ConfigError
 
 
@@ -16,20 +17,32 @@ class ModelConfig:
     LLaMA is RMSNorm + SwiGLU + RoPE + grouped-query attention + untied head, no biases.
     """
 
-    vocab_size: int = field(default=256, metadata={"help": "vocabulary size (byte tokenizer: 256)"})
-    n_layers: int = field(default=4, metadata={"help": "number of transformer blocks"})
-    d_model: int = field(default=128, metadata={"help": "hidden size h"})
-    n_heads: int = field(default=4, metadata={"help": "query heads a"})
+    vocab_size: int = field(
+        default=256,
+        metadata={"domain": at_least(1), "help": "vocabulary size (byte tokenizer: 256)"},
+    )
+    n_layers: int = field(
+        default=4, metadata={"domain": at_least(1), "help": "number of transformer blocks"}
+    )
+    d_model: int = field(default=128, metadata={"domain": at_least(1), "help": "hidden size h"})
+    n_heads: int = field(default=4, metadata={"domain": at_least(1), "help": "query heads a"})
     n_kv_heads: int | None = field(
         default=None,
-        metadata={"help": "key/value heads (grouped-query attention); default n_heads"},
+        metadata={
+            "domain": at_least(1),
+            "help": "key/value heads (grouped-query attention); default n_heads",
+        },
     )
     ffn_hidden: int | None = field(
         default=None,
-        metadata={"help": "MLP hidden size; default 4h (gelu) or 8h/3 rounded (swiglu)"},
+        metadata={
+            "domain": at_least(1),
+            "help": "MLP hidden size; default 4h (gelu) or 8h/3 rounded (swiglu)",
+        },
     )
     max_seq_len: int = field(
-        default=1024, metadata={"help": "longest sequence (learned positions)"}
+        default=1024,
+        metadata={"domain": at_least(1), "help": "longest sequence (learned positions)"},
     )
     norm: Literal["layernorm", "rmsnorm"] = field(
         default="layernorm", metadata={"help": "norm type"}
@@ -40,13 +53,21 @@ class ModelConfig:
     )
     tie_embeddings: bool = field(default=True, metadata={"help": "share input embedding and head"})
     bias: bool = field(default=True, metadata={"help": "biases in linear layers and norms"})
-    dropout: float = field(default=0.0, metadata={"help": "dropout probability (GPT-2 sites)"})
-    norm_eps: float = field(default=1e-5, metadata={"help": "epsilon of the norms"})
-    rope_theta: float = field(default=10000.0, metadata={"help": "RoPE base"})
-    multiple_of: int = field(
-        default=256, metadata={"help": "SwiGLU hidden size rounding (LLaMA convention)"}
+    dropout: float = field(
+        default=0.0, metadata={"domain": fraction(), "help": "dropout probability (GPT-2 sites)"}
     )
-    init_std: float = field(default=0.02, metadata={"help": "std of the normal weight init"})
+    norm_eps: float = field(
+        default=1e-5, metadata={"domain": above(0), "help": "epsilon of the norms"}
+    )
+    rope_theta: float = field(default=10000.0, metadata={"domain": above(0), "help": "RoPE base"})
+    multiple_of: int = field(
+        default=256,
+        metadata={"domain": at_least(1), "help": "SwiGLU hidden size rounding (LLaMA convention)"},
+    )
+    init_std: float = field(
+        default=0.02,
+        metadata={"domain": at_least(0, float), "help": "std of the normal weight init"},
+    )
 
     @property
     def kv_heads(self) -> int:
@@ -68,11 +89,7 @@ class ModelConfig:
 
     def validate(self) -> None:
         """Raise ConfigError naming the values when the shape is impossible."""
-        for name in ("vocab_size", "n_layers", "d_model", "n_heads", "max_seq_len"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"model.{name} must be >= 1, got {getattr(self, name)}")
-        if self.n_kv_heads is not None and self.n_kv_heads < 1:
-            raise ConfigError(f"model.n_kv_heads must be >= 1 (or unset), got {self.n_kv_heads}")
+        check_fields("model", self)  # each number in its domain (field metadata)
         if self.d_model % self.n_heads:
             raise ConfigError(
                 f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}"
@@ -83,8 +100,6 @@ class ModelConfig:
             )
         if self.pos == "rope" and self.head_dim % 2:
             raise ConfigError(f"RoPE needs an even head dimension, got {self.head_dim}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
         if self.norm not in ("layernorm", "rmsnorm"):
             raise ConfigError(f"model.norm must be 'layernorm' or 'rmsnorm', got {self.norm!r}")
         if self.mlp not in ("gelu", "swiglu"):
