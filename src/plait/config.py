@@ -20,7 +20,7 @@ from plait.composition import (
     check_zero,
 )
 from plait.data import data_tokenizer, stream_length
-from plait.device import cuda_available
+from plait.device import cuda_available, device_kind
 from plait.errors import ConfigError
 from plait.models.architecture import ModelConfig
 from plait.models.presets import get_preset
@@ -303,10 +303,7 @@ def validate_config(cfg: Config, check_data: bool = True) -> None:
             f"global batch {t.global_batch} is not a multiple of micro-batch {t.micro_batch} "
             f"x dp {layout.dp} = {per_step} (global batch = micro-batch x accumulation x dp)"
         )
-    if cfg.model.pos == "learned" and t.seq_len > cfg.model.max_seq_len:
-        raise ConfigError(
-            f"seq_len {t.seq_len} exceeds the model's max_seq_len {cfg.model.max_seq_len}"
-        )
+    cfg.model.check_seq_len(t.seq_len)
     check_recompute(par.recompute)
     if t.lr <= 0 or t.min_lr < 0 or t.min_lr > t.lr:
         raise ConfigError(f"need 0 <= min_lr <= lr and lr > 0; got lr={t.lr}, min_lr={t.min_lr}")
@@ -355,6 +352,29 @@ def validate_config(cfg: Config, check_data: bool = True) -> None:
         raise ConfigError(f"data.val_fraction must be in (0, 1), got {cfg.data.val_fraction}")
     if check_data:
         _validate_corpus(cfg)
+
+
+def config_warnings(cfg: Config) -> list[str]:
+    """What a valid config may still get wrong, for the user to judge (one line each).
+
+    RoPE computes any position, so a seq_len past max_seq_len runs, as it does in
+    transformers (whose Llama takes inputs past max_position_embeddings without a word); a
+    warning rather than a refusal, because extending the context is a legitimate choice,
+    but the model was (pre)trained on shorter sequences and an export keeps the old limit."""
+    out = []
+    m, t = cfg.model, cfg.train
+    if m.pos == "rope" and t.seq_len > m.max_seq_len:
+        out.append(
+            f"seq_len {t.seq_len} is longer than the model's max_seq_len {m.max_seq_len} "
+            "(max_position_embeddings): RoPE runs past it, but positions beyond it are "
+            f"untrained, and an export still says {m.max_seq_len}"
+        )
+    if cfg.parallel.precision == "fp16" and device_kind(t.device) == "cpu":
+        out.append(
+            "fp16 on a CPU runs about 10x slower than fp32 (torch's CPU fp16 matmul); "
+            "--precision bf16 is fast here"
+        )
+    return out
 
 
 def _validate_corpus(cfg: Config) -> None:
