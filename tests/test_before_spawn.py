@@ -1,0 +1,152 @@
+"""Every value a worker would reject is refused before a worker starts (issue 20).
+
+A value that fails only inside the ranks costs a traceback per rank, exit 1 and, for
+`calibrate`, files left in the temp folder. Each row below is one that a worker (torch's init,
+the NVMe store, the sampler, the pipeline split, the position table, the median of the
+repeats...) would reject: `plait.cli.main` must answer it with one line and exit 2 while the
+launch is replaced by a function that fails the test, so nothing is ever spawned.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from plait.cli import main
+
+
+@pytest.fixture(autouse=True)
+def no_spawn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Wide messages on one line, and any start of workers fails the test."""
+    monkeypatch.setenv("COLUMNS", "200")
+
+    def spawned(*args: object, **kwargs: object) -> None:
+        raise AssertionError("workers were started for a value that should be refused")
+
+    monkeypatch.setattr("plait.cli.train.launch", spawned)
+    monkeypatch.setattr("plait.calibrate.mp.start_processes", spawned)
+
+
+@pytest.fixture
+def corpus(tmp_path: Path) -> Path:
+    path = tmp_path / "corpus.txt"
+    path.write_text("Pack my box with five dozen liquor jugs; the quick brown fox jumps.\n" * 60)
+    return path
+
+
+def refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """main(argv) gives exit 2 and one `plait: error:` line; returns that line."""
+    assert main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("plait: error: "), lines
+    return lines[0]
+
+
+# (flags added to a tiny valid `plait train`, the words the one line must hold, and who
+# would otherwise refuse it).
+TRAIN = [
+    (["--init-std", "-1"], "model.init_std must be a finite number >= 0"),  # torch's normal_
+    (["--init-std", "nan"], "model.init_std must be a finite number >= 0"),  # torch's normal_
+    (["--offload", "nvme", "--zero", "1", "--offload-dir", "/proc/plait-x"],
+     "--offload-dir '/proc/plait-x' cannot be written"),  # the NVMe store's mkdir
+    (["--offload", "nvme", "--zero", "1", "--offload-dir", "{file}/x"],
+     "cannot be written: '{file}' is a file"),  # the NVMe store's mkdir
+    (["--offload", "nvme", "--zero", "1"], "needs a directory"),  # the NVMe store
+    (["--model", "tiny-gpt", "--seq-len", "65"],
+     "seq_len 65 exceeds the model's max_seq_len 64"),  # the position table
+    (["--model", "tiny-gpt", "--pp", "4"], "more pipeline stages"),  # split_layers
+    (["--model", "tiny-gpt", "--pp", "2", "--stage-layers", "2,1"],
+     "must be 2 numbers >= 1 summing to 2 layers"),  # split_layers
+    (["--stage-layers", "x"], "comma-separated integers"),
+    (["--tp", "3"], "not divisible by tp=3"),  # shard_spec
+    (["--max-bytes", "0"], "max_bytes must be at least 1"),  # load_tokens
+    (["--micro-batch", "3"], "not a multiple of micro-batch 3"),  # the sampler
+    (["--global-batch", "4096"], "one global batch needs 4096"),  # the sampler
+    (["--val-fraction", "0.9999"], "0 training"),  # the sampler
+    (["--vocab-size", "100"], "smaller than the byte tokenizer's 256"),  # the embedding
+    (["--zero", "3", "--pp", "2", "--model", "tiny-gpt"], "zero stage 3 with pipeline"),
+    (["--precision", "fp8"], "precision must be one of"),
+    (["--resume", "{missing}"], "does not exist"),  # the checkpoint load
+    (["--init-from", "{missing}"], "is not a folder"),  # the weight load
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("flags", "words"), TRAIN, ids=[" ".join(f) for f, _ in TRAIN])
+def test_train_values_a_worker_would_reject(flags, words, corpus, tmp_path, capsys) -> None:
+    file = tmp_path / "a-file"
+    file.write_text("")
+    names = {"file": str(file), "missing": str(tmp_path / "missing")}
+    flags = [f.format(**names) for f in flags]
+    out = tmp_path / "run"
+    base = ["train", "--data", str(corpus), "--seq-len", "32", "--out", str(out)]
+    assert words.format(**names) in refused(base + flags, capsys)
+    assert not out.exists()  # refused before the run folder was made
+
+
+CALIBRATE = [
+    (["--repeats", "-1"], "--repeats must be >= 1"),  # the median of no repeats
+    (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--seq-len", "0"], "must be >= 1, got 0"),  # an empty batch
+    (["--seq-len", "300"], "seq_len 300 exceeds the model's max_seq_len 256"),  # positions
+    (["--ranks", "1"], "--ranks must be >= 2"),  # a collective of one
+    (["--model", "nope"], "unknown model preset 'nope'"),
+]
+
+
+@pytest.mark.parametrize(("flags", "words"), CALIBRATE, ids=[" ".join(f) for f, _ in CALIBRATE])
+def test_calibrate_values_a_worker_would_reject(flags, words, tmp_path, capsys) -> None:
+    out = tmp_path / "hw.toml"
+    assert words in refused(["calibrate", "--out", str(out), *flags], capsys)
+    assert list(tmp_path.iterdir()) == []
+
+
+PLAN = [
+    (["--gpus", "64", "--gpus-per-node", "7"],
+     "--gpus 64 is not a multiple of --gpus-per-node 7"),
+    (["--gpus", "64", "--gpus-per-node", "8", "--tp", "16"],
+     "tp=16 is more than --gpus-per-node 8: tensor parallelism must stay within a node"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("flags", "words"), PLAN, ids=[" ".join(f) for f, _ in PLAN])
+def test_plan_limits_name_their_rule(flags, words, capsys) -> None:
+    argv = ["plan", "--model", "llama-7b", "--global-batch", "64", "--seq-len", "128", *flags]
+    line = refused(argv, capsys)
+    assert words in line
+    if "--tp" in flags:
+        assert line.endswith("the nearest tp that work: 4 or 8")  # both within a node
+
+
+def test_positions_past_the_model_learned_refused_rope_warned(tmp_path, corpus, capsys) -> None:
+    """One rule for presets and Hugging Face folders: learned positions end at max_seq_len
+    (GPT-2's n_positions) and are refused past it; RoPE (Llama's max_position_embeddings)
+    runs past it, as in transformers, with a warning line."""
+    from hf_models import gpt2_config, llama_config, save
+
+    gpt2 = save(gpt2_config(), tmp_path / "gpt2")
+    llama = save(llama_config(), tmp_path / "llama")
+    capsys.readouterr()  # transformers' own lines while saving
+    base = [
+        "train",
+        "--data",
+        str(corpus),
+        "--seq-len",
+        "128",
+        "--global-batch",
+        "4",
+        "--micro-batch",
+        "4",
+    ]
+    for source in (["--model", "tiny-gpt"], ["--init-from", str(gpt2)]):
+        line = refused([*base, *source, "--out", str(tmp_path / "g")], capsys)
+        assert "seq_len 128 exceeds the model's max_seq_len 64" in line
+    launched = []
+    for n, source in enumerate((["--model", "tiny-llama"], ["--init-from", str(llama)])):
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr("plait.cli.train.launch", launched.append)
+            assert main([*base, *source, "--out", str(tmp_path / f"l{n}")]) == 0
+        err = " ".join(capsys.readouterr().err.split())
+        assert err.startswith("plait: warning: seq_len 128 is longer than the model's "), err
+        assert "max_seq_len 64 (max_position_embeddings): RoPE runs past it" in err
+    assert [cfg.train.seq_len for cfg in launched] == [128, 128]
