@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from hf_models import gpt2_config, llama_config, save
 from plait.cli import main
+from plait.data.tokenizer import train_bpe
 
 
 @pytest.fixture(autouse=True)
@@ -122,8 +124,6 @@ def test_positions_past_the_model_learned_refused_rope_warned(tmp_path, corpus, 
     """One rule for presets and Hugging Face folders: learned positions end at max_seq_len
     (GPT-2's n_positions) and are refused past it; RoPE (Llama's max_position_embeddings)
     runs past it, as in transformers, with a warning line."""
-    from hf_models import gpt2_config, llama_config, save
-
     gpt2 = save(gpt2_config(), tmp_path / "gpt2")
     llama = save(llama_config(), tmp_path / "llama")
     capsys.readouterr()  # transformers' own lines while saving
@@ -150,3 +150,27 @@ def test_positions_past_the_model_learned_refused_rope_warned(tmp_path, corpus, 
         assert err.startswith("plait: warning: seq_len 128 is longer than the model's "), err
         assert "max_seq_len 64 (max_position_embeddings): RoPE runs past it" in err
     assert [cfg.train.seq_len for cfg in launched] == [128, 128]
+
+
+def test_init_from_with_a_larger_tokenizer_is_refused(tmp_path, corpus, capsys) -> None:
+    """A tokenizer with more tokens than an --init-from folder's embedding has rows would fail
+    in the workers' weight loading; a smaller one is kept with the folder's (padded) rows."""
+    folder = save(gpt2_config(vocab=280), tmp_path / "gpt2")
+    tokenizer = tmp_path / "tok.json"
+    spec = train_bpe(iter([corpus.read_text() * 5]), 300, tokenizer, None, False)
+    assert spec.vocab_size > 280
+    capsys.readouterr()  # transformers' own lines while saving
+    argv = ["train", "--init-from", str(folder), "--tokenizer", str(tokenizer), "--data",
+            str(corpus), "--seq-len", "16", "--global-batch", "4",
+            "--micro-batch", "4"]  # fmt: skip
+    line = refused([*argv, "--out", str(tmp_path / "a")], capsys)
+    assert (
+        f"has {spec.vocab_size} tokens, more than the --init-from folder's vocab_size 280" in line
+    )
+    launched = []
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr("plait.cli.train.launch", launched.append)
+        bigger = save(gpt2_config(vocab=400), tmp_path / "gpt2-400")
+        argv[2] = str(bigger)
+        assert main([*argv, "--out", str(tmp_path / "b")]) == 0
+    assert launched[0].model.vocab_size == 400

@@ -228,17 +228,28 @@ def build_config(
                 )
             setattr(target, key, value)
     _derive_micro_batch(cfg)
-    follow_tokenizer(cfg, overrides.get("model", {}).get("vocab_size"))
+    explicit = overrides.get("model", {}).get("vocab_size")
+    follow_tokenizer(cfg, model.vocab_size if model else explicit, model is not None)
     return cfg
 
 
-def follow_tokenizer(cfg: Config, explicit_vocab: int | None) -> None:
+def follow_tokenizer(cfg: Config, explicit_vocab: int | None, from_folder: bool = False) -> None:
     """The model's vocabulary follows a tokenizer (given, or the one the shards were made
     with); the byte tokenizer keeps the preset's. An explicit, different vocab_size is an
-    error naming both. The tokenizer's hash goes into the config, so a resumed run checks it."""
+    error naming both. An --init-from folder's embedding may have more rows than its
+    tokenizer has tokens (Hugging Face models often pad it) but never fewer: it is kept.
+    The tokenizer's hash goes into the config, so a resumed run checks it."""
     spec = data_tokenizer(cfg.data.path, cfg.data.tokenizer)
     cfg.data.tokenizer_hash = spec.identity
     if spec.identity is None:
+        return
+    if from_folder and explicit_vocab is not None:
+        if spec.vocab_size > explicit_vocab:
+            raise ConfigError(
+                f"tokenizer {spec.name} has {spec.vocab_size} tokens, more than the "
+                f"--init-from folder's vocab_size {explicit_vocab} (its embedding rows); give "
+                "the tokenizer the model was trained with"
+            )
         return
     if explicit_vocab is not None and explicit_vocab != spec.vocab_size:
         raise ConfigError(
