@@ -9,6 +9,7 @@ launch is replaced by a function that fails the test, so nothing is ever spawned
 
 from __future__ import annotations
 
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
@@ -84,6 +85,18 @@ def test_train_values_a_worker_would_reject(flags, words, corpus, tmp_path, caps
     base = ["train", "--data", str(corpus), "--seq-len", "32", "--out", str(out)]
     assert words.format(**names) in refused(base + flags, capsys)
     assert not out.exists()  # refused before the run folder was made
+
+
+def test_tensorboard_missing_is_refused(corpus, tmp_path, capsys, monkeypatch) -> None:
+    """Rank 0 imports TensorBoard's writer only when asked: without the package it would fail
+    there, after every rank started."""
+    real = find_spec
+    monkeypatch.setattr("plait.config.find_spec", lambda n: None if n == "tensorboard" else real(n))
+    argv = ["train", "--data", str(corpus), "--seq-len", "32", "--tensorboard"]
+    line = refused([*argv, "--out", str(tmp_path / "run")], capsys)
+    assert line.endswith(
+        "--tensorboard needs the tensorboard package: pip install 'plait[tensorboard]'"
+    )
 
 
 CALIBRATE = [

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from importlib.util import find_spec
 from typing import Any
 
 from plait.composition import (
@@ -351,6 +352,10 @@ def validate_config(cfg: Config, check_data: bool = True) -> None:
         par.reduce_dtype,
         par.schedule,
     )
+    if t.tensorboard and find_spec("tensorboard") is None:  # rank 0 would fail importing it
+        raise ConfigError(
+            "--tensorboard needs the tensorboard package: pip install 'plait[tensorboard]'"
+        )
     if t.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"device must be auto, cpu or cuda; got {t.device!r}")
     if t.device == "cuda" and not cuda_available():
