@@ -54,7 +54,7 @@ TRAIN = [
     (["--offload", "nvme", "--zero", "1", "--offload-dir", "/proc/plait-x"],
      "--offload-dir '/proc/plait-x' cannot be written"),  # the NVMe store's mkdir
     (["--offload", "nvme", "--zero", "1", "--offload-dir", "{file}/x"],
-     "cannot be written: '{file}' is a file"),  # the NVMe store's mkdir
+     "cannot be made: '{file}' is a file"),  # the NVMe store's mkdir
     (["--offload", "nvme", "--zero", "1"], "needs a directory"),  # the NVMe store
     (["--model", "tiny-gpt", "--seq-len", "65"],
      "seq_len 65 exceeds the model's max_seq_len 64"),  # the position table

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 from pathlib import Path
 
 from rich.console import Console
@@ -19,7 +18,7 @@ from plait.cli.run_flags import add_run_flags, config_from_args
 from plait.config import config_warnings
 from plait.errors import ConfigError, print_bad_input
 from plait.launch import Interrupted, WorkerFailure, launch, under_torchrun
-from plait.outdir import prepare_out
+from plait.outdir import check_out_folder, prepare_out
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -34,8 +33,8 @@ def run(args: argparse.Namespace, err: Console) -> int:
         start = resolve(cfg.train.resume, out) if cfg.train.resume else None
         if start is not None:
             check_resumable(start, cfg.to_dict())
-        if cfg.parallel.offload_dir:
-            _check_offload_dir(Path(cfg.parallel.offload_dir))
+        if cfg.parallel.offload_dir:  # else each rank's NVMe store fails alone
+            check_out_folder(Path(cfg.parallel.offload_dir), "--offload-dir")
         if not under_torchrun() or os.environ.get("RANK") == "0":  # one rank owns the folder
             prepare_out(out, cfg.train.overwrite, bool(cfg.train.resume))
     except ConfigError as e:
@@ -56,19 +55,3 @@ def run(args: argparse.Namespace, err: Console) -> int:
         err.print("[bold]plait: interrupted; every rank stopped.[/]")
         return 130
     return 0
-
-
-def _check_offload_dir(folder: Path) -> None:
-    """`--offload-dir` must be a folder each rank's NVMe store can make and write (else every
-    worker fails alone). Creates nothing: its closest existing ancestor is probed with a
-    temporary file, the one sure test (root passes permission checks; /proc refuses all)."""
-    base = next((p for p in (folder, *folder.parents) if p.exists()), Path("."))
-    try:
-        if not base.is_dir():
-            raise NotADirectoryError(20, f"{str(base)!r} is a file")
-        with tempfile.TemporaryFile(dir=base):
-            pass
-    except OSError as e:
-        raise ConfigError(
-            f"--offload-dir {str(folder)!r} cannot be written: {e.strerror}"
-        ) from None
