@@ -99,6 +99,24 @@ def test_tensorboard_missing_is_refused(corpus, tmp_path, capsys, monkeypatch) -
     )
 
 
+def test_more_cuda_ranks_than_gpus_is_refused(corpus, tmp_path, capsys, monkeypatch) -> None:
+    """Two ranks on one GPU would fail in NCCL's set-up, in every worker."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
+    argv = ["train", "--data", str(corpus), "--seq-len", "32", "--dp", "2", "--micro-batch", "4"]
+    line = refused([*argv, "--out", str(tmp_path / "run")], capsys)
+    assert "2 ranks on this machine need 2 CUDA devices, one each (NCCL), but torch sees 1" in line
+    with pytest.MonkeyPatch.context() as m:  # under torchrun: the ranks of this node count
+        m.setenv("RANK", "0")
+        m.setenv("WORLD_SIZE", "2")
+        m.setenv("LOCAL_WORLD_SIZE", "1")
+        m.setenv("LOCAL_RANK", "0")
+        launched = []
+        m.setattr("plait.cli.train.launch", launched.append)
+        assert main([*argv, "--out", str(tmp_path / "run2")]) == 0
+        assert len(launched) == 1
+
+
 CALIBRATE = [
     (["--repeats", "-1"], "--repeats must be >= 1"),  # the median of no repeats
     (["--repeats", "0"], "--repeats must be >= 1"),

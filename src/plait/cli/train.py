@@ -16,6 +16,7 @@ from rich.console import Console
 from plait.checkpoint.store import check_resumable, resolve
 from plait.cli.run_flags import add_run_flags, config_from_args
 from plait.config import config_warnings
+from plait.device import check_gpu_per_rank
 from plait.errors import ConfigError, print_bad_input
 from plait.launch import Interrupted, WorkerFailure, launch, under_torchrun
 from plait.outdir import check_out_folder, prepare_out
@@ -33,6 +34,9 @@ def run(args: argparse.Namespace, err: Console) -> int:
         start = resolve(cfg.train.resume, out) if cfg.train.resume else None
         if start is not None:
             check_resumable(start, cfg.to_dict())
+        ranks = cfg.parallel.layout.world_size
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", ranks)) if under_torchrun() else ranks
+        check_gpu_per_rank(cfg.train.device, local)
         if cfg.parallel.offload_dir:  # else each rank's NVMe store fails alone
             check_out_folder(Path(cfg.parallel.offload_dir), "--offload-dir")
         if not under_torchrun() or os.environ.get("RANK") == "0":  # one rank owns the folder
