@@ -280,7 +280,7 @@ def test_version(capsys) -> None:
 
 def test_fp16_on_cpu_warns_once(capsys, monkeypatch, corpus: Path) -> None:
     monkeypatch.setattr("plait.cli.train.launch", lambda cfg: None)  # validate and warn, no run
-    monkeypatch.setattr("plait.cli.train.device_kind", lambda kind: "cpu")
+    monkeypatch.setattr("plait.config.device_kind", lambda kind: "cpu")
     assert main(["train", "--precision", "fp16", "--data", str(corpus), "--seq-len", "32"]) == 0
     err = capsys.readouterr().err
     assert err.startswith("plait: warning: fp16 on a CPU") and "bf16" in err

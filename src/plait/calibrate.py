@@ -292,7 +292,7 @@ def _cores() -> int:
 def run_calibrate(args: argparse.Namespace) -> int:
     if args.ranks < 2:
         raise ConfigError(f"--ranks must be >= 2 (collectives need two ranks), got {args.ranks}")
-    get_preset(args.model)
+    get_preset(args.model).check_seq_len(args.seq_len)
     check_out_file(Path(args.out))
     with tempfile.TemporaryDirectory(prefix="plait-calibrate-") as d:
         out = str(Path(d, "result.json"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from importlib.util import find_spec
 from typing import Any
 
 from plait.composition import (
@@ -20,7 +21,7 @@ from plait.composition import (
     check_zero,
 )
 from plait.data import data_tokenizer, stream_length
-from plait.device import cuda_available
+from plait.device import cuda_available, device_kind
 from plait.domain import Domain, above, at_least, check_fields, fraction
 from plait.errors import ConfigError
 from plait.models.architecture import ModelConfig
@@ -298,17 +299,28 @@ def build_config(
                 )
             setattr(target, key, value)
     _derive_micro_batch(cfg)
-    follow_tokenizer(cfg, overrides.get("model", {}).get("vocab_size"))
+    explicit = overrides.get("model", {}).get("vocab_size")
+    follow_tokenizer(cfg, model.vocab_size if model else explicit, model is not None)
     return cfg
 
 
-def follow_tokenizer(cfg: Config, explicit_vocab: int | None) -> None:
+def follow_tokenizer(cfg: Config, explicit_vocab: int | None, from_folder: bool = False) -> None:
     """The model's vocabulary follows a tokenizer (given, or the one the shards were made
     with); the byte tokenizer keeps the preset's. An explicit, different vocab_size is an
-    error naming both. The tokenizer's hash goes into the config, so a resumed run checks it."""
+    error naming both. An --init-from folder's embedding may have more rows than its
+    tokenizer has tokens (Hugging Face models often pad it) but never fewer: it is kept.
+    The tokenizer's hash goes into the config, so a resumed run checks it."""
     spec = data_tokenizer(cfg.data.path, cfg.data.tokenizer)
     cfg.data.tokenizer_hash = spec.identity
     if spec.identity is None:
+        return
+    if from_folder and explicit_vocab is not None:
+        if spec.vocab_size > explicit_vocab:
+            raise ConfigError(
+                f"tokenizer {spec.name} has {spec.vocab_size} tokens, more than the "
+                f"--init-from folder's vocab_size {explicit_vocab} (its embedding rows); give "
+                "the tokenizer the model was trained with"
+            )
         return
     if explicit_vocab is not None and explicit_vocab != spec.vocab_size:
         raise ConfigError(
@@ -372,10 +384,7 @@ def validate_config(cfg: Config, check_data: bool = True) -> None:
             f"global batch {t.global_batch} is not a multiple of micro-batch {t.micro_batch} "
             f"x dp {layout.dp} = {per_step} (global batch = micro-batch x accumulation x dp)"
         )
-    if cfg.model.pos == "learned" and t.seq_len > cfg.model.max_seq_len:
-        raise ConfigError(
-            f"seq_len {t.seq_len} exceeds the model's max_seq_len {cfg.model.max_seq_len}"
-        )
+    cfg.model.check_seq_len(t.seq_len)
     check_recompute(par.recompute)
     if t.min_lr > t.lr:
         raise ConfigError(f"need min_lr <= lr; got lr={t.lr}, min_lr={t.min_lr}")
@@ -402,6 +411,10 @@ def validate_config(cfg: Config, check_data: bool = True) -> None:
         raise ConfigError(f"nan_policy must be stop or skip; got {t.nan_policy!r}")
     if t.nan_policy == "skip" and par.two_bw:  # its weight versions advance every step
         raise ConfigError("--nan-policy skip does not combine with --schedule 2bw; use stop")
+    if t.tensorboard and find_spec("tensorboard") is None:  # rank 0 would fail importing it
+        raise ConfigError(
+            "--tensorboard needs the tensorboard package: pip install 'plait[tensorboard]'"
+        )
     if t.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"device must be auto, cpu or cuda; got {t.device!r}")
     if t.device == "cuda" and not cuda_available():
@@ -412,6 +425,29 @@ def validate_config(cfg: Config, check_data: bool = True) -> None:
         )
     if check_data:
         _validate_corpus(cfg)
+
+
+def config_warnings(cfg: Config) -> list[str]:
+    """What a valid config may still get wrong, for the user to judge (one line each).
+
+    RoPE computes any position, so a seq_len past max_seq_len runs, as it does in
+    transformers (whose Llama takes inputs past max_position_embeddings without a word); a
+    warning rather than a refusal, because extending the context is a legitimate choice,
+    but the model was (pre)trained on shorter sequences and an export keeps the old limit."""
+    out = []
+    m, t = cfg.model, cfg.train
+    if m.pos == "rope" and t.seq_len > m.max_seq_len:
+        out.append(
+            f"seq_len {t.seq_len} is longer than the model's max_seq_len {m.max_seq_len} "
+            "(max_position_embeddings): RoPE runs past it, but positions beyond it are "
+            f"untrained, and an export still says {m.max_seq_len}"
+        )
+    if cfg.parallel.precision == "fp16" and device_kind(t.device) == "cpu":
+        out.append(
+            "fp16 on a CPU runs about 10x slower than fp32 (torch's CPU fp16 matmul); "
+            "--precision bf16 is fast here"
+        )
+    return out
 
 
 def _validate_corpus(cfg: Config) -> None:

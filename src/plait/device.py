@@ -10,6 +10,8 @@ import os
 
 import torch
 
+from plait.errors import ConfigError
+
 
 def device_kind(kind: str) -> str:
     """'auto' is CUDA when present, else CPU; 'cpu' and 'cuda' are themselves."""
@@ -33,6 +35,19 @@ def resolve_device(kind: str, local_rank: int) -> torch.device:
 def cuda_available() -> bool:
     """Whether a CUDA device can be used (for checks before any worker starts)."""
     return torch.cuda.is_available()
+
+
+def check_gpu_per_rank(kind: str, local_ranks: int) -> None:
+    """CUDA ranks each need a GPU of their own: NCCL refuses two ranks on one device
+    ("Duplicate GPU detected") in every worker, at their first collective."""
+    if device_kind(kind) != "cuda":
+        return
+    count = torch.cuda.device_count()
+    if local_ranks > count:
+        raise ConfigError(
+            f"{local_ranks} ranks on this machine need {local_ranks} CUDA devices, one each "
+            f"(NCCL), but torch sees {count}; run fewer ranks (dp x tp x pp) or --device cpu"
+        )
 
 
 def backend_for(device: torch.device) -> str:

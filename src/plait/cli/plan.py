@@ -52,6 +52,11 @@ def request_of(args: argparse.Namespace, precision: str) -> Request:
     per_node = args.gpus_per_node or args.gpus
     if per_node < 1:
         raise ConfigError(f"--gpus-per-node must be >= 1, got {per_node}")
+    if args.gpus % per_node:
+        raise ConfigError(
+            f"--gpus {args.gpus} is not a multiple of --gpus-per-node {per_node}: the planner "
+            "places whole nodes of equal size"
+        )
     fixed = tuple((a, getattr(args, a)) for a in ("dp", "tp", "pp") if getattr(args, a))
     req = Request(
         model,
@@ -83,6 +88,12 @@ def check_pins(req: Request) -> None:
             check_tensor_parallel(m, pins["tp"])
         except ConfigError as e:
             raise ConfigError(f"{e}; the nearest tp that work: {_nearest(pins['tp'], ok)}") from e
+        if pins["tp"] > req.gpus_per_node:
+            raise ConfigError(
+                f"tp={pins['tp']} is more than --gpus-per-node {req.gpus_per_node}: tensor "
+                "parallelism must stay within a node (it all-reduces activations in every "
+                f"layer); the nearest tp that work: {_nearest(pins['tp'], ok)}"
+            )
     if "pp" in pins and m.n_layers % pins["pp"]:
         ok = [p for p in divisors(m.n_layers) if req.gpus % p == 0]
         raise ConfigError(
@@ -114,7 +125,7 @@ def _splits(req: Request, tp: int) -> bool:
         check_tensor_parallel(req.model, tp)
     except ConfigError:
         return False
-    return req.gpus % tp == 0
+    return req.gpus % tp == 0 and tp <= req.gpus_per_node
 
 
 def nothing_fits(out: Plan) -> str:

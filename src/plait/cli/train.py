@@ -15,10 +15,11 @@ from rich.console import Console
 
 from plait.checkpoint.store import check_resumable, resolve
 from plait.cli.run_flags import add_run_flags, config_from_args
-from plait.device import device_kind
+from plait.config import config_warnings
+from plait.device import check_gpu_per_rank
 from plait.errors import ConfigError, print_bad_input
 from plait.launch import Interrupted, WorkerFailure, launch, under_torchrun
-from plait.outdir import prepare_out
+from plait.outdir import check_out_folder, prepare_out
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -33,16 +34,17 @@ def run(args: argparse.Namespace, err: Console) -> int:
         start = resolve(cfg.train.resume, out) if cfg.train.resume else None
         if start is not None:
             check_resumable(start, cfg.to_dict())
+        ranks = cfg.parallel.layout.world_size
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", ranks)) if under_torchrun() else ranks
+        check_gpu_per_rank(cfg.train.device, local)
+        if cfg.parallel.offload_dir:  # else each rank's NVMe store fails alone
+            check_out_folder(Path(cfg.parallel.offload_dir), "--offload-dir")
         if not under_torchrun() or os.environ.get("RANK") == "0":  # one rank owns the folder
             prepare_out(out, cfg.train.overwrite, bool(cfg.train.resume))
     except ConfigError as e:
         return print_bad_input(err, e)
-    if cfg.parallel.precision == "fp16" and device_kind(cfg.train.device) == "cpu":
-        err.print(
-            "[yellow]plait: warning:[/] fp16 on a CPU runs about 10x slower than fp32 "
-            "(torch's CPU fp16 matmul); --precision bf16 is fast here",
-            highlight=False,
-        )
+    for line in config_warnings(cfg):
+        err.print(f"[yellow]plait: warning:[/] {line}", highlight=False)
     try:
         launch(cfg)
     except WorkerFailure as e:

@@ -106,3 +106,15 @@ class ModelConfig:
             raise ConfigError(f"model.mlp must be 'gelu' or 'swiglu', got {self.mlp!r}")
         if self.pos not in ("learned", "rope"):
             raise ConfigError(f"model.pos must be 'learned' or 'rope', got {self.pos!r}")
+
+    def check_seq_len(self, seq_len: int) -> None:
+        """Learned positions end at max_seq_len (a Hugging Face GPT-2's n_positions): a longer
+        sequence has no embedding. RoPE has no end (see `config.config_warnings`)."""
+        if seq_len < 1:
+            raise ConfigError(f"seq_len must be >= 1, got {seq_len}")
+        if self.pos == "learned" and seq_len > self.max_seq_len:
+            raise ConfigError(
+                f"seq_len {seq_len} exceeds the model's max_seq_len {self.max_seq_len} "
+                f"(learned positions have no embedding past it); give --seq-len "
+                f"{self.max_seq_len} or less"
+            )
