@@ -49,8 +49,8 @@ def refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
 # (flags added to a tiny valid `plait train`, the words the one line must hold, and who
 # would otherwise refuse it).
 TRAIN = [
-    (["--init-std", "-1"], "model.init_std must be a finite number >= 0"),  # torch's normal_
-    (["--init-std", "nan"], "model.init_std must be a finite number >= 0"),  # torch's normal_
+    (["--init-std", "-1"], "--init-std must be >= 0, got -1"),  # torch's normal_
+    (["--init-std", "nan"], "--init-std must be a finite number"),  # torch's normal_
     (["--offload", "nvme", "--zero", "1", "--offload-dir", "/proc/plait-x"],
      "--offload-dir '/proc/plait-x' cannot be written"),  # the NVMe store's mkdir
     (["--offload", "nvme", "--zero", "1", "--offload-dir", "{file}/x"],
@@ -63,7 +63,7 @@ TRAIN = [
      "must be 2 numbers >= 1 summing to 2 layers"),  # split_layers
     (["--stage-layers", "x"], "comma-separated integers"),
     (["--tp", "3"], "not divisible by tp=3"),  # shard_spec
-    (["--max-bytes", "0"], "max_bytes must be at least 1"),  # load_tokens
+    (["--max-bytes", "0"], "--max-bytes must be >= 1, got 0"),  # load_tokens
     (["--micro-batch", "3"], "not a multiple of micro-batch 3"),  # the sampler
     (["--global-batch", "4096"], "one global batch needs 4096"),  # the sampler
     (["--val-fraction", "0.9999"], "0 training"),  # the sampler
