@@ -62,7 +62,7 @@ def test_bf16_zero2_loss_falls(world2):
 @pytest.mark.parametrize(
     ("over", "message"),
     [
-        ({"zero": 4}, "zero stage must be 0, 1, 2 or 3; got 4"),
+        ({"zero": 4}, r"parallel.zero must be in \[0, 3\], got 4"),
         ({"precision": "fp8"}, "precision must be one of"),
         ({"offload": "nvme"}, "needs a directory"),
     ],
