@@ -13,7 +13,6 @@ import os
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-
 from typing import Any
 
 from plait.errors import ConfigError
