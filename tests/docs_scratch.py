@@ -5,7 +5,8 @@ the reader brings (`my_corpus/`), or that sit in the checkout (`configs/`). Each
 a folder of its own holding all of them: made once per module (a stand-in corpus, a
 tokenizer trained on it and shards prepared with it, tiny Hugging Face folders with random
 weights) and linked in, except what the line itself writes; the configs are copied (a
-`plan --out configs/...` line writes there).
+`plan --out configs/...` line writes there). `runs/default` holds a finished run, as after
+`make train`: a `train` line without its own `--out` is refused there.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from hf_models import gpt2_config, llama_config, save
 from plait.data.prepare import PrepareJob, prepare
 from plait.data.sources import iter_texts, source_files
 from plait.data.tokenizer import train_bpe
+from plait.outdir import RUN_FILES
 
 CORPUS_TEXT = "plait reads text. " * 20_000  # the stand-in for the reader's `my_corpus/`
 LINKED = ("my_corpus", "tok.json", "shards", "hf")
@@ -37,10 +39,19 @@ def shared_artifacts(folder: Path, root: Path) -> Path:
 
 def scratch_folder(folder: Path, artifacts: Path, argv: list[str]) -> Path:
     """`folder` made a place to run the line `argv`: the shared artifacts it may read
-    linked (not the one it writes, its `--out`), the configs copied."""
+    linked (not the one it writes, its `--out`), the configs copied, a run in
+    `runs/default`."""
     out = argv[argv.index("--out") + 1].rstrip("/") if "--out" in argv else None
     for name in LINKED:
         if name != out:
             (folder / name).symlink_to(artifacts / name)
     shutil.copytree(artifacts / "configs", folder / "configs")
+    _previous_run(folder / "runs" / "default")
     return folder
+
+
+def _previous_run(out: Path) -> None:
+    """What a finished run leaves in `out` (the files `plait train` refuses to mix with)."""
+    out.mkdir(parents=True)
+    for name in RUN_FILES:
+        (out / name).write_text("{}\n")

@@ -10,7 +10,9 @@ checkout. Each must exit 0:
   real (they are cheap);
 - `train` lines run every check `plait train` makes before its workers start (flags, config
   validation, the data, the Hugging Face folder, a checkpoint to resume, the output folder)
-  and reach the launch, which is not run (minutes of training);
+  and reach the launch, which is not run (minutes of training). Their folder already holds a
+  run at `runs/default` (as after `make train`), so each line names its own `--out`, and no
+  two lines share one unless the second continues the first (`--resume latest`);
 - `lessons` lines (minutes of runs) are parsed and their request checked, as `plait lessons`
   does before running anything.
 
@@ -58,6 +60,23 @@ COMMANDS = _commands()
 
 def test_the_docs_have_commands() -> None:
     assert len(COMMANDS) >= 30
+
+
+def _out(argv: list[str]) -> str | None:
+    return argv[argv.index("--out") + 1].rstrip("/") if "--out" in argv else None
+
+
+TRAINS = [(where, argv) for where, argv in COMMANDS if argv[0] == "train" and "--help" not in argv]
+
+
+def test_every_train_line_names_its_own_out() -> None:
+    """A line without `--out` writes `runs/default`, which `make train` (or the line before)
+    already filled: `plait train` refuses it. Two lines sharing a folder clash the same way,
+    unless the second continues the first's run (`--resume latest`)."""
+    assert not [where for where, argv in TRAINS if _out(argv) is None]
+    starts = [_out(argv) for _, argv in TRAINS if "latest" not in argv]
+    assert len(starts) == len(set(starts)), sorted(o for o in starts if starts.count(o) > 1)
+    assert "runs/default" not in starts
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 case, workers stopped with the launcher on Ctrl-C), build the sections, write the report.
 
 Cases run in a temporary folder; what a reader keeps (figures, lessons.md, lessons.json) goes
-to the output folder.
+to the output folder, merged with the lessons it already held (writeup.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from plait.errors import ConfigError
 from plait.launch import launch
 from plait.lessons import dp, offload, pipeline, precision, recompute, tp, zero
 from plait.lessons.section import Case, Run, Section
-from plait.lessons.writeup import write_report
+from plait.lessons.writeup import previous_sections, write_report
 from plait.outdir import check_out_folder
 
 MIN_PROCS, MAX_PROCS = 2, 4
@@ -33,14 +33,15 @@ def registry() -> dict[str, ModuleType]:
 
 
 def check_request(only: Sequence[str] | None, out: Path) -> list[str]:
-    """The lessons to run; ConfigError (before anything runs) on an unknown name or an output
-    folder that cannot be written."""
+    """The lessons to run; ConfigError (before anything runs) on an unknown name, an output
+    folder that cannot be written, or a lessons.json there that cannot be read to merge."""
     known = list(registry())
     names = list(only) if only else known
     unknown = [n for n in names if n not in known]
     if unknown:
         raise ConfigError(f"unknown lesson {', '.join(unknown)}; known: {', '.join(known)}")
     check_out_folder(out)
+    previous_sections(out)  # the lessons kept there must be readable before any lesson runs
     return names
 
 
@@ -83,5 +84,5 @@ def run_lessons(names: Sequence[str], quick: bool, out: Path, procs: int,
                 runs[case.label] = run_case(case, Path(tmp, name))
                 bar.advance(task)
             sections.append(lessons[name].section(runs, out))
-    write_report(sections, out, quick)
+    write_report(sections, out, quick, order=list(lessons))
     return sections

@@ -64,11 +64,27 @@ class Section:
         return {
             "name": self.name,
             "title": self.title,
+            "intro": self.intro,
             "rows": [vars(r) | {"ratio": r.ratio} for r in self.rows],
             "figures": [str(p) for p in self.figures],
             "notes": self.notes,
             "raw": self.raw,
         }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], out: Path) -> Section:
+        """A section as `as_dict` wrote it to OUT/lessons.json (a lesson not re-run keeps its
+        place in lessons.md). Figures are found in `out`, where every lesson draws them, so a
+        run from another working folder still links them."""
+        return cls(
+            name=d["name"],
+            title=d["title"],
+            intro=d.get("intro", ""),  # written since lessons merge; older files lack it
+            rows=[Row(**{k: v for k, v in r.items() if k != "ratio"}) for r in d["rows"]],
+            figures=[out / Path(f).name for f in d["figures"]],
+            notes=list(d["notes"]),
+            raw=d["raw"],
+        )
 
 
 @dataclass(frozen=True)
