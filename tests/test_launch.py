@@ -12,6 +12,7 @@ written, the launcher's marker that it passed a first signal on), never after a 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -240,3 +241,19 @@ def test_a_killed_rank_restarts_from_the_newest_checkpoint(launcher, plain, tmp_
     assert _losses(out) == _losses(plain[1])[:4]  # bitwise: same layout
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["restarts"], summary["world_size"]) == (1, 2)
+
+
+def test_quiet_termination_drops_only_torchs_terminating_lines(caplog) -> None:
+    """While plait waits on its workers, torch's "Terminating process N via signal SIGTERM"
+    lines (one per worker it ends after another failed) are dropped; other warnings show,
+    and outside the wait the message shows again."""
+    from plait.launch import quiet_termination
+
+    log = logging.getLogger("torch.multiprocessing.spawn")
+    with caplog.at_level(logging.WARNING), quiet_termination():
+        log.warning("Terminating process %s via signal SIGTERM", 1234)
+        log.warning("something else %s", 1)
+    assert [r.getMessage() for r in caplog.records] == ["something else 1"]
+    with caplog.at_level(logging.WARNING):
+        log.warning("Terminating process %s via signal SIGTERM", 1234)
+    assert caplog.records[-1].getMessage() == "Terminating process 1234 via signal SIGTERM"
