@@ -8,6 +8,7 @@ STAMP := $(VENV)/.plait-installed
 .PHONY: setup train test lint format bench
 
 $(STAMP): pyproject.toml
+	@echo "plait: installing torch and plait into $(VENV) (first time only; pip is quiet for a minute or two)"
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	if command -v nvidia-smi >/dev/null 2>&1; then \

@@ -106,7 +106,8 @@ def test_cli_prints_a_table_and_json(capsys):
     assert main(["estimate", "--model", "llama-7b", "--precision", "bf16", "--micro-batch",
                  "1", "--global-batch", "1"]) == 0  # fmt: skip
     out = capsys.readouterr().out
-    assert "107,814,649,856" in out and "80.9 GB" in out and "optimizer_states" in out
+    assert "107,814,649,856" in out and "(75.308 GiB)" in out and "optimizer_states" in out
+    assert " GB" not in out  # one unit family: binary, like the table's columns
     assert main(["estimate", "--dp", "2", "--zero", "3", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)  # JSON only
     assert data["psi"] == 858_880 and data["ranks"][0]["total"]["device"] > 0

@@ -12,6 +12,7 @@ written, the launcher's marker that it passed a first signal on), never after a 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -105,6 +106,7 @@ def test_failure_on_one_rank_stops_all_and_its_unfinished_save_is_skipped(world2
     assert "rank 1 failed first" in proc.stderr
     assert "injected fault (PLAIT_FAULT=1:save-4) on rank 1 at step save-4" in proc.stderr
     assert "Traceback" in proc.stderr
+    assert "Terminating process" not in proc.stderr  # torch's lines about ranks plait ends
     assert _processes_with(marker) == []  # no orphan worker left behind
     left = [p.name for p in temp.iterdir() if p.name != "torchinductor_root"]  # torch's cache
     assert left == []  # no pytorch-errorfile-*, no plait-errors-* folder
@@ -240,3 +242,19 @@ def test_a_killed_rank_restarts_from_the_newest_checkpoint(launcher, plain, tmp_
     assert _losses(out) == _losses(plain[1])[:4]  # bitwise: same layout
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["restarts"], summary["world_size"]) == (1, 2)
+
+
+def test_quiet_termination_drops_only_torchs_terminating_lines(caplog) -> None:
+    """While plait waits on its workers, torch's "Terminating process N via signal SIGTERM"
+    lines (one per worker it ends after another failed) are dropped; other warnings show,
+    and outside the wait the message shows again."""
+    from plait.launch import quiet_termination
+
+    log = logging.getLogger("torch.multiprocessing.spawn")
+    with caplog.at_level(logging.WARNING), quiet_termination():
+        log.warning("Terminating process %s via signal SIGTERM", 1234)
+        log.warning("something else %s", 1)
+    assert [r.getMessage() for r in caplog.records] == ["something else 1"]
+    with caplog.at_level(logging.WARNING):
+        log.warning("Terminating process %s via signal SIGTERM", 1234)
+    assert caplog.records[-1].getMessage() == "Terminating process 1234 via signal SIGTERM"

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-import pytest
+import io
 
-from plait.telemetry import RunSummary
+import pytest
+from rich.console import Console
+
+from plait.telemetry import RunSummary, readable, summary_table
 
 
 def test_progress_throughput_is_a_running_median() -> None:
@@ -17,3 +20,37 @@ def test_progress_throughput_is_a_running_median() -> None:
     summary.step_times = [5.0, 0.1, 0.1, 0.1, 9.0, 0.1, 0.001]
     assert summary.recent_tokens_per_s() == pytest.approx(1000 / 0.1)
     assert summary.recent_tokens_per_s(window=2) == pytest.approx(1000 / 0.0505)
+
+
+def _summary(**kw: object) -> RunSummary:
+    return RunSummary(
+        layout="dp=1", params=1, steps=1, tokens_per_step=1, final_loss=1.0, val_loss=None,
+        unigram_baseline=2.0, **kw,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+def _rendered(summary: RunSummary) -> str:
+    console = Console(width=100, record=True, file=io.StringIO())
+    console.print(summary_table(summary))
+    return console.export_text()
+
+
+def test_readable_keeps_a_sample_on_one_unquoted_line() -> None:
+    assert readable("a\nb\tc") == "a⏎b→c"
+    assert readable("it's \x00 [bold]é") == "it's \\x00 [bold]é"
+
+
+def test_summary_sample_rows_are_text_without_repr_or_broken_rows() -> None:
+    """A sample with newlines and markup gives one row each for prompt and continuation,
+    shown as text: no quotes, no escaped newlines splitting the table's rows."""
+    out = _rendered(_summary(sample={"prompt": "Once\nupon", "text": " a [red]time\n"}))
+    prompt = next(line for line in out.splitlines() if "sample prompt" in line)
+    assert "Once⏎upon" in prompt and "'" not in prompt
+    continuation = next(line for line in out.splitlines() if "sample continuation" in line)
+    assert "a [red]time⏎" in continuation
+
+
+@pytest.mark.parametrize("kind", ["byte", "BPE token"])
+def test_unigram_baseline_names_what_the_tokens_are(kind: str) -> None:
+    out = _rendered(_summary(token_kind=kind))
+    assert f"({kind} frequencies, no context)" in out

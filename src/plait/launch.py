@@ -10,13 +10,15 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import logging
 import os
 import signal
 import socket
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -197,8 +199,9 @@ def _run_world(cfg: Config, target: Callable[[Config, Any], Any]) -> None:
         received: list[int] = []
         previous = _pass_signals_on(ctx, received)
         try:
-            while not ctx.join():
-                pass
+            with quiet_termination():
+                while not ctx.join():
+                    pass
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
             if received:  # a worker the signal ended before it could stop after a step
                 raise Interrupted(received[0], forced=True) from None
@@ -227,6 +230,28 @@ def _pass_signals_on(ctx: mp.ProcessContext, received: list[int]) -> dict:
         pause_at("forwarded", "launcher")  # a test's second signal comes after this line
 
     return {s: signal.signal(s, handle) for s in (signal.SIGINT, signal.SIGTERM)}
+
+
+_SPAWN_LOG = "torch.multiprocessing.spawn"
+_TERMINATING = "Terminating process %s via signal SIGTERM"
+
+
+def _not_terminating(record: logging.LogRecord) -> bool:
+    return record.msg != _TERMINATING
+
+
+@contextmanager
+def quiet_termination() -> Iterator[None]:
+    """Drop torch's "Terminating process N via signal SIGTERM" warnings while plait waits on
+    its workers: when one fails, torch ends the others and logs a line for each, which buries
+    the failing rank's traceback under noise about workers plait meant to stop. Only that
+    message, by its text; every other torch warning still shows."""
+    log = logging.getLogger(_SPAWN_LOG)
+    log.addFilter(_not_terminating)
+    try:
+        yield
+    finally:
+        log.removeFilter(_not_terminating)
 
 
 def stop_all(ctx: mp.ProcessContext, grace_s: float = 10.0) -> None:

@@ -224,6 +224,7 @@ def sample(checkpoint: Path, corpus: Corpus, cfg: Config) -> dict[str, str]:
 def _summary(
     cfg: Config, mesh: Mesh, trainer: Trainer, flops_per_token: int, peak: float | None
 ) -> RunSummary:
+    bpe = data_tokenizer(cfg.data.path, cfg.data.tokenizer).path is not None
     return RunSummary(
         layout=mesh.layout.describe(),
         params=count_parameters(cfg.model),
@@ -235,6 +236,7 @@ def _summary(
         flops_per_token=flops_per_token,
         peak_flops=peak,
         world_size=mesh.world_size,
+        token_kind="BPE token" if bpe else "byte",
     )
 
 

@@ -95,6 +95,7 @@ class RunSummary:
     stopped_by: int | None = None  # the signal that stopped the run early
     skipped_steps: int = 0  # optimizer steps skipped: fp16 overflow or --nan-policy skip
     sample: dict[str, str] | None = None  # {"prompt", "text"}: the trained model writing
+    token_kind: str = "byte"  # what a token is: "byte", or "BPE token" with a tokenizer
 
     @property
     def median_step_s(self) -> float:
@@ -133,7 +134,7 @@ def summary_table(s: RunSummary) -> Table:
     if s.skipped_steps:
         table.add_row("skipped steps", f"{s.skipped_steps} (non-finite loss or gradients)")
     table.add_row("final train loss", f"{s.final_loss:.4f} nats/token")
-    baseline = f"{s.unigram_baseline:.4f} nats/token (byte frequencies, no context)"
+    baseline = f"{s.unigram_baseline:.4f} nats/token ({s.token_kind} frequencies, no context)"
     table.add_row("unigram baseline", baseline)
     if s.val_loss is not None:
         gap = s.unigram_baseline - s.val_loss
@@ -152,6 +153,24 @@ def summary_table(s: RunSummary) -> Table:
         bubble = f"{s.pipeline['measured_bubble']:.1%} measured"
         bubble += f", {s.pipeline['simulated_bubble']:.1%} simulated from measured costs"
         table.add_row(f"pipeline bubble ({s.pipeline['schedule']})", bubble)
-    if s.sample:  # repr: newlines and control bytes stay visible, markup stays text
-        table.add_row("sample", Text(f"{s.sample['prompt']!r} -> {s.sample['text']!r}"))
+    if s.sample:  # Text: markup stays text; readable(): one line per cell, no quoting
+        table.add_row("sample prompt", Text(readable(s.sample["prompt"])))
+        table.add_row("sample continuation", Text(readable(s.sample["text"])))
     return table
+
+
+def readable(text: str) -> str:
+    """`text` on one line, as it reads: a newline shows as ⏎ and a tab as →, so the table's
+    rows stay rows; any other control character shows as its escape (a sample from a barely
+    trained model holds any byte), everything else as itself, unquoted."""
+    out = []
+    for ch in text:
+        if ch == "\n":
+            out.append("⏎")
+        elif ch == "\t":
+            out.append("→")
+        elif ch.isprintable() or ch == " ":
+            out.append(ch)
+        else:
+            out.append(ch.encode("unicode_escape").decode("ascii"))
+    return "".join(out)

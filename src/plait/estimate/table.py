@@ -37,7 +37,7 @@ def print_estimate(est: Estimate, console: Console) -> None:
         f"Ψ = {est.psi:,} parameters. One GPU, mixed-precision Adam 16Ψ = "
         f"{ref['mixed_precision_adam_16psi']:,} B ({gib(ref['mixed_precision_adam_16psi'])}); "
         f"16-bit fine-tuning, no master copy, 12Ψ = {ref['bf16_finetune_12psi']:,} B "
-        f"({ref['bf16_finetune_12psi'] / 1e9:,.1f} GB)."
+        f"({gib(ref['bf16_finetune_12psi'])})."
     )
     zero = ", ".join(f"stage {s} {gib(ref[f'zero{s}_per_rank'])}" for s in range(4))
     console.print(f"ZeRO closed forms per rank at this dp and precision (no tp/pp): {zero}.")
