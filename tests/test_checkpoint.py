@@ -72,6 +72,31 @@ def test_latest_skips_an_unfinished_save_and_prune_keeps_the_newest(tmp_path: Pa
     assert store.resolve("latest", tmp_path / "elsewhere") is None  # a first start: step 0
 
 
+def test_a_run_folder_names_its_newest_committed_checkpoint(tmp_path: Path, capsys) -> None:
+    """Every command that takes a checkpoint takes its run folder too (`store.complete`), and
+    a folder that is neither is named for what it is."""
+    run = tmp_path / "run"
+    for step in (2, 4):
+        _fake_checkpoint(run, step, commit=True)
+    _fake_checkpoint(run, 6, commit=False)
+    assert store.complete(run) == store.resolve(str(run), tmp_path) == store.step_dir(run, 4)
+    assert "step-6: the save did not finish (no COMMITTED)" in capsys.readouterr().err
+    assert store.complete(store.step_dir(run, 2)) == store.step_dir(run, 2)
+    empty = tmp_path / "empty"
+    (empty / "checkpoints").mkdir(parents=True)
+    cases = [
+        (empty, f"the run {str(empty)!r} has no checkpoint (trained with --no-save"),
+        (store.step_dir(run, 6), "step-6': the save did not finish (no COMMITTED)"),
+        (tmp_path, "is neither a checkpoint (OUT/checkpoints/step-N, with COMMITTED) nor a run"),
+        (run / "checkpoints" / "step-2" / "COMMITTED", "is a file; give a checkpoint folder"),
+        (tmp_path / "missing", "does not exist"),
+    ]
+    for path, message in cases:
+        with pytest.raises(ConfigError) as e:
+            store.complete(path)
+        assert message in str(e.value), path
+
+
 def test_damaged_and_mismatched_checkpoints_are_named(tmp_path: Path) -> None:
     path = _fake_checkpoint(tmp_path, 3, commit=True)
     config = small_config().to_dict()

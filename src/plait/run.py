@@ -85,6 +85,8 @@ class Run:
         start = store.resolve(t.resume, self.out) if t.resume else None
         if start is not None:
             self.trainer.load(start)
+            if self.lead:  # which checkpoint, as `latest` or a run folder chose it
+                self.console.print(f"resuming from {start} at step {self.trainer.step}")
         elif t.resume and self.lead:
             where = self.out / "checkpoints"
             self.console.print(f"no checkpoint under {where} yet: starting from step 0")
