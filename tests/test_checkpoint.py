@@ -105,7 +105,23 @@ def test_damaged_and_mismatched_checkpoints_are_named(tmp_path: Path) -> None:
     store.write_manifest(path, {**state, "config": config})
     other = json.loads(json.dumps(config))
     other["model"]["d_model"] = 2 * config["model"]["d_model"]
-    with pytest.raises(ConfigError, match=r"saved with model.d_model=\d+; this run asks for"):
+    with pytest.raises(ConfigError) as e:
+        store.check_resumable(path, other)
+    d, saved = config["model"]["d_model"], store.describe_model(config)
+    assert f"holds another model: {saved}; this run asks for" in str(e.value)
+    assert f"d_model {d}, " in saved and f"d_model {2 * d}, " in store.describe_model(other)
+    other = json.loads(json.dumps(config))  # a gpt checkpoint resumed as a llama: both named
+    other["preset"] = "tiny-llama"
+    other["model"].update(norm="rmsnorm", mlp="swiglu", pos="rope", n_kv_heads=2)
+    with pytest.raises(ConfigError) as e:
+        store.check_resumable(path, other)
+    assert "holds another model: tiny-gpt (" in str(e.value) and "n_kv_heads=" not in str(e.value)
+    assert "asks for tiny-llama (" in str(e.value)
+    assert "2 kv heads, rmsnorm, swiglu, rope positions)" in str(e.value)
+    other = json.loads(json.dumps(config))  # the default kv head count is the head count
+    other["model"]["n_kv_heads"] = config["model"]["n_heads"]
+    other["model"]["ffn_hidden"] = 3  # not an architecture field: named alone
+    with pytest.raises(ConfigError, match=r"saved with model\.ffn_hidden=.*; this run asks for 3"):
         store.check_resumable(path, other)
     other = json.loads(json.dumps(config))
     other["train"]["global_batch"] += 2

@@ -166,7 +166,7 @@ def check_resumable(path: Path, config: dict[str, Any]) -> dict[str, Any]:
             f"asks for {describe_model(config)} (a resumed run keeps the model; use --init-from "
             "or a fresh --out to train another)"
         )
-    pairs = [("model", k) for k in saved["model"]] + list(KEPT)
+    pairs = [("model", k) for k in saved["model"] if k not in ARCHITECTURE] + list(KEPT)
     for section, key in pairs:
         was, now = saved[section].get(key), config[section].get(key)
         if was != now:
