@@ -165,7 +165,10 @@ def test_a_signal_ends_the_step_saves_and_exits(signum, group, plain, world2, tm
     assert _processes_with(marker) == []
     done = len(_losses(run))
     assert done < PLAIN_STEPS
-    assert "plait: stopped by " in err and f"after step {done}; checkpoint " in err
+    name = signal.Signals(signum).name  # named also when the launcher alone received it
+    assert f"plait: stopped by {name} after step {done}; checkpoint " in err
+    assert f"; continue with --resume latest --out {run}\n" in err
+    assert f"{done} of 100000 (stopped by {name})" in err  # the summary: the steps done
     assert (run / "checkpoints" / f"step-{done}" / "COMMITTED").exists()
     steps = ["--steps", str(done + 1), *CONSTANT_LR]
     code, resumed = in_process.train(world2, [*TINY, "--out", str(run), "--resume", "latest",

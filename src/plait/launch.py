@@ -34,7 +34,7 @@ from plait.device import backend_for, resolve_device, threads_per_worker
 from plait.errors import NonFiniteError
 from plait.mesh import Mesh, build_mesh
 from plait.run import ATTEMPT_ENV, attempt, run
-from plait.signals import FORWARDED, pause_at
+from plait.signals import forward_of, pause_at
 from plait.telemetry import RunSummary
 
 
@@ -216,7 +216,8 @@ def _run_world(cfg: Config, target: Callable[[Config, Any], Any]) -> None:
 
 
 def _pass_signals_on(ctx: mp.ProcessContext, received: list[int]) -> dict:
-    """SIGINT or SIGTERM to the launcher: ask every worker to stop after its step (SIGUSR1);
+    """SIGINT or SIGTERM to the launcher: ask every worker to stop after its step (SIGUSR1 or
+    SIGUSR2, so that the worker names the signal);
     a second one ends them at once. Returns the handlers it replaced."""
 
     def handle(signum: int, frame: object) -> None:
@@ -226,7 +227,7 @@ def _pass_signals_on(ctx: mp.ProcessContext, received: list[int]) -> dict:
         received.append(signum)
         for p in ctx.processes:
             if p.is_alive():
-                os.kill(p.pid, FORWARDED)
+                os.kill(p.pid, forward_of(signum))
         pause_at("forwarded", "launcher")  # a test's second signal comes after this line
 
     return {s: signal.signal(s, handle) for s in (signal.SIGINT, signal.SIGTERM)}
