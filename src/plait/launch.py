@@ -125,11 +125,18 @@ def worker(
 
 
 def _first_failure(error_dir: str, fallback: Exception) -> WorkerFailure:
-    """When one rank dies its peers fail next (closed connections): report the first."""
+    """When one rank dies its peers fail next (closed connections): report the first.
+
+    A rank that ended without a Python exception (killed, `os._exit`) writes no record, but
+    torch saw its process end first (`fallback`, a ProcessExitedException): it is the root
+    cause, and the records are its peers' reactions (gloo's closed connection). The one
+    diagnosis for a run that stops and one that restarts."""
     records = [json.loads(p.read_text()) for p in Path(error_dir).glob("rank*.json")]
-    if not records:
-        return WorkerFailure(getattr(fallback, "error_index", -1), str(fallback), [])
     records.sort(key=lambda r: r["time"])
+    dead = getattr(fallback, "error_index", -1)
+    unrecorded = all(r["rank"] != dead for r in records)
+    if not records or (isinstance(fallback, mp.ProcessExitedException) and unrecorded):
+        return WorkerFailure(dead, str(fallback), [r["rank"] for r in records])
     first = records[0]
     others = [r["rank"] for r in records[1:]]
     return WorkerFailure(first["rank"], first["traceback"], others, first.get("line"))
