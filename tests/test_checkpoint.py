@@ -72,6 +72,31 @@ def test_latest_skips_an_unfinished_save_and_prune_keeps_the_newest(tmp_path: Pa
     assert store.resolve("latest", tmp_path / "elsewhere") is None  # a first start: step 0
 
 
+def test_a_run_folder_names_its_newest_committed_checkpoint(tmp_path: Path, capsys) -> None:
+    """Every command that takes a checkpoint takes its run folder too (`store.complete`), and
+    a folder that is neither is named for what it is."""
+    run = tmp_path / "run"
+    for step in (2, 4):
+        _fake_checkpoint(run, step, commit=True)
+    _fake_checkpoint(run, 6, commit=False)
+    assert store.complete(run) == store.resolve(str(run), tmp_path) == store.step_dir(run, 4)
+    assert "step-6: the save did not finish (no COMMITTED)" in capsys.readouterr().err
+    assert store.complete(store.step_dir(run, 2)) == store.step_dir(run, 2)
+    empty = tmp_path / "empty"
+    (empty / "checkpoints").mkdir(parents=True)
+    cases = [
+        (empty, f"the run {str(empty)!r} has no checkpoint (trained with --no-save"),
+        (store.step_dir(run, 6), "step-6': the save did not finish (no COMMITTED)"),
+        (tmp_path, "is neither a checkpoint (OUT/checkpoints/step-N, with COMMITTED) nor a run"),
+        (run / "checkpoints" / "step-2" / "COMMITTED", "is a file; give a checkpoint folder"),
+        (tmp_path / "missing", "does not exist"),
+    ]
+    for path, message in cases:
+        with pytest.raises(ConfigError) as e:
+            store.complete(path)
+        assert message in str(e.value), path
+
+
 def test_damaged_and_mismatched_checkpoints_are_named(tmp_path: Path) -> None:
     path = _fake_checkpoint(tmp_path, 3, commit=True)
     config = small_config().to_dict()
@@ -80,7 +105,23 @@ def test_damaged_and_mismatched_checkpoints_are_named(tmp_path: Path) -> None:
     store.write_manifest(path, {**state, "config": config})
     other = json.loads(json.dumps(config))
     other["model"]["d_model"] = 2 * config["model"]["d_model"]
-    with pytest.raises(ConfigError, match=r"saved with model.d_model=\d+; this run asks for"):
+    with pytest.raises(ConfigError) as e:
+        store.check_resumable(path, other)
+    d, saved = config["model"]["d_model"], store.describe_model(config)
+    assert f"holds another model: {saved}; this run asks for" in str(e.value)
+    assert f"d_model {d}, " in saved and f"d_model {2 * d}, " in store.describe_model(other)
+    other = json.loads(json.dumps(config))  # a gpt checkpoint resumed as a llama: both named
+    other["preset"] = "tiny-llama"
+    other["model"].update(norm="rmsnorm", mlp="swiglu", pos="rope", n_kv_heads=2)
+    with pytest.raises(ConfigError) as e:
+        store.check_resumable(path, other)
+    assert "holds another model: tiny-gpt (" in str(e.value) and "n_kv_heads=" not in str(e.value)
+    assert "asks for tiny-llama (" in str(e.value)
+    assert "2 kv heads, rmsnorm, swiglu, rope positions)" in str(e.value)
+    other = json.loads(json.dumps(config))  # the default kv head count is the head count
+    other["model"]["n_kv_heads"] = config["model"]["n_heads"]
+    other["model"]["ffn_hidden"] = 3  # not an architecture field: named alone
+    with pytest.raises(ConfigError, match=r"saved with model\.ffn_hidden=.*; this run asks for 3"):
         store.check_resumable(path, other)
     other = json.loads(json.dumps(config))
     other["train"]["global_batch"] += 2

@@ -145,7 +145,7 @@ def test_generate_from_a_folder_and_a_run(folders, runs, tmp_path, capsys) -> No
     assert capsys.readouterr().out.startswith("plait ")
     (tmp_path / "summary.json").write_text("{}")  # a run folder that saved nothing
     assert main([*argv, "--checkpoint", str(tmp_path)]) == 2
-    assert "has no checkpoint (trained with --no-save?)" in capsys.readouterr().err
+    assert "has no checkpoint (trained with --no-save" in capsys.readouterr().err
 
 
 def _bad_folder(folders: dict[str, Path], tmp_path: Path, what: str) -> Path:

@@ -22,11 +22,13 @@ import uuid
 from pathlib import Path
 
 import pytest
+import torch.multiprocessing as mp
 
 import in_process
 from in_process import TINY
 from phases import pause_env, release, wait_for_phase
 from plait.checkpoint import store
+from plait.launch import _first_failure, _say_restart
 
 
 def _plait(args: list[str], env: dict | None = None, launcher: list[str] | None = None):
@@ -165,7 +167,10 @@ def test_a_signal_ends_the_step_saves_and_exits(signum, group, plain, world2, tm
     assert _processes_with(marker) == []
     done = len(_losses(run))
     assert done < PLAIN_STEPS
-    assert "plait: stopped by " in err and f"after step {done}; checkpoint " in err
+    name = signal.Signals(signum).name  # named also when the launcher alone received it
+    assert f"plait: stopped by {name} after step {done}; checkpoint " in err
+    assert f"; continue with --resume latest --out {run}\n" in err
+    assert f"{done} of 100000 (stopped by {name})" in err  # the summary: the steps done
     assert (run / "checkpoints" / f"step-{done}" / "COMMITTED").exists()
     steps = ["--steps", str(done + 1), *CONSTANT_LR]
     code, resumed = in_process.train(world2, [*TINY, "--out", str(run), "--resume", "latest",
@@ -258,3 +263,23 @@ def test_quiet_termination_drops_only_torchs_terminating_lines(caplog) -> None:
     with caplog.at_level(logging.WARNING):
         log.warning("Terminating process %s via signal SIGTERM", 1234)
     assert caplog.records[-1].getMessage() == "Terminating process 1234 via signal SIGTERM"
+
+
+def test_a_killed_rank_is_named_not_the_peer_that_lost_it(tmp_path, capsys):
+    """A rank killed outright writes no record; its peer's closed-connection error does. The
+    killed rank is the one named, by the failure a stopped run reports and by the restart
+    line alike (both read `_first_failure`); a rank that raised first is still named."""
+    peer = {"rank": 0, "time": 1.0, "traceback": "CommError: Connection closed by peer\n"}
+    (tmp_path / "rank0.json").write_text(json.dumps({**peer, "line": None}))
+    killed = mp.ProcessExitedException(
+        "process 1 terminated with signal SIGKILL", error_index=1, error_pid=1, exit_code=-9,
+        signal_name="SIGKILL",
+    )  # fmt: skip
+    failure = _first_failure(str(tmp_path), killed)
+    assert (failure.rank, failure.others) == (1, [0])
+    assert str(failure).startswith("rank 1 failed first (then ranks [0] failed too):")
+    _say_restart(failure, 1, 2, tmp_path)
+    err = capsys.readouterr().err
+    assert "plait: rank 1 failed (process 1 terminated with signal SIGKILL); restart 1/2" in err
+    raised = mp.ProcessRaisedException("CommError", error_index=0, error_pid=1)
+    assert _first_failure(str(tmp_path), raised).rank == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import signal
 
 import pytest
 from rich.console import Console
@@ -54,3 +55,25 @@ def test_summary_sample_rows_are_text_without_repr_or_broken_rows() -> None:
 def test_unigram_baseline_names_what_the_tokens_are(kind: str) -> None:
     out = _rendered(_summary(token_kind=kind))
     assert f"({kind} frequencies, no context)" in out
+
+
+def test_a_stopped_runs_summary_says_what_was_done_and_how_to_continue() -> None:
+    """The steps done of those planned, the signal named, a validation loss older than the
+    stop marked with its step, and the flags that continue the run; a finished run shows
+    none of it."""
+    summary = RunSummary(
+        layout="dp=2", params=1, steps=100, tokens_per_step=1000, final_loss=2.0, val_loss=2.5,
+        unigram_baseline=3.0, flops_per_token=1, peak_flops=None, step_times=[0.1, 0.1],
+    )  # fmt: skip
+    summary.steps_done = summary.val_step = 100
+    finished = _rendered(summary)
+    assert "│ 100 " in finished and "stopped" not in finished and "after step" not in finished
+    assert "--resume" not in finished
+    summary.stopped_by, summary.steps_done, summary.val_step = signal.SIGTERM, 41, 40
+    summary.checkpoint, summary.out = "runs/x/checkpoints/step-41", "runs/x"
+    stopped = _rendered(summary)
+    assert "41 of 100 (stopped by SIGTERM)" in stopped
+    assert "0.500 below baseline (after step 40)" in stopped
+    assert "the same command with --resume latest --out runs/x" in stopped
+    summary.checkpoint = None  # --no-save: nothing to continue from
+    assert "--resume" not in _rendered(summary)

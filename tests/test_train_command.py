@@ -14,6 +14,8 @@ import shutil
 
 import in_process
 from in_process import TINY
+from plait.checkpoint import inspect
+from plait.cli import main
 
 
 def _rows(out) -> list[dict]:
@@ -75,12 +77,20 @@ def test_save_then_resume_in_another_layout_from_the_command_line(world2, tmp_pa
                                           "--sequence-parallel", "--global-batch", "4",
                                           "--resume", "latest"])  # fmt: skip
     assert code == 0, err
+    assert f"resuming from {out}/checkpoints/step-2 at step 2\n" in err
     rows = _rows(tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert rows[:2] == full[:2]  # kept as written
     for mine, theirs in zip(rows[2:], full[2:], strict=True):
         assert abs(mine["loss"] - theirs["loss"]) <= 1e-5 * theirs["loss"]
-    code, err = in_process.train(world2, [*TINY, "--out", out, "--resume", "latest",
+    code, err = in_process.train(world2, [*TINY, "--out", out, "--resume", out,
                                           "--seq-len", "16", "--steps", "8"])  # fmt: skip
+    assert code == 2  # a run folder given to --resume: its newest checkpoint, step 4
+    assert f"checkpoint '{out}/checkpoints/step-4' was saved with train.seq_len=32; " in err
+    assert "this run asks for 16" in err
+    code, err = in_process.train(world2, [*TINY, "--out", out, "--resume", out, "--model",
+                                          "tiny-llama", "--steps", "8"])  # fmt: skip
     assert code == 2
-    assert "saved with train.seq_len=32; this run asks for 16" in err
+    assert "holds another model: tiny-gpt (" in err and "; this run asks for tiny-llama (" in err
+    assert main(["checkpoint", "info", out]) == 0  # a run folder: its newest checkpoint
+    assert inspect.info(tmp_path)["step"] == 4

@@ -220,7 +220,8 @@ class TrainConfig:
         },
     )
     resume: str = field(
-        default="", metadata={"help": "continue from 'latest' (in --out) or a checkpoint folder"}
+        default="",
+        metadata={"help": "continue from 'latest' (in --out), a checkpoint folder, or a run's OUT"},
     )
     init_from: str = field(
         default="",

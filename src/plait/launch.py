@@ -34,7 +34,7 @@ from plait.device import backend_for, resolve_device, threads_per_worker
 from plait.errors import NonFiniteError
 from plait.mesh import Mesh, build_mesh
 from plait.run import ATTEMPT_ENV, attempt, run
-from plait.signals import FORWARDED, pause_at
+from plait.signals import forward_of, pause_at
 from plait.telemetry import RunSummary
 
 
@@ -125,11 +125,18 @@ def worker(
 
 
 def _first_failure(error_dir: str, fallback: Exception) -> WorkerFailure:
-    """When one rank dies its peers fail next (closed connections): report the first."""
+    """When one rank dies its peers fail next (closed connections): report the first.
+
+    A rank that ended without a Python exception (killed, `os._exit`) writes no record, but
+    torch saw its process end first (`fallback`, a ProcessExitedException): it is the root
+    cause, and the records are its peers' reactions (gloo's closed connection). The one
+    diagnosis for a run that stops and one that restarts."""
     records = [json.loads(p.read_text()) for p in Path(error_dir).glob("rank*.json")]
-    if not records:
-        return WorkerFailure(getattr(fallback, "error_index", -1), str(fallback), [])
     records.sort(key=lambda r: r["time"])
+    dead = getattr(fallback, "error_index", -1)
+    unrecorded = all(r["rank"] != dead for r in records)
+    if not records or (isinstance(fallback, mp.ProcessExitedException) and unrecorded):
+        return WorkerFailure(dead, str(fallback), [r["rank"] for r in records])
     first = records[0]
     others = [r["rank"] for r in records[1:]]
     return WorkerFailure(first["rank"], first["traceback"], others, first.get("line"))
@@ -216,7 +223,8 @@ def _run_world(cfg: Config, target: Callable[[Config, Any], Any]) -> None:
 
 
 def _pass_signals_on(ctx: mp.ProcessContext, received: list[int]) -> dict:
-    """SIGINT or SIGTERM to the launcher: ask every worker to stop after its step (SIGUSR1);
+    """SIGINT or SIGTERM to the launcher: ask every worker to stop after its step (SIGUSR1 or
+    SIGUSR2, so that the worker names the signal);
     a second one ends them at once. Returns the handlers it replaced."""
 
     def handle(signum: int, frame: object) -> None:
@@ -226,7 +234,7 @@ def _pass_signals_on(ctx: mp.ProcessContext, received: list[int]) -> dict:
         received.append(signum)
         for p in ctx.processes:
             if p.is_alive():
-                os.kill(p.pid, FORWARDED)
+                os.kill(p.pid, forward_of(signum))
         pause_at("forwarded", "launcher")  # a test's second signal comes after this line
 
     return {s: signal.signal(s, handle) for s in (signal.SIGINT, signal.SIGTERM)}

@@ -24,7 +24,7 @@ from plait.mesh import Mesh
 from plait.models.generate import complete
 from plait.models.transformer import count_parameters, matmul_flops_per_token
 from plait.schedule.measured import report
-from plait.signals import FORWARDED, StopRequest
+from plait.signals import StopRequest
 from plait.step import StepResult
 from plait.telemetry import MetricsLog, RunSummary, make_progress, summary_table
 from plait.train import Trainer
@@ -72,6 +72,7 @@ class Run:
         self.peak = t.peak_flops or peak_flops(mesh.device)
         self.summary = _summary(cfg, mesh, self.trainer, self.flops_per_token, self.peak)
         self.summary.restarts = attempt()
+        self.summary.steps_done, self.summary.out = self.trainer.step, str(self.out)
         self.stop_key = f"plait/stop/{attempt()}"  # a restarted world agrees afresh
         self.progress = make_progress(self.console, t.steps) if self.lead and t.progress else None
         if self.progress:
@@ -85,6 +86,8 @@ class Run:
         start = store.resolve(t.resume, self.out) if t.resume else None
         if start is not None:
             self.trainer.load(start)
+            if self.lead:  # which checkpoint, as `latest` or a run folder chose it
+                self.console.print(f"resuming from {start} at step {self.trainer.step}")
         elif t.resume and self.lead:
             where = self.out / "checkpoints"
             self.console.print(f"no checkpoint under {where} yet: starting from step 0")
@@ -115,9 +118,10 @@ class Run:
         summary.skipped_steps += result.skipped
         summary.comm_bytes_per_step = row["comm_bytes"]
         summary.model_state_bytes = row.get("model_state_bytes")
-        done = result.step + 1
+        done = summary.steps_done = result.step + 1
         if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
             summary.val_loss = row["val_loss"] = self.trainer.evaluate()
+            summary.val_step = done
         if t.save_every and done % t.save_every == 0:
             row.update(self.save())
         if self.log:
@@ -148,9 +152,9 @@ class Run:
         if t.save and self.saved_at != trainer.step:
             self.save()
         if summary.stopped_by is not None and self.lead:
-            where = f"; checkpoint {summary.checkpoint}" if summary.checkpoint else ""
             name = signal.Signals(summary.stopped_by).name
-            name = "the launcher's signal" if summary.stopped_by == FORWARDED else name
+            where = (f"; checkpoint {summary.checkpoint}; continue with --resume latest --out "
+                     f"{self.out}" if summary.checkpoint else "")  # fmt: skip
             self.console.print(f"plait: stopped by {name} after step {trainer.step}{where}")
         if t.trace and trainer.pipeline and not self.cfg.parallel.two_bw:  # 2BW: no step
             summary.pipeline = _trace(trainer, self.out, self.lead)

@@ -1,11 +1,11 @@
 """Stopping a run on a signal: finish the step, save, end; a second signal ends at once.
 
 SIGINT (Ctrl-C reaches every process of the group), SIGTERM (`kill`, Slurm preemption,
-`scancel`) and SIGUSR1 (the launcher passing on a signal it received alone) ask a worker to
-stop. Ranks see the request at different moments, so they agree on the step to stop after
-(`Comm.agreed_stop`), finish it, write a checkpoint and end normally. A second SIGINT or
-SIGTERM to a worker ends it at once (its checkpoint, if one was being written, is never
-committed and so never loaded).
+`scancel`), and SIGUSR1 or SIGUSR2 (the launcher passing on a SIGINT or SIGTERM it received
+alone) ask a worker to stop. Ranks see the request at different moments, so they agree on
+the step to stop after (`Comm.agreed_stop`), finish it, write a checkpoint and end
+normally. A second SIGINT or SIGTERM to a worker ends it at once (its checkpoint, if one was
+being written, is never committed and so never loaded).
 """
 
 from __future__ import annotations
@@ -16,18 +16,24 @@ import time
 from pathlib import Path
 from types import FrameType
 
-FORWARDED = signal.SIGUSR1
-"""What the launcher sends its workers when it alone received SIGINT or SIGTERM."""
+FORWARDED = {signal.SIGUSR1: signal.SIGINT, signal.SIGUSR2: signal.SIGTERM}
+"""What the launcher sends its workers when it alone received SIGINT or SIGTERM, one signal
+for each: a worker tells the launcher's request from its own and still names the signal."""
+
+
+def forward_of(signum: int) -> int:
+    """The signal the launcher sends its workers for `signum` (SIGINT or SIGTERM)."""
+    return next(f for f, original in FORWARDED.items() if original == signum)
 
 
 class StopRequest:
     """Installed in a worker's main thread for the length of a run."""
 
     def __init__(self) -> None:
-        self.signum: int | None = None
-        self._previous = {
-            s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM, FORWARDED)
-        }
+        self.signum: int | None = None  # what was sent (to this worker, or to the launcher)
+        self._direct = False  # a signal reached this worker itself: a second one ends it
+        handled = (signal.SIGINT, signal.SIGTERM, *FORWARDED)
+        self._previous = {s: signal.signal(s, self._handle) for s in handled}
 
     @property
     def requested(self) -> bool:
@@ -35,13 +41,16 @@ class StopRequest:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         # One Ctrl-C reaches a worker twice: SIGINT to the whole group and the launcher's
-        # SIGUSR1, in either order (on two cores the launcher can pass it on before the
+        # forward, in either order (on two cores the launcher can pass it on before the
         # kernel has delivered the group's SIGINT here). Only a second direct signal is a
         # second request.
-        if signum != FORWARDED and self.signum not in (None, FORWARDED):
+        if signum in FORWARDED:
+            if self.signum is None:
+                self.signum = FORWARDED[signum]
+            return
+        if self._direct:
             os._exit(128 + signum)  # asked twice: no more waiting for the step or the save
-        if self.signum in (None, FORWARDED):
-            self.signum = signum
+        self._direct, self.signum = True, signum
 
     def restore(self) -> None:
         for s, handler in self._previous.items():

@@ -5,6 +5,7 @@ lost when a run dies."""
 from __future__ import annotations
 
 import json
+import signal
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,6 +94,9 @@ class RunSummary:
     checkpoint: str | None = None  # the last checkpoint written
     restarts: int = 0  # times the world was started again after a failure
     stopped_by: int | None = None  # the signal that stopped the run early
+    steps_done: int = 0  # the steps trained so far (fewer than `steps` after a stop)
+    val_step: int | None = None  # the steps done when `val_loss` was measured
+    out: str = ""  # the run's folder (the summary's hint of how to continue a stopped run)
     skipped_steps: int = 0  # optimizer steps skipped: fp16 overflow or --nan-policy skip
     sample: dict[str, str] | None = None  # {"prompt", "text"}: the trained model writing
     token_kind: str = "byte"  # what a token is: "byte", or "BPE token" with a tokenizer
@@ -128,7 +132,12 @@ def summary_table(s: RunSummary) -> Table:
     table = Table(title="plait run summary", show_header=False)
     table.add_row("layout", s.layout)
     table.add_row("parameters", f"{s.params:,}")
-    table.add_row("steps", str(s.steps))
+    stopped = s.stopped_by is not None
+    if stopped:
+        name = signal.Signals(s.stopped_by).name
+        table.add_row("steps", f"{s.steps_done} of {s.steps} (stopped by {name})")
+    else:
+        table.add_row("steps", str(s.steps))
     if s.restarts:
         table.add_row("restarts", f"{s.restarts} (from the newest checkpoint)")
     if s.skipped_steps:
@@ -139,7 +148,9 @@ def summary_table(s: RunSummary) -> Table:
     if s.val_loss is not None:
         gap = s.unigram_baseline - s.val_loss
         verdict = "below" if gap > 0 else "NOT below"
-        table.add_row("validation loss", f"{s.val_loss:.4f}: {abs(gap):.3f} {verdict} baseline")
+        when = f" (after step {s.val_step})" if s.val_step not in (None, s.steps_done) else ""
+        line = f"{s.val_loss:.4f}: {abs(gap):.3f} {verdict} baseline{when}"
+        table.add_row("validation loss", line)
     table.add_row("median step", f"{s.median_step_s * 1e3:.1f} ms")
     table.add_row("throughput", f"{s.tokens_per_s:,.0f} tokens/s")
     flops = s.tokens_per_s * s.flops_per_token
@@ -153,6 +164,8 @@ def summary_table(s: RunSummary) -> Table:
         bubble = f"{s.pipeline['measured_bubble']:.1%} measured"
         bubble += f", {s.pipeline['simulated_bubble']:.1%} simulated from measured costs"
         table.add_row(f"pipeline bubble ({s.pipeline['schedule']})", bubble)
+    if stopped and s.checkpoint:
+        table.add_row("to continue", f"the same command with --resume latest --out {s.out}")
     if s.sample:  # Text: markup stays text; readable(): one line per cell, no quoting
         table.add_row("sample prompt", Text(readable(s.sample["prompt"])))
         table.add_row("sample continuation", Text(readable(s.sample["text"])))

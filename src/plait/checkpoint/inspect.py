@@ -24,13 +24,16 @@ from plait.outdir import publish
 
 
 def _checked(path: Path) -> Path:
-    store.verify(store.complete(path))
-    return path
+    """The checkpoint `path` names (itself, or a run folder's newest), verified."""
+    found = store.complete(path)
+    store.verify(found)
+    return found
 
 
 def info(path: Path) -> dict[str, Any]:
     """Step, the layout that wrote it, the model, and what the checkpoint holds."""
-    state = store.read_trainer(_checked(path))
+    path = _checked(path)
+    state = store.read_trainer(path)
     cfg = state["config"]
     par = cfg["parallel"]
     shapes = saved_shapes(path)
@@ -51,7 +54,8 @@ def info(path: Path) -> dict[str, Any]:
 
 def read_masters(path: Path) -> dict[str, torch.Tensor]:
     """The full fp32 master weights under single-process names, whatever layout saved them."""
-    shapes = {k: s for k, s in saved_shapes(_checked(path)).items() if k.startswith("master/")}
+    path = _checked(path)
+    shapes = {k: s for k, s in saved_shapes(path).items() if k.startswith("master/")}
     request = {k: torch.empty(s, dtype=torch.float32) for k, s in shapes.items()}
     with one_process_is_fine():
         dcp.load(request, checkpoint_id=str(path), no_dist=True)
@@ -74,6 +78,7 @@ def load_model(path: Path) -> Transformer:
 
 def consolidate(path: Path, out: Path) -> dict[str, Any]:
     """Write the full fp32 model (the master weights, single-process names) to safetensors."""
+    path = store.complete(path)
     tensors = read_masters(path)
     tmp = out.with_name(f".{out.name}.tmp")  # never a half-written file under the name
     try:

@@ -84,19 +84,36 @@ def _step_of(path: Path) -> int:
 
 def resolve(resume: str, out: Path) -> Path | None:
     """`--resume latest` (None when there is none yet: the first start of a run that may
-    restart) or a path, which must be a committed checkpoint folder."""
+    restart) or a path: a committed checkpoint folder, or a run's output folder (its newest
+    committed checkpoint)."""
     return latest(out) if resume == "latest" else complete(Path(resume))
 
 
 def complete(path: Path) -> Path:
-    """`path`, if it is a checkpoint whose save finished; ConfigError naming it otherwise."""
+    """The checkpoint `path` names, if its save finished: `path` itself, or, for a run's
+    output folder (`checkpoints/` or `summary.json` inside), its newest committed checkpoint.
+    The one home of that rule for every command that takes a checkpoint; ConfigError naming
+    what `path` is otherwise."""
     if path.is_file():
         raise ConfigError(f"checkpoint {str(path)!r} is a file; give a checkpoint folder")
     if not path.is_dir():
         raise ConfigError(f"checkpoint {str(path)!r} does not exist")
-    if not committed(path):
+    if committed(path):
+        return path
+    if (path / "checkpoints").is_dir() or (path / "summary.json").is_file():
+        newest = latest(path)
+        if newest is None:
+            raise ConfigError(
+                f"the run {str(path)!r} has no checkpoint (trained with --no-save, or no save "
+                "finished)"
+            )
+        return newest
+    if (path / TRAINER).is_file() or path.name.startswith("step-"):
         raise ConfigError(f"checkpoint {str(path)!r}: the save did not finish (no {MARKER})")
-    return path
+    raise ConfigError(
+        f"{str(path)!r} is neither a checkpoint (OUT/checkpoints/step-N, with {MARKER}) "
+        "nor a run folder (OUT, with checkpoints/)"
+    )
 
 
 def read_trainer(path: Path) -> dict[str, Any]:
@@ -109,6 +126,33 @@ KEPT = (("train", "global_batch"), ("train", "seq_len"), ("train", "seed"), ("da
 the data, or the continued trajectory would not be the saved run's."""
 
 
+ARCHITECTURE = ("n_layers", "d_model", "n_heads", "n_kv_heads", "norm", "mlp", "pos")
+"""The model fields that make two models different architectures: a difference in one of
+them is reported as the two models, named whole, not as the first field that differs (other
+model fields, such as the MLP width, are named one by one)."""
+
+
+def _architecture(config: dict[str, Any]) -> tuple:
+    m = dict(
+        config["model"],
+        n_kv_heads=config["model"].get("n_kv_heads") or config["model"].get("n_heads"),
+    )
+    return tuple(m.get(k) for k in ARCHITECTURE)
+
+
+def describe_model(config: dict[str, Any]) -> str:
+    """`small-gpt (4 layers, d_model 128, 4 heads, 4 kv heads, layernorm, gelu, learned
+    positions)` from a `Config.to_dict()`: the preset and the fields that tell models apart
+    (a default kv head count shown as the head count it means)."""
+    m = config["model"]
+    kv = _architecture(config)[ARCHITECTURE.index("n_kv_heads")]
+    fields = (
+        f"{m.get('n_layers')} layers, d_model {m.get('d_model')}, {m.get('n_heads')} heads, "
+        f"{kv} kv heads, {m.get('norm')}, {m.get('mlp')}, {m.get('pos')} positions"
+    )
+    return f"{config.get('preset') or 'a model'} ({fields})"
+
+
 def check_resumable(path: Path, config: dict[str, Any]) -> dict[str, Any]:
     """The checkpoint's trainer state, after checking that `config` (a `Config.to_dict()`)
     keeps its model, global batch and data; layout, ZeRO stage, precision, offload,
@@ -116,7 +160,13 @@ def check_resumable(path: Path, config: dict[str, Any]) -> dict[str, Any]:
     verify(path)
     state = read_trainer(path)
     saved = state["config"]
-    pairs = [("model", k) for k in saved["model"]] + list(KEPT)
+    if _architecture(saved) != _architecture(config):
+        raise ConfigError(
+            f"checkpoint {str(path)!r} holds another model: {describe_model(saved)}; this run "
+            f"asks for {describe_model(config)} (a resumed run keeps the model; use --init-from "
+            "or a fresh --out to train another)"
+        )
+    pairs = [("model", k) for k in saved["model"] if k not in ARCHITECTURE] + list(KEPT)
     for section, key in pairs:
         was, now = saved[section].get(key), config[section].get(key)
         if was != now:

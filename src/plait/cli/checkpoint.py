@@ -13,16 +13,18 @@ from plait.checkpoint import inspect
 from plait.errors import ConfigError, print_bad_input
 from plait.outdir import check_out_file
 
+PATH_HELP = "a checkpoint folder (OUT/checkpoints/step-N), or OUT to use its newest"
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     ckpt = sub.add_parser("checkpoint", help="inspect a checkpoint, or write it as one file")
     actions = ckpt.add_subparsers(dest="action", required=True)
     info = actions.add_parser("info", help="step, saving layout, model, tensors and bytes")
-    info.add_argument("path", help="a checkpoint folder (OUT/checkpoints/step-N)")
+    info.add_argument("path", help=PATH_HELP)
     whole = actions.add_parser(
         "consolidate", help="the full fp32 model, any saving layout, as one safetensors file"
     )
-    whole.add_argument("path", help="a checkpoint folder (OUT/checkpoints/step-N)")
+    whole.add_argument("path", help=PATH_HELP)
     whole.add_argument("--out", required=True, help="the .safetensors file to write")
     whole.add_argument("--overwrite", action="store_true", help="replace an existing --out")
 

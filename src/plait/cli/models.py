@@ -14,7 +14,6 @@ from typing import Any
 from rich.console import Console
 
 from plait.checkpoint import inspect, store
-from plait.checkpoint.store import resolve
 from plait.data.stream import data_tokenizer
 from plait.data.tokenizer import TokenizerSpec, resolve_tokenizer, text_tokenizer
 from plait.domain import above, at_least
@@ -54,14 +53,9 @@ def add_model_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def checkpoint_path(given: str) -> Path:
-    """A checkpoint folder, or a run's output folder (its newest checkpoint)."""
-    path = Path(given)
-    if (path / "checkpoints").is_dir() or (path / "summary.json").is_file():
-        latest = resolve("latest", path) if (path / "checkpoints").is_dir() else None
-        if latest is None:
-            raise ConfigError(f"the run {str(path)!r} has no checkpoint (trained with --no-save?)")
-        return latest
-    return path
+    """A checkpoint folder, or a run's output folder (its newest checkpoint): the store's
+    one rule, shared with `train --resume` and `checkpoint info|consolidate`."""
+    return store.complete(Path(given))
 
 
 def init_model(folder: str, explicit: dict[str, Any], preset: str | None) -> ModelConfig:
