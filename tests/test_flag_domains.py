@@ -18,7 +18,7 @@ from plait.config import SECTIONS, Config, validate_config
 from plait.domain import Domain, Parser, check_fields
 from plait.errors import ConfigError
 
-cli_main = importlib.import_module("plait.cli.main")  # `plait.cli.main` is also a function
+cli_main = importlib.import_module("plait.cli.dispatch")  # the parser and the handlers
 
 BASE: dict[tuple[str, ...], list[str]] = {
     ("train",): [],

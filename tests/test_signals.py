@@ -35,3 +35,37 @@ def test_the_launchers_forward_alone_is_a_request_naming_its_signal(sent):
         assert forward_of(sent) in (signal.SIGUSR1, signal.SIGUSR2)
     finally:
         stop.restore()
+
+
+@pytest.mark.parametrize("command", [["presets"], ["train", "--steps", "1", "--out", "{out}"]])
+def test_ctrl_c_while_plait_starts_is_one_line_and_130(tmp_path, command):
+    """Ctrl-C before the command's own handling starts (Python importing torch and the
+    commands for seconds): one line, exit 130, no traceback. The process is paused at the
+    'start' phase and signalled there, so the test does not race the imports."""
+    import os
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from plait.signals import PAUSE_ENV
+
+    env = {**os.environ, PAUSE_ENV: f"start:{tmp_path}"}
+    argv = [arg.format(out=tmp_path / "run") for arg in command]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "plait.cli", *argv],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    marker, deadline = Path(tmp_path, "start.plait"), time.monotonic() + 120
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert marker.exists(), proc.communicate()
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines() == ["plait: interrupted; nothing more runs."], err
+    assert "Traceback" not in err and out == ""
+    assert not (tmp_path / "run").exists()

@@ -129,7 +129,7 @@ class Parser(argparse.ArgumentParser):
 
 def check_parsed(parser: Parser, args: argparse.Namespace) -> None:
     """Check every numeric flag of the chosen (sub)command; raise ConfigError naming the first
-    outside its domain. `plait.cli.main` runs it before any command does anything."""
+    outside its domain. `plait.cli.dispatch` runs it before any command does anything."""
     for action in parser.numeric:
         value = getattr(args, action.dest, None)
         if value is not None and value is not argparse.SUPPRESS:

@@ -1,7 +1,7 @@
 """The `plait` command line: one module per command, parsing and printing only; each hands
 typed configs down to the part that does the work.
 
-  main.py        the parser of every command and the dispatch (`plait --help`)
+  dispatch.py    the parser of every command and the dispatch (`plait --help`)
   run_flags.py   the flags of a run, generated from `plait.config`'s dataclasses; TOML files
   train.py       `plait train`: validate everything, then `plait.launch`
   estimate.py    `plait estimate` (`plait.estimate`)
@@ -15,7 +15,38 @@ typed configs down to the part that does the work.
   lessons.py     `plait lessons` (`plait.lessons`)
 """
 
-from plait.cli.main import build_parser, main
-from plait.cli.run_flags import config_from_args
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from plait.signals import pause_at
 
 __all__ = ["build_parser", "config_from_args", "main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The `plait` entry point. Importing the commands (torch among them) takes seconds, and a
+    Ctrl-C in that time would print the import's traceback; so this module stays light, and
+    an interrupt before the command's own handling starts ends in one line and exit 130."""
+    try:
+        pause_at("start", "plait")  # test hook: a test signals here, deterministically
+        from plait.cli.dispatch import main as run
+
+        return run(argv)
+    except KeyboardInterrupt:
+        print("plait: interrupted; nothing more runs.", file=sys.stderr)
+        return 130
+
+
+def __getattr__(name: str) -> Any:
+    """`build_parser` and `config_from_args`, imported when first asked for (PEP 562)."""
+    if name == "build_parser":
+        from plait.cli.dispatch import build_parser
+
+        return build_parser
+    if name == "config_from_args":
+        from plait.cli.run_flags import config_from_args
+
+        return config_from_args
+    raise AttributeError(f"module 'plait.cli' has no attribute {name!r}")
