@@ -7,7 +7,8 @@ beside the previous run's `summary.json`), so a folder that holds a run is refus
 
 It is also the one home of the rule for every command's `--out`: `check_out_folder` and
 `check_out_file` refuse, before anything is created or any worker starts, a path that cannot
-be written (one line, exit 2), and `publish` gives written files their usual modes.
+be written (one line, exit 2), `publish` gives written files their usual modes, and
+`atomic_file` writes a file whole or not at all.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from plait.errors import ConfigError
@@ -106,3 +109,17 @@ def publish(path: Path) -> None:
     mask = umask()
     for item in (path, *(path.rglob("*") if path.is_dir() else ())):
         item.chmod((0o777 if item.is_dir() else 0o666) & ~mask)
+
+
+@contextmanager
+def atomic_file(out: Path) -> Iterator[Path]:
+    """A temporary path beside `out` for the caller to write; when the block ends it gets the
+    usual mode and replaces `out` in one rename, so `out` holds its old content or all of the
+    new, never a part (Ctrl-C, a full disk); on failure the temporary file is removed."""
+    tmp = out.with_name(f".{out.name}.tmp")
+    try:
+        yield tmp
+        publish(tmp)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)

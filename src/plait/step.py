@@ -118,22 +118,23 @@ class Step:
         self.grad_rules.sync(engine.grad_pieces(), self.comm)
         norm = engine.grad_norm(self.grad_rules)
         self.comm.all_reduce(loss, "dp", op="avg", tag="loss")  # now global, as the norm is
-        finite = math.isfinite(float(loss)) and math.isfinite(float(norm))
+        loss_value, norm_value = float(loss), float(norm)  # the step's one read of each
+        finite = math.isfinite(loss_value) and math.isfinite(norm_value)
         if finite or engine.scaler is not None:  # fp16: the scaler skips an overflow itself
             engine.clip(clip_coef(norm, self.train.grad_clip))
             skipped = not engine.step(lr)
             if not (finite or skipped):  # fp16 stepped on a non-finite loss: never keep it
-                self.refuse(step, float(loss), float(norm))
+                self.refuse(step, loss_value, norm_value)
         elif self.train.nan_policy == "skip":
             skipped = True
         else:
-            self.refuse(step, float(loss), float(norm))
+            self.refuse(step, loss_value, norm_value)
         engine.zero_grad()
         synchronize(self.comm.mesh.device)
         tokens = self.train.global_batch * self.train.seq_len
         elapsed = time.perf_counter() - start
         drain = self.runner.draining
-        return StepResult(step, float(loss), lr, float(norm), elapsed, tokens, drain, skipped)
+        return StepResult(step, loss_value, lr, norm_value, elapsed, tokens, drain, skipped)
 
     def refuse(self, step: int, loss: float, norm: float) -> None:
         """--nan-policy stop: every rank raises here at the same step (the loss and the norm

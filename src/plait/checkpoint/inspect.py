@@ -20,7 +20,7 @@ from plait.checkpoint.io import one_process_is_fine, saved_shapes
 from plait.models.architecture import ModelConfig
 from plait.models.init import canonical_name, fill_parameters
 from plait.models.transformer import Transformer
-from plait.outdir import publish
+from plait.outdir import atomic_file
 
 
 def _checked(path: Path) -> Path:
@@ -80,12 +80,6 @@ def consolidate(path: Path, out: Path) -> dict[str, Any]:
     """Write the full fp32 model (the master weights, single-process names) to safetensors."""
     path = store.complete(path)
     tensors = read_masters(path)
-    tmp = out.with_name(f".{out.name}.tmp")  # never a half-written file under the name
-    try:
+    with atomic_file(out) as tmp:  # never a half-written file under the name
         save_file(tensors, str(tmp), metadata={"step": str(store.read_trainer(path)["step"])})
-        publish(tmp)
-        tmp.replace(out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     return {"tensors": len(tensors), "parameters": sum(t.numel() for t in tensors.values())}

@@ -46,12 +46,7 @@ def request_of(args: argparse.Namespace, precision: str) -> Request:
     """The request, after the checks that need no enumeration (each names its numbers)."""
     model = get_preset(args.model)
     parse_precision(precision)
-    for name in ("gpus", "global_batch", "seq_len", "max_micro_batch"):
-        if getattr(args, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    per_node = args.gpus_per_node or args.gpus
-    if per_node < 1:
-        raise ConfigError(f"--gpus-per-node must be >= 1, got {per_node}")
+    per_node = args.gpus_per_node or args.gpus  # each >= 1: their flags' domains
     if args.gpus % per_node:
         raise ConfigError(
             f"--gpus {args.gpus} is not a multiple of --gpus-per-node {per_node}: the planner "

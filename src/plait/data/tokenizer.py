@@ -18,7 +18,7 @@ import numpy as np
 
 from plait.data.corpus import ByteTokenizer
 from plait.errors import ConfigError
-from plait.outdir import check_out_file
+from plait.outdir import atomic_file, check_out_file
 
 # The end-of-document token a trained tokenizer gets, and the names looked for in others.
 EOS_TOKEN = "<|endoftext|>"
@@ -167,13 +167,8 @@ def train_bpe(
     )
     check_out_file(out)  # before the training, which can take minutes
     tok.train_from_iterator(texts, trainer, length=length)
-    tmp = out.with_name(out.name + ".tmp")
-    try:
+    with atomic_file(out) as tmp:
         tok.save(str(tmp))
-        tmp.replace(out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     return resolve_tokenizer(out)
 
 

@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from plait.errors import ConfigError
 from plait.lessons.section import Row, Section
-from plait.outdir import umask
+from plait.outdir import atomic_file
 
 
 def _value(x: float | None, unit: str) -> str:
@@ -72,19 +70,6 @@ def previous_sections(out: Path) -> list[dict[str, Any]]:
     return sections
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    """`path` holds either its old text or all of `text`, never a part (Ctrl-C, a full disk)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, 0o666 & ~umask())  # mkstemp's 0600 would hide it from other users
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write_report(sections: Sequence[Section], out: Path, quick: bool,
                  order: Sequence[str] = ()) -> Path:  # fmt: skip
     """OUT/lessons.md (what a reader reads) and OUT/lessons.json (every number, raw): the
@@ -106,6 +91,8 @@ def write_report(sections: Sequence[Section], out: Path, quick: bool,
     body = [section_markdown(Section.from_dict(d, out), out) for d in kept]
     path = out / "lessons.md"
     raw = {"quick": modes == {True}, "sections": kept}
-    _write_atomic(out / "lessons.json", json.dumps(raw, indent=2, default=str))
-    _write_atomic(path, "\n".join(head + body))
+    with atomic_file(out / "lessons.json") as tmp:  # each file whole or not at all
+        tmp.write_text(json.dumps(raw, indent=2, default=str))
+    with atomic_file(path) as tmp:
+        tmp.write_text("\n".join(head + body))
     return path
