@@ -8,8 +8,9 @@ the same set and fine-tune on it. A record asks for the function its docstring d
 - `instruction`: a fixed phrasing naming the module (and the class, for a method), then the
   cleaned docstring. The docstring says what to do; the module and class say where, which
   is most of what a reader would need to guess the helpers the body calls.
-- `input`: the signature (`def name(args) -> ret:`, decorators left to the output). With it
-  the model has a fair chance: argument names and defaults are not guessable from prose.
+- `input`: the signature as written (`def name(args) -> ret:`, over several lines if it is;
+  decorators are left to the output). With it the model has a fair chance: argument names
+  and defaults are not guessable from prose.
 - `output`: the function's source, decorators and `def` line included, dedented, without
   the docstring. The docstring is already the instruction; repeated in the response it would
   make a share of the target tokens a copy of the prompt, which teaches copying and makes
@@ -110,18 +111,15 @@ def _definitions(
             yield from _definitions(node.body, f"{owner}.{node.name}" if owner else node.name)
 
 
-def signature(node: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
-    """`def name(args) -> ret:` as written (normalized by `ast.unparse`)."""
-    prefix = "async def" if isinstance(node, ast.AsyncFunctionDef) else "def"
-    returns = f" -> {ast.unparse(node.returns)}" if node.returns else ""
-    return f"{prefix} {node.name}({ast.unparse(node.args)}){returns}:"
-
-
-def function_source(lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef) -> str | None:
-    """The function's lines (decorators first), dedented by the `def`'s indentation, with the
-    docstring's lines and the blank lines after them removed; None when that cannot be done
-    cleanly: the docstring shares a line with code, nothing but the docstring is left, or a
-    line (inside a string) is indented less than the `def`."""
+def function_source(
+    lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef
+) -> tuple[str, str] | None:
+    """The signature (the `def` lines as written, up to the docstring) and the function's
+    lines (decorators first), dedented by the `def`'s indentation, with the docstring's lines
+    and the blank lines after them removed; None when that cannot be done cleanly: the
+    docstring shares a line with code, nothing but the docstring is left, or a line (inside
+    a string) is indented less than the `def`. The signature is the source's own text, not
+    `ast.unparse`'s (`x: int=1`), so the output begins with exactly what the input shows."""
     doc, rest = node.body[0], node.body[1:]
     if not rest or rest[0].lineno == doc.end_lineno or doc.lineno == node.lineno:
         return None
@@ -138,7 +136,10 @@ def function_source(lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionD
         if line.strip() and not line.startswith(indent):
             return None
         out.append(line[len(indent) :] if line.strip() else "")
-    return "\n".join(out)
+    header = out[node.lineno - first : doc.lineno - first]
+    while header[-1].strip().startswith("#") or not header[-1].strip():
+        header.pop()  # comments or blank lines between the `def` and its docstring
+    return "\n".join(header), "\n".join(out)
 
 
 def instruction(module: str, owner: str | None, doc: str) -> str:
@@ -179,14 +180,14 @@ def file_records(file: Path, module: str, limits: Limits, counts: Counts) -> Ite
         if not doc:
             continue
         counts.documented += 1
-        output = function_source(lines, node)
-        if output is None:
+        parts = function_source(lines, node)
+        if parts is None:
             counts.dropped["docstring not separable"] += 1
             continue
         record = {
             "instruction": instruction(module, owner, doc),
-            "input": signature(node),
-            "output": output,
+            "input": parts[0],
+            "output": parts[1],
         }
         reason = _too_long_or_short(record, doc, limits)
         if reason:
