@@ -28,6 +28,7 @@ BASE: dict[tuple[str, ...], list[str]] = {
     ("schedule",): ["--pp", "2", "--microbatches", "4"],
     ("tokenizer", "train"): ["--vocab-size", "300", "--out", "t.json"],
     ("data", "prepare"): ["--out", "shards"],
+    ("data", "instructions"): ["--out", "ins.jsonl"],
     ("export",): ["--checkpoint", "ckpt", "--out", "hf"],
     ("generate",): ["--prompt", "hello", "--init-from", "hf"],
 }

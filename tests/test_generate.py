@@ -4,6 +4,8 @@ generation is greedy or seeded sampling over them."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -83,3 +85,31 @@ def test_bad_generation_requests_are_named(prompt, n, sampling, message) -> None
     model = _model("tiny-gpt")  # learned positions, max_seq_len 64
     with pytest.raises(ConfigError, match=re.escape(message)):
         generate(model, torch.tensor(prompt, dtype=torch.long), n, sampling)
+
+
+# A piped `plait generate` whose model "writes" TEXT: the model is a fresh tiny Llama and
+# the decoding loop yields TEXT's byte ids, so everything from the ids on (the tokenizer's
+# decode, the printing) is the command's own.
+PIPED = """
+import sys, torch
+import plait.cli.models as cli_models, plait.models.generate as gen
+from plait.cli import main
+from plait.data.tokenizer import BYTES
+from plait.models.presets import get_preset
+from plait.models.transformer import Transformer
+ids = torch.tensor(list(sys.stdin.buffer.read()))
+cli_models.load_generator = lambda args: (Transformer(get_preset("tiny-llama")), BYTES)
+gen.generate = lambda model, prompt, n, sampling, vocab: ids
+sys.exit(main(["generate", "--init-from", "unused", "--prompt", "Say: "]))
+"""
+
+
+def test_generate_prints_the_decoded_text_byte_for_byte_when_piped() -> None:
+    """rich printed it hard-wrapped at 80 columns (the space at the break lost), with
+    `:thumbs_up:` as an emoji and the control characters dropped."""
+    text = "ok " * 60 + "\n:thumbs_up: [bold]x[/bold] \x07bell \x1b[31mred\ttab é €\n  end "
+    done = subprocess.run(
+        [sys.executable, "-c", PIPED], input=text.encode(), capture_output=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    assert done.stdout == ("Say: " + text + "\n").encode()

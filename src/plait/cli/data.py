@@ -4,6 +4,7 @@ work itself is `plait.data` (tokenizer.py, prepare.py)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -23,10 +24,12 @@ from rich.text import Text
 
 from plait.data.prepare import SHARD_TOKENS, PrepareJob, prepare
 from plait.data.sources import check_sources, iter_texts, source_files, total_bytes
+from plait.data.stdlib_instructions import Limits, write_jsonl
+from plait.data.stdlib_instructions import build as build_instructions
 from plait.data.tokenizer import train_bpe
 from plait.domain import at_least
 from plait.errors import ConfigError, print_bad_input
-from plait.outdir import check_out_file
+from plait.outdir import atomic_file, check_out_file
 
 COMMANDS = ("tokenizer", "data")
 
@@ -55,6 +58,7 @@ def add_data_commands(sub: argparse._SubParsersAction) -> None:
     )
     prep.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     _add_common(prep)
+    _add_instructions_command(data_actions)
 
 
 def _add_data_flag(parser: argparse.ArgumentParser) -> None:
@@ -75,6 +79,8 @@ def run_data_command(args: argparse.Namespace, err: Console) -> int:
     try:
         if args.command == "tokenizer":
             return _train_tokenizer(args)
+        if args.action == "instructions":
+            return _instructions(args)
         return _prepare(args)
     except ConfigError as e:
         return print_bad_input(err, e)
@@ -133,5 +139,42 @@ def _prepare(args: argparse.Namespace) -> int:
         f"{len(index['shards'])} shards from {len(index['sources'])} files, "
         f"{index['documents']:,} documents; {mb_per_s(total, seconds)}, "
         f"{index['tokens'] / seconds:,.0f} tokens/s"
+    )
+    return 0
+
+
+def _add_instructions_command(actions: argparse._SubParsersAction) -> None:
+    """`plait data instructions`: the offline instruction set (data/stdlib_instructions.py)."""
+    ins = actions.add_parser(
+        "instructions", help="Alpaca JSONL from documented Python functions (offline)"
+    )
+    ins.add_argument("--out", required=True, help="the .jsonl file to write")
+    ins.add_argument(
+        "--source", default=None, help="a folder of .py files (default: the standard library)"
+    )
+    ins.add_argument(
+        "--max-examples", type=at_least(1), default=10_000, help="keep at most N, evenly spread"
+    )
+    ins.add_argument(
+        "--max-chars", type=at_least(1), default=Limits.max_record_chars,
+        help="longest record (instruction + input + output), characters",
+    )  # fmt: skip
+    ins.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+
+
+def _instructions(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    check_out_file(out, overwrite=args.overwrite)
+    source = None if args.source is None else Path(args.source)
+    limits = dataclasses.replace(Limits(), max_record_chars=args.max_chars)
+    records, counts = build_instructions(source, args.max_examples, limits)
+    with atomic_file(out) as tmp:
+        write_jsonl(records, tmp)
+    dropped = ", ".join(f"{n:,} {why}" for why, n in sorted(counts.dropped.items()))
+    print(
+        f"wrote {out}: {counts.kept:,} examples from {counts.files:,} files "
+        f"({counts.documented:,} documented public functions; dropped: {dropped or 'none'}; "
+        f"{counts.duplicates:,} duplicates, {counts.capped:,} over --max-examples, "
+        f"{counts.unreadable:,} unreadable files)"
     )
     return 0

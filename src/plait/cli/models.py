@@ -8,6 +8,7 @@ line and exit code 2.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +100,16 @@ def export_main(args: argparse.Namespace, console: Console) -> None:
 
 
 def generate_main(args: argparse.Namespace, console: Console) -> None:
+    """Load the model, continue `--prompt` and print the prompt and the continuation as
+    plain text (`print_completion`); `console` is unused here (rich is for messages)."""
+    model, spec = load_generator(args)
+    sampling = Sampling(args.temperature, args.top_k, args.seed)
+    text = complete(model, text_tokenizer(spec), args.prompt, args.max_new_tokens, sampling)
+    print_completion(args.prompt + text)
+
+
+def load_generator(args: argparse.Namespace) -> tuple[Transformer, TokenizerSpec]:
+    """The model and tokenizer of `--checkpoint` or `--init-from`."""
     if args.checkpoint:
         path = checkpoint_path(args.checkpoint)
         model, spec = inspect.load_model(path), run_tokenizer(path)
@@ -109,9 +120,16 @@ def generate_main(args: argparse.Namespace, console: Console) -> None:
         fill_parameters(model, hf_source(folder, cfg))
         has_own = (folder / "tokenizer.json").is_file()
         spec = resolve_tokenizer(folder if has_own else None)
-    sampling = Sampling(args.temperature, args.top_k, args.seed)
-    text = complete(model, text_tokenizer(spec), args.prompt, args.max_new_tokens, sampling)
-    console.print(args.prompt + text, markup=False, highlight=False)
+    return model, spec
+
+
+def print_completion(text: str) -> None:
+    """Write exactly `text` and one newline to stdout. Not through rich: its console
+    hard-wraps at 80 columns when piped (dropping the space at the break), turns
+    `:thumbs_up:` into an emoji and drops control characters, all of which the model may
+    have written and a caller piping the output must get back as decoded."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
 
 
 def run(args: argparse.Namespace, err: Console) -> int:

@@ -17,6 +17,8 @@ from plait.cli.models import init_model
 from plait.config import SECTIONS, Config, build_config, flag_name
 from plait.errors import ConfigError
 from plait.launch import under_torchrun
+from plait.models.architecture import ModelConfig
+from plait.models.presets import get_preset
 
 try:
     import tomllib
@@ -72,8 +74,12 @@ def config_from_args(args: argparse.Namespace, check_data: bool = True) -> Confi
             section, name = dest.split(".", 1)
             overrides.setdefault(section, {})[name] = value
     folder = overrides.get("train", {}).get("init_from")
+    if folder and toml_preset and not args.preset and hasattr(args, "train.init_from"):
+        preset = None  # a recipe's preset (for `estimate`) yields to the flag's folder ...
     if folder:  # the model is the folder's: explicit model values must agree with it
         model = init_model(folder, overrides.pop("model", {}), preset)
+        if toml_preset and preset is None:  # ... if it describes the same model
+            check_same_shape(toml_preset, model, folder)
         cfg = build_config(f"hf:{folder}", overrides, model)
     else:
         cfg = build_config(preset or "small-gpt", overrides)
@@ -101,3 +107,20 @@ def load_toml(path: str | Path) -> dict[str, dict[str, Any]]:
         if not isinstance(value, dict):
             raise ConfigError(f"config file {str(p)!r}: top-level key {key!r} must be a [section]")
     return raw
+
+
+SHAPE = ("n_layers", "d_model", "n_heads", "kv_heads", "vocab_size")
+
+
+def check_same_shape(preset: str, model: ModelConfig, folder: str) -> None:
+    """A config file's `[model] preset` with `--init-from` on the command line: the file is a
+    recipe (its preset lets `plait estimate` size the run), the folder the model it runs;
+    they must be one architecture, or the recipe's batch and memory plan were for another."""
+    want = get_preset(preset)
+    diff = [f"{k} {getattr(want, k)} vs {getattr(model, k)}" for k in SHAPE
+            if getattr(want, k) != getattr(model, k)]  # fmt: skip
+    if diff:
+        raise ConfigError(
+            f"the config file's preset {preset!r} is not --init-from {folder}'s model: "
+            + ", ".join(diff)
+        )
