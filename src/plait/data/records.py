@@ -1,9 +1,10 @@
 """Instruction records from files: Alpaca rows and chat conversations, checked as they are read.
 
-A file is a JSON array (its first non-blank character is `[`, as Stanford's alpaca_data.json)
-or JSONL (one object a line, blank lines skipped). Every problem is one ConfigError naming
-the file and the line where the row starts: invalid JSON, a row that is not an object, a
-missing field or one of the wrong type, a chat row without an assistant turn, an empty file.
+A file is a JSON array (its first non-blank character is `[`, as Stanford's
+alpaca_data.json; never for a `.jsonl` file) or JSONL (one object a line, blank lines
+skipped). Every problem is one ConfigError naming the file and the line where the row
+starts: invalid JSON, a row that is not an object, a missing field or one of the wrong
+type, a chat row without an assistant turn, an empty file.
 `--columns instruction=prompt,output=completion` reads a field under another name.
 """
 
@@ -47,10 +48,11 @@ def parse_columns(spec: str | None, fmt: str) -> dict[str, str]:
 
 
 def _json_rows(file: Path, text: str) -> Iterator[tuple[int, Any]]:
-    """(line, value) of each element of a JSON array, or of each line of JSONL."""
+    """(line, value) of each element of a JSON array, or of each line of JSONL (a `.jsonl`
+    file always, whatever its first row is)."""
     decoder = json.JSONDecoder()
     stripped = text.lstrip()
-    if stripped.startswith("["):
+    if stripped.startswith("[") and file.suffix != ".jsonl":
         at = len(text) - len(stripped) + 1
         line = text.count("\n", 0, at) + 1
         while True:
