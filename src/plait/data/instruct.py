@@ -102,9 +102,8 @@ class Tokenized:
         return [Turn(alpaca_prompt(f["instruction"], f["input"]), False),
                 Turn(f["output"], True)]  # fmt: skip
 
-    def encode(self, records: list[Record]) -> list[Example]:
+    def encode(self, records: list[Record], pieces: list[list[Turn]]) -> list[Example]:
         """The examples' tokens and masks, the pieces of all of them in one batch call."""
-        pieces = [self.pieces(r) for r in records]
         flat = self.encoder.encode_docs([p.text for ps in pieces for p in ps])
         out, at = [], 0
         for record, ps in zip(records, pieces, strict=True):
@@ -154,9 +153,7 @@ def prepare_examples(job: InstructJob) -> dict[str, Any]:
     records = [r for rs in per_file for r in rs]
     if not records:
         raise ConfigError(f"data path {job.data!r} holds no examples")
-    for i in range(0, len(records), CHUNK):  # every template problem before any writing
-        for r in records[i : i + CHUNK]:
-            tok.pieces(r)
+    pieces = [tok.pieces(r) for r in records]  # every template problem before any writing
     partial = job.out.with_name(job.out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
@@ -165,7 +162,7 @@ def prepare_examples(job: InstructJob) -> dict[str, Any]:
     lengths, first, targets = [], [], []
     try:
         for i in range(0, len(records), CHUNK):
-            for ex in tok.encode(records[i : i + CHUNK]):
+            for ex in tok.encode(records[i : i + CHUNK], pieces[i : i + CHUNK]):
                 tokens.write(ex.tokens)
                 masks.write(ex.mask)
                 lengths.append(len(ex.tokens))
@@ -186,6 +183,7 @@ def prepare_examples(job: InstructJob) -> dict[str, Any]:
             "format": job.fmt,
             "template": tok.identity(),
             "train_on_input": job.train_on_input,
+            "bos_id": tok.spec.bos_id,
             "count": len(lengths),
             "target_tokens": int(sum(targets)),
             "offsets": OFFSETS,
