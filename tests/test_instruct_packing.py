@@ -12,7 +12,14 @@ import pytest
 import torch
 
 from instruct_data import LLAMA_TEMPLATE, tokenizer_folder, write_jsonl
-from plait.data.examples import IGNORE, ExampleRows, ExampleStore, check_examples, example_corpus
+from plait.data.examples import (
+    IGNORE,
+    ExampleRows,
+    ExampleStore,
+    check_examples,
+    example_corpus,
+    is_examples_dir,
+)
 from plait.data.instruct import InstructJob, prepare_examples
 from plait.data.packing import best_fit_decreasing, fit, plan_rows, val_split
 from plait.errors import ConfigError
@@ -161,3 +168,20 @@ def test_check_examples_from_the_index(folder, tmp_path) -> None:
     (other / "tokenizer.json").write_text((other / "tokenizer.json").read_text() + " ")
     with pytest.raises(ConfigError, match=r"not with --init-from .*other's; prepare them again"):
         check_examples(folder, 64, 0.1, True, "truncate", 1, str(other))
+
+
+def test_text_shards_are_not_examples(tmp_path) -> None:
+    from plait.data.prepare import PrepareJob, prepare
+
+    text = tmp_path / "t.txt"
+    text.write_text("plain text, as before\n" * 20)
+    prepare(PrepareJob(str(text), tmp_path / "shards"))
+    assert not is_examples_dir(tmp_path / "shards") and not is_examples_dir(None)
+    with pytest.raises(ConfigError, match="holds text shards, not instruction examples"):
+        ExampleStore(tmp_path / "shards")
+
+
+def test_examples_dir_is_recognised(folder) -> None:
+    assert is_examples_dir(folder)
+    with pytest.raises(IndexError, match="row indices must lie in"):
+        example_corpus(folder, 64, 0.1).train.draw(torch.tensor([10_000]))

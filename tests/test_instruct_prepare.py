@@ -139,3 +139,23 @@ def test_cli_prints_examples_tokens_targets_and_lengths(llama, tmp_path, capsys)
     assert longer and "truncated" in lines[1]
     assert main([*argv, "--overwrite", "--long", "drop"]) == 0
     assert "would be dropped" in capsys.readouterr().out
+
+
+def test_bos_follows_the_tokenizer_config(tmp_path) -> None:
+    from plait.data.tokenizer import resolve_tokenizer
+
+    named = tokenizer_folder(tmp_path / "named", None)
+    usual = tokenizer_folder(tmp_path / "usual", None)
+    (usual / "tokenizer_config.json").write_text("{}")  # no names: the usual <s>, </s>
+    gpt2 = tokenizer_folder(tmp_path / "gpt2", None, add_bos_token=False)
+    bos = resolve_tokenizer(named).bos_id
+    assert bos is not None and resolve_tokenizer(usual).bos_id == bos
+    assert resolve_tokenizer(gpt2).bos_id is None
+    data = write_jsonl(tmp_path / "a.jsonl", ROWS[:1])
+    prepare_examples(InstructJob(str(data), tmp_path / "with", "alpaca", str(named)))
+    prepare_examples(InstructJob(str(data), tmp_path / "without", "alpaca", str(gpt2)))
+    with_bos, m1 = _examples(tmp_path / "with")[0]
+    without, m2 = _examples(tmp_path / "without")[0]
+    assert with_bos[0] == bos and with_bos[1:].tolist() == without.tolist()
+    assert m1[1:].tolist() == m2.tolist()  # the prompt's first token is no target either way
+    assert m1.sum() == m2.sum() and read_index(tmp_path / "without")["examples"]["bos_id"] is None
