@@ -21,6 +21,7 @@ from plait.composition import (
     check_zero,
 )
 from plait.data import data_tokenizer, stream_length
+from plait.data.packing import LONG
 from plait.device import cuda_available, device_kind
 from plait.domain import Domain, above, at_least, check_fields, fraction
 from plait.errors import ConfigError
@@ -145,6 +146,20 @@ class DataConfig:
     tokenizer_hash: str | None = field(
         default=None,
         metadata={"help": "SHA-256 of the tokenizer (bytes: none); derived", "derived": True},
+    )
+    pack: bool = field(
+        default=True,
+        metadata={
+            "help": "instruction data: pack examples into rows (best-fit decreasing, "
+            "block-causal); --no-pack: one example a row, padded"
+        },
+    )
+    long: str = field(
+        default="truncate",
+        metadata={
+            "help": "instruction data: an example longer than seq_len + 1 tokens is "
+            "truncate(d) or drop(ped)"
+        },
     )
 
 
@@ -416,6 +431,8 @@ def validate_config(cfg: Config, check_data: bool = True) -> None:
         raise ConfigError(
             "--tensorboard needs the tensorboard package: pip install 'plait[tensorboard]'"
         )
+    if cfg.data.long not in LONG:
+        raise ConfigError(f"long must be one of {', '.join(LONG)}; got {cfg.data.long!r}")
     if t.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"device must be auto, cpu or cuda; got {t.device!r}")
     if t.device == "cuda" and not cuda_available():

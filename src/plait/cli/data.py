@@ -22,6 +22,8 @@ from rich.progress import (
 )
 from rich.text import Text
 
+from plait.data.instruct import FORMATS, InstructJob, prepare_examples
+from plait.data.packing import LONG, length_report
 from plait.data.prepare import SHARD_TOKENS, PrepareJob, prepare
 from plait.data.sources import check_sources, iter_texts, source_files, total_bytes
 from plait.data.stdlib_instructions import Limits, write_jsonl
@@ -58,7 +60,37 @@ def add_data_commands(sub: argparse._SubParsersAction) -> None:
     )
     prep.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     _add_common(prep)
+    _add_instruct_flags(prep)
     _add_instructions_command(data_actions)
+
+
+def _add_instruct_flags(prep: argparse.ArgumentParser) -> None:
+    group = prep.add_argument_group("instruction data (--format alpaca|chat)")
+    group.add_argument(
+        "--format", choices=FORMATS, default="text",
+        help="text: documents (default); alpaca: instruction/input/output rows (a JSON array "
+        "or JSONL); chat: JSONL rows of messages (role, content)",
+    )  # fmt: skip
+    group.add_argument(
+        "--columns", default=None,
+        help="read fields under other names, e.g. instruction=prompt,output=completion",
+    )  # fmt: skip
+    group.add_argument(
+        "--chat-template", default=None,
+        help="a Jinja chat template file; default: the tokenizer folder's",
+    )  # fmt: skip
+    group.add_argument(
+        "--train-on-input", action="store_true",
+        help="prompt tokens are targets too (default: responses only)",
+    )  # fmt: skip
+    group.add_argument(
+        "--seq-len", type=at_least(1), default=None,
+        help="report how many examples are longer than this (rows are packed at train time)",
+    )  # fmt: skip
+    group.add_argument(
+        "--long", choices=LONG, default="truncate",
+        help="with --seq-len: report an example longer than it as truncated or dropped",
+    )  # fmt: skip
 
 
 def _add_data_flag(parser: argparse.ArgumentParser) -> None:
@@ -117,6 +149,12 @@ class _SpeedSinceStart(ProgressColumn):
 
 
 def _prepare(args: argparse.Namespace) -> int:
+    if args.format != "text":
+        return _prepare_examples(args)
+    for flag, given in (("--columns", args.columns), ("--chat-template", args.chat_template),
+                        ("--train-on-input", args.train_on_input)):  # fmt: skip
+        if given:
+            raise ConfigError(f"{flag} is for --format alpaca or chat, not text")
     job = PrepareJob(
         data=args.data,
         out=Path(args.out),
@@ -177,4 +215,33 @@ def _instructions(args: argparse.Namespace) -> int:
         f"{counts.duplicates:,} duplicates, {counts.capped:,} over --max-examples, "
         f"{counts.unreadable:,} unreadable files)"
     )
+    return 0
+
+
+def _prepare_examples(args: argparse.Namespace) -> int:
+    """`--format alpaca|chat`: read, check and tokenize every example in this process."""
+    if args.chat_template and args.format != "chat":
+        raise ConfigError(f"--chat-template is for --format chat, not {args.format}")
+    job = InstructJob(
+        data=args.data,
+        out=Path(args.out),
+        fmt=args.format,
+        tokenizer=args.tokenizer,
+        columns=args.columns,
+        chat_template=args.chat_template,
+        train_on_input=args.train_on_input,
+        shard_tokens=args.shard_tokens,
+        overwrite=args.overwrite,
+    )
+    began = time.perf_counter()
+    index = prepare_examples(job)
+    seconds = time.perf_counter() - began
+    meta = index["examples"]
+    print(
+        f"wrote {args.out}: {meta['count']:,} {args.format} examples, {index['tokens']:,} "
+        f"tokens, {meta['target_tokens']:,} target tokens ({index['dtype']}, "
+        f"{len(index['shards'])} shards); {index['tokens'] / seconds:,.0f} tokens/s"
+    )
+    if args.seq_len:
+        print(length_report(meta["lengths"], meta["first_target"], args.seq_len, args.long))
     return 0

@@ -1,5 +1,7 @@
 """Data: the corpus (corpus.py, sources.py), tokenizers (tokenizer.py), token shards
-(prepare.py, shards.py), the run's token stream (stream.py) and the sampler (sampler.py)."""
+(prepare.py, shards.py), the run's token stream (stream.py) and the sampler (sampler.py);
+instruction data: templates (templates.py), rows of files (records.py), shards with targets
+(instruct.py) and their packed rows (packing.py, examples.py)."""
 
 from plait.data.corpus import (
     ByteTokenizer,

@@ -29,10 +29,13 @@ def is_shard_dir(path: str | Path | None) -> bool:
 class ShardWriter:
     """Appends token arrays to consecutive shard files of `shard_tokens` tokens each."""
 
-    def __init__(self, folder: Path, dtype: np.dtype, shard_tokens: int) -> None:
+    def __init__(
+        self, folder: Path, dtype: np.dtype, shard_tokens: int, prefix: str = "shard"
+    ) -> None:
         if shard_tokens < 1:
             raise ConfigError(f"shard_tokens must be at least 1, got {shard_tokens}")
         self.folder, self.dtype, self.shard_tokens = folder, dtype, shard_tokens
+        self.prefix = prefix
         self.counts: list[int] = []
         self._fh = None
 
@@ -49,7 +52,7 @@ class ShardWriter:
     def _open_next(self) -> None:
         if self._fh is not None:
             self._fh.close()
-        self._fh = (self.folder / shard_name(len(self.counts))).open("wb")
+        self._fh = (self.folder / shard_name(len(self.counts), self.prefix)).open("wb")
         self.counts.append(0)
 
     def close(self) -> None:
@@ -58,20 +61,25 @@ class ShardWriter:
             self._fh = None
 
 
-def shard_name(i: int) -> str:
-    return f"shard-{i:05d}.bin"
+def shard_name(i: int, prefix: str = "shard") -> str:
+    return f"{prefix}-{i:05d}.bin"
 
 
 def write_index(
     folder: Path, spec: TokenizerSpec, counts: list[int], sources: list[dict[str, Any]],
-    documents: int,
+    documents: int, extra: dict[str, Any] | None = None, masked: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
+    """Write `index.json`; `extra` adds keys (an examples folder's kind and examples), and
+    `masked` names each shard's target-mask file beside it (`mask-*.bin`, the same cut)."""
+    shards = [{"file": shard_name(i), "tokens": n} for i, n in enumerate(counts)]
+    for i, shard in enumerate(shards if masked else []):
+        shard["mask"] = shard_name(i, "mask")
     index = {
         "format": FORMAT,
         "dtype": spec.dtype.name,
         "tokens": sum(counts),
         "documents": documents,
-        "shards": [{"file": shard_name(i), "tokens": n} for i, n in enumerate(counts)],
+        "shards": shards,
         "tokenizer": {
             "path": spec.path,
             "vocab_size": spec.vocab_size,
@@ -79,6 +87,7 @@ def write_index(
             "sha256": spec.identity,
         },
         "sources": sources,
+        **(extra or {}),
     }
     (folder / INDEX).write_text(json.dumps(index, indent=2))
     return index
@@ -105,14 +114,19 @@ class ShardStream:
     reads only the windows asked for, across shard boundaries when a window spans two.
     """
 
-    def __init__(self, folder: str | Path, start: int = 0, stop: int | None = None) -> None:
+    def __init__(
+        self, folder: str | Path, start: int = 0, stop: int | None = None,
+        key: str = "file", dtype: str | None = None,
+    ) -> None:  # fmt: skip
+        """`key`/`dtype`: another array cut like the tokens (an examples folder's target
+        masks: key "mask", dtype uint8)."""
         self.folder = Path(folder)
         index = read_index(folder)
-        dtype = np.dtype(index["dtype"]).newbyteorder("<")
+        dtype = np.dtype(dtype or index["dtype"]).newbyteorder("<")
         self._maps, self._ends = [], []
         end = 0
         for shard in index["shards"]:
-            file = self.folder / shard["file"]
+            file = self.folder / shard[key]
             expected = shard["tokens"] * dtype.itemsize
             if not file.is_file() or file.stat().st_size != expected:
                 raise ConfigError(

@@ -23,6 +23,8 @@ from plait.outdir import atomic_file, check_out_file
 # The end-of-document token a trained tokenizer gets, and the names looked for in others.
 EOS_TOKEN = "<|endoftext|>"
 _EOS_CANDIDATES = (EOS_TOKEN, "</s>", "<|end_of_text|>", "<eos>")
+_BOS_CANDIDATES = ("<s>", "<|begin_of_text|>", "<bos>")
+_DOCUMENTS = "documents need one between them"
 BYTE_EOS = 10  # the byte tokenizer separates documents with "\n", as raw text does
 
 
@@ -35,6 +37,7 @@ class TokenizerSpec:
     vocab_size: int
     eos_id: int
     identity: str | None  # SHA-256 of tokenizer.json; None: the byte tokenizer
+    bos_id: int | None = None  # the beginning-of-sequence id, where the tokenizer has one
 
     @property
     def name(self) -> str:
@@ -60,34 +63,44 @@ def _json_file(path: Path) -> Path:
     return path
 
 
-def _eos_name(file: Path, vocab: dict[str, int]) -> str:
-    """The folder's tokenizer_config.json `eos_token` if it names one, else a usual name."""
+def special_name(file: Path, vocab: dict[str, int], key: str, usual: tuple[str, ...]):
+    """The folder's tokenizer_config.json `key` (eos_token, bos_token) if it names a token
+    of the vocabulary, else the first usual name the vocabulary has, else None."""
     config = file.parent / "tokenizer_config.json"
     if config.is_file():
-        eos = json.loads(config.read_text()).get("eos_token")
-        eos = eos.get("content") if isinstance(eos, dict) else eos
-        if isinstance(eos, str) and eos in vocab:
-            return eos
-    for name in _EOS_CANDIDATES:
-        if name in vocab:
+        name = json.loads(config.read_text()).get(key)
+        name = name.get("content") if isinstance(name, dict) else name
+        if isinstance(name, str) and name in vocab:
             return name
-    raise ConfigError(
-        f"tokenizer {str(file)!r} has no end-of-document token (none of "
-        f"{', '.join(_EOS_CANDIDATES)}); documents need one between them"
-    )
+    return next((name for name in usual if name in vocab), None)
 
 
-def resolve_tokenizer(path: str | Path | None) -> TokenizerSpec:
-    """The spec of the tokenizer at `path` (None: bytes); ConfigError if it cannot load."""
+def _adds_bos(file: Path) -> bool:
+    """False where tokenizer_config.json says `add_bos_token: false` (GPT-2's folders, whose
+    bos_token is only a name): transformers puts no BOS first there, and neither does plait."""
+    config = file.parent / "tokenizer_config.json"
+    return not config.is_file() or json.loads(config.read_text()).get("add_bos_token") is not False
+
+
+def resolve_tokenizer(path: str | Path | None, needs_eos: str = _DOCUMENTS) -> TokenizerSpec:
+    """The spec of the tokenizer at `path` (None: bytes); ConfigError if it cannot load or
+    has no end-of-sequence token (`needs_eos` says what for)."""
     if path is None or str(path) == "":
         return BYTES
     file = _json_file(Path(path))
     raw = file.read_bytes()
     tok = _load(file)
     vocab = tok.get_vocab(with_added_tokens=True)
-    eos = _eos_name(file, vocab)
+    eos = special_name(file, vocab, "eos_token", _EOS_CANDIDATES)
+    if eos is None:
+        raise ConfigError(
+            f"tokenizer {str(file)!r} has no end-of-sequence token (none of "
+            f"{', '.join(_EOS_CANDIDATES)}); {needs_eos}"
+        )
+    bos = special_name(file, vocab, "bos_token", _BOS_CANDIDATES) if _adds_bos(file) else None
     size = tok.get_vocab_size(with_added_tokens=True)
-    return TokenizerSpec(str(file), size, vocab[eos], hashlib.sha256(raw).hexdigest())
+    digest = hashlib.sha256(raw).hexdigest()
+    return TokenizerSpec(str(file), size, vocab[eos], digest, None if bos is None else vocab[bos])
 
 
 def _load(file: Path):  # -> tokenizers.Tokenizer
@@ -116,6 +129,16 @@ class Encoder:
         texts = [d.decode("utf-8", errors="replace") if isinstance(d, bytes) else d for d in docs]
         encoded = self._tok.encode_batch(texts, add_special_tokens=False)
         return [np.asarray(e.ids, dtype=self.spec.dtype) for e in encoded]
+
+    def vocab(self) -> dict[str, int]:
+        """Every token's id by its string, added tokens included (bytes: none)."""
+        return self._tok.get_vocab(with_added_tokens=True) if self._tok else {}
+
+    def token_text(self, token: int | None) -> str | None:
+        """The string of a special token (a chat template writes it), None for none."""
+        if token is None or self._tok is None:
+            return None
+        return self._tok.id_to_token(token)
 
     def join(self, parts: Sequence[np.ndarray]) -> np.ndarray:
         """The documents' tokens with the end-of-document id between them."""
