@@ -128,13 +128,22 @@ def generate_main(args: argparse.Namespace, console: Console) -> None:
     prompt = Tokenized(fmt, spec, args.chat_template, flag="--chat").prompt_ids(
         instruction_fields(args)
     )
-    stop = stop_ids(spec.eos_id, args.init_from)
+    stop = stop_ids(spec.eos_id, stop_folder(args))
     model = load_generator(args)
     text = complete(model, text_tokenizer(spec), prompt, args.max_new_tokens, sampling, stop)
     print_completion(text)
 
 
 TEMPLATES = ("alpaca",)
+
+
+def stop_folder(args: argparse.Namespace) -> str | None:
+    """The model folder whose generation_config.json names the stop ids: `--init-from`, or
+    the folder the checkpointed run started from (its own --init-from), if any."""
+    if args.init_from:
+        return args.init_from
+    config = store.read_trainer(checkpoint_path(args.checkpoint))["config"]
+    return config.get("train", {}).get("init_from") or None
 
 
 def check_template_flags(args: argparse.Namespace) -> str | None:
