@@ -236,18 +236,18 @@ def instruct_sample(model: Transformer, cfg: Config) -> dict[str, str]:
     tokens `data prepare` built with `Tokenized.prompt_ids`'s rule (alpaca: Stanford's
     template with BOS; chat: the conversation up to its first assistant turn with the
     generation prompt), stopping at `stop_ids` (the --init-from folder's, else EOS)."""
-    store = ExampleStore(cfg.data.path)
+    examples = ExampleStore(cfg.data.path)
     meta = read_index(cfg.data.path)["examples"]
     prompts = meta.get("prompts", meta["first_target"])  # folders from before "prompts"
-    first = int(val_split(len(store), cfg.data.val_fraction)[1][0])
-    ids = store.example(first, int(prompts[first]))[0]
+    first = int(val_split(len(examples), cfg.data.val_fraction)[1][0])
+    ids = examples.example(first, int(prompts[first]))[0]
     tokenizer = text_tokenizer(data_tokenizer(cfg.data.path, cfg.data.tokenizer))
     n = SAMPLE_TOKENS
     if model.cfg.pos == "learned":
         n = min(n, model.cfg.max_seq_len - len(ids))
         if n < 1:
             return {"prompt": tokenizer.decode(ids), "text": ""}
-    stop = stop_ids(store.pad, cfg.train.init_from or None)
+    stop = stop_ids(examples.pad, cfg.train.init_from or None)
     return {"prompt": tokenizer.decode(ids), "text": complete(model, tokenizer, ids, n, stop=stop)}
 
 
