@@ -98,8 +98,9 @@ from plait.data.tokenizer import BYTES
 from plait.models.presets import get_preset
 from plait.models.transformer import Transformer
 ids = torch.tensor(list(sys.stdin.buffer.read()))
-cli_models.load_generator = lambda args: (Transformer(get_preset("tiny-llama")), BYTES)
-gen.generate = lambda model, prompt, n, sampling, vocab: ids
+cli_models.load_generator = lambda args: Transformer(get_preset("tiny-llama"))
+cli_models.generator_tokenizer = lambda args: BYTES
+gen.generate = lambda model, prompt, n, sampling, vocab, stop: ids
 sys.exit(main(["generate", "--init-from", "unused", "--prompt", "Say: "]))
 """
 

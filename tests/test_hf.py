@@ -9,6 +9,7 @@ load in `transformers` and compute plait's logits. Multi-rank loading: test_hf_w
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -20,7 +21,9 @@ transformers = pytest.importorskip("transformers")
 from hf_models import gpt2_config, hf_model, llama_config, save  # noqa: E402
 from plait.checkpoint.inspect import load_model  # noqa: E402
 from plait.cli import main  # noqa: E402
+from plait.cli.models import stop_folder  # noqa: E402
 from plait.errors import ConfigError  # noqa: E402
+from plait.models.generate import stop_ids  # noqa: E402
 from plait.models.hf.config_json import model_config  # noqa: E402
 from plait.models.hf.export import shard  # noqa: E402
 from plait.models.hf.load import hf_source, load_config  # noqa: E402
@@ -146,6 +149,10 @@ def test_generate_from_a_folder_and_a_run(folders, runs, tmp_path, capsys) -> No
     (tmp_path / "summary.json").write_text("{}")  # a run folder that saved nothing
     assert main([*argv, "--checkpoint", str(tmp_path)]) == 2
     assert "has no checkpoint (trained with --no-save" in capsys.readouterr().err
+    # a run's stop ids are the generation_config.json's of the folder it started from
+    args = argparse.Namespace(init_from=None, checkpoint=str(runs["llama"]))
+    assert stop_folder(args) == str(folders["llama"])
+    assert stop_ids(-1, stop_folder(args)) == [llama_config().eos_token_id]
 
 
 def _bad_folder(folders: dict[str, Path], tmp_path: Path, what: str) -> Path:

@@ -17,12 +17,15 @@ from rich.console import Console
 from plait.checkpoint import inspect, store
 from plait.config import Config
 from plait.data.batches import Corpus
+from plait.data.examples import ExampleStore, is_examples_dir
+from plait.data.packing import val_split
+from plait.data.shards import read_index
 from plait.data.stream import data_tokenizer
 from plait.data.tokenizer import text_tokenizer
 from plait.device import peak_flops
 from plait.mesh import Mesh
-from plait.models.generate import complete
-from plait.models.transformer import count_parameters, matmul_flops_per_token
+from plait.models.generate import complete, stop_ids
+from plait.models.transformer import Transformer, count_parameters, matmul_flops_per_token
 from plait.schedule.measured import report
 from plait.signals import StopRequest
 from plait.step import StepResult
@@ -214,15 +217,38 @@ SAMPLE_MAX_PARAMS = 150_000_000  # above: reading it whole on one CPU is no long
 
 
 def sample(checkpoint: Path, corpus: Corpus, cfg: Config) -> dict[str, str]:
-    """A short greedy continuation of the validation text's start by the trained model,
-    read back whole from its last checkpoint by rank 0 alone: any layout, no collective, so
-    no other rank waits."""
+    """A short greedy continuation of the validation text's start by the trained model (an
+    instruction run: `instruct_sample`), read back whole from its last checkpoint by rank 0
+    alone: any layout, no collective, so no other rank waits."""
     model = inspect.load_model(checkpoint)
+    if is_examples_dir(cfg.data.path):
+        return instruct_sample(model, cfg)
     tokenizer = text_tokenizer(data_tokenizer(cfg.data.path, cfg.data.tokenizer))
     prompt = tokenizer.decode(corpus.val.batch([0])[0][0, :SAMPLE_PROMPT])
     room = model.cfg.max_seq_len - len(tokenizer.encode(prompt))
     n = min(SAMPLE_TOKENS, room) if model.cfg.pos == "learned" else SAMPLE_TOKENS
     return {"prompt": prompt, "text": complete(model, tokenizer, prompt, n)}
+
+
+def instruct_sample(model: Transformer, cfg: Config) -> dict[str, str]:
+    """An instruction run's sample: the model's greedy answer to the first validation
+    example's prompt (a fixed instruction, the same for every run on these examples), whose
+    tokens `data prepare` built with `Tokenized.prompt_ids`'s rule (alpaca: Stanford's
+    template with BOS; chat: the conversation up to its first assistant turn with the
+    generation prompt), stopping at `stop_ids` (the --init-from folder's, else EOS)."""
+    examples = ExampleStore(cfg.data.path)
+    meta = read_index(cfg.data.path)["examples"]
+    prompts = meta.get("prompts", meta["first_target"])  # folders from before "prompts"
+    first = int(val_split(len(examples), cfg.data.val_fraction)[1][0])
+    ids = examples.example(first, int(prompts[first]))[0]
+    tokenizer = text_tokenizer(data_tokenizer(cfg.data.path, cfg.data.tokenizer))
+    n = SAMPLE_TOKENS
+    if model.cfg.pos == "learned":
+        n = min(n, model.cfg.max_seq_len - len(ids))
+        if n < 1:
+            return {"prompt": tokenizer.decode(ids), "text": ""}
+    stop = stop_ids(examples.pad, cfg.train.init_from or None)
+    return {"prompt": tokenizer.decode(ids), "text": complete(model, tokenizer, ids, n, stop=stop)}
 
 
 def _summary(

@@ -15,12 +15,13 @@ from typing import Any
 from rich.console import Console
 
 from plait.checkpoint import inspect, store
+from plait.data.instruct import Tokenized
 from plait.data.stream import data_tokenizer
 from plait.data.tokenizer import TokenizerSpec, resolve_tokenizer, text_tokenizer
 from plait.domain import above, at_least
 from plait.errors import ConfigError, print_bad_input
 from plait.models.architecture import ModelConfig
-from plait.models.generate import Sampling, complete
+from plait.models.generate import Sampling, complete, stop_ids
 from plait.models.hf.export import check_out, write_folder
 from plait.models.hf.load import hf_source, load_config
 from plait.models.init import fill_parameters
@@ -42,7 +43,14 @@ def add_model_commands(sub: argparse._SubParsersAction) -> None:
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", help="a checkpoint folder, or OUT to use its latest")
     source.add_argument("--init-from", help="a Hugging Face Llama/GPT-2 folder")
-    gen.add_argument("--prompt", required=True, help="the text to continue")
+    gen.add_argument("--prompt", required=True, help="the text to continue, or the instruction")
+    gen.add_argument("--template", help="alpaca: answer --prompt in Stanford's prompt template")
+    gen.add_argument("--input", help="--template alpaca's input (context) field")
+    gen.add_argument(
+        "--chat", action="store_true", help="answer --prompt as a user turn (the chat template)"
+    )
+    gen.add_argument("--system", help="--chat: a system message before the user's")
+    gen.add_argument("--chat-template", help="--chat: a Jinja file instead of the tokenizer's")
     gen.add_argument("--max-new-tokens", type=at_least(1), default=64, help="tokens to generate")
     gen.add_argument(
         "--temperature", type=at_least(0, float), default=0.0, help="0: greedy (default)"
@@ -100,27 +108,86 @@ def export_main(args: argparse.Namespace, console: Console) -> None:
 
 
 def generate_main(args: argparse.Namespace, console: Console) -> None:
-    """Load the model, continue `--prompt` and print the prompt and the continuation as
-    plain text (`print_completion`); `console` is unused here (rich is for messages)."""
-    model, spec = load_generator(args)
+    """Continue `--prompt` and print the prompt and the continuation, or with --template or
+    --chat answer it (stopping at `stop_ids`) and print the response alone; plain text
+    (`print_completion`); `console` is unused here (rich is for messages). Every flag, the
+    tokenizer and the template are checked before the weights are read."""
+    fmt = check_template_flags(args)
+    spec = generator_tokenizer(args)
     sampling = Sampling(args.temperature, args.top_k, args.seed)
-    text = complete(model, text_tokenizer(spec), args.prompt, args.max_new_tokens, sampling)
-    print_completion(args.prompt + text)
+    if fmt is None:
+        model = load_generator(args)
+        text = complete(model, text_tokenizer(spec), args.prompt, args.max_new_tokens, sampling)
+        print_completion(args.prompt + text)
+        return
+    if spec.path is None:
+        raise ConfigError(
+            f"{'--chat' if fmt == 'chat' else '--template alpaca'} needs a tokenizer with an "
+            "end-of-sequence token; the byte tokenizer has none"
+        )
+    prompt = Tokenized(fmt, spec, args.chat_template, flag="--chat").prompt_ids(
+        instruction_fields(args)
+    )
+    stop = stop_ids(spec.eos_id, stop_folder(args))
+    model = load_generator(args)
+    text = complete(model, text_tokenizer(spec), prompt, args.max_new_tokens, sampling, stop)
+    print_completion(text)
 
 
-def load_generator(args: argparse.Namespace) -> tuple[Transformer, TokenizerSpec]:
-    """The model and tokenizer of `--checkpoint` or `--init-from`."""
+TEMPLATES = ("alpaca",)
+
+
+def stop_folder(args: argparse.Namespace) -> str | None:
+    """The model folder whose generation_config.json names the stop ids: `--init-from`, or
+    the folder the checkpointed run started from (its own --init-from), if any."""
+    if args.init_from:
+        return args.init_from
+    config = store.read_trainer(checkpoint_path(args.checkpoint))["config"]
+    return config.get("train", {}).get("init_from") or None
+
+
+def check_template_flags(args: argparse.Namespace) -> str | None:
+    """The instruction format --template/--chat ask for (None: continue raw text);
+    ConfigError for a combination that means nothing."""
+    if args.template is not None and args.chat:
+        raise ConfigError(f"--template {args.template} and --chat both name the prompt format")
+    if args.template is not None and args.template not in TEMPLATES:
+        known = ", ".join(TEMPLATES)
+        raise ConfigError(f"unknown --template {args.template!r} (known: {known}; or --chat)")
+    if args.input is not None and args.template != "alpaca":
+        raise ConfigError("--input is alpaca's input field: it needs --template alpaca")
+    for flag, value in (("--system", args.system), ("--chat-template", args.chat_template)):
+        if value is not None and not args.chat:
+            raise ConfigError(f"{flag} is for chat prompts: it needs --chat")
+    return "chat" if args.chat else args.template
+
+
+def instruction_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The record `prompt_ids` reads: alpaca's fields, or the chat's messages."""
+    if not args.chat:
+        return {"instruction": args.prompt, "input": args.input}
+    system = [{"role": "system", "content": args.system}] if args.system is not None else []
+    return {"messages": [*system, {"role": "user", "content": args.prompt}]}
+
+
+def generator_tokenizer(args: argparse.Namespace) -> TokenizerSpec:
+    """The tokenizer of `--checkpoint` (its run's) or `--init-from` (the folder's own
+    tokenizer.json, else bytes)."""
     if args.checkpoint:
-        path = checkpoint_path(args.checkpoint)
-        model, spec = inspect.load_model(path), run_tokenizer(path)
-    else:
-        folder = Path(args.init_from)
-        cfg = load_config(folder)
-        model = Transformer(cfg)
-        fill_parameters(model, hf_source(folder, cfg))
-        has_own = (folder / "tokenizer.json").is_file()
-        spec = resolve_tokenizer(folder if has_own else None)
-    return model, spec
+        return run_tokenizer(checkpoint_path(args.checkpoint))
+    folder = Path(args.init_from)
+    return resolve_tokenizer(folder if (folder / "tokenizer.json").is_file() else None)
+
+
+def load_generator(args: argparse.Namespace) -> Transformer:
+    """The model of `--checkpoint` or `--init-from`."""
+    if args.checkpoint:
+        return inspect.load_model(checkpoint_path(args.checkpoint))
+    folder = Path(args.init_from)
+    cfg = load_config(folder)
+    model = Transformer(cfg)
+    fill_parameters(model, hf_source(folder, cfg))
+    return model
 
 
 def print_completion(text: str) -> None:

@@ -12,9 +12,10 @@ The folder holds the token shards as today (`shard-*.bin`), a target mask cut th
 (`mask-*.bin`, uint8: 1 where the token is a target; never the first token, which nothing
 predicts) and `examples.bin` (int64 offsets, examples + 1 of them); `index.json` records
 kind "examples" and, under "examples", the format, the template (name and SHA-256), every
-example's length, first target position and target count. Every file is read and checked
-before anything is written, in this process (`--workers` is for text: the tokenizer's own
-threads encode each batch of examples, and Alpaca's 52K examples take seconds).
+example's length, first target position, target count and prompt length (a run's sample
+answers a validation example's prompt). Every file is read and checked before anything is
+written, in this process (`--workers` is for text: the tokenizer's own threads encode each
+batch of examples, and Alpaca's 52K examples take seconds).
 """
 
 from __future__ import annotations
@@ -61,16 +62,38 @@ class InstructJob:
 
 @dataclass(frozen=True)
 class Example:
-    """One tokenized example: its tokens and target mask (uint8), same length."""
+    """One tokenized example: its tokens and target mask (uint8), same length, and its
+    prompt's length (the tokens before the first response, with --train-on-input too)."""
 
     tokens: np.ndarray
     mask: np.ndarray
+    prompt: int
 
 
 class Tokenized:
-    """The tokenizer side of a job: encoder, specials and the template of the format."""
+    """The tokenizer side of a format: encoder, specials and the template. `prepare` makes
+    whole examples with it and `plait generate --template|--chat` and a run's sample make
+    prompts with it (`prompt_ids`), through the same pieces and the same joining, so a
+    prompt is tokenized at generation exactly as it was in training."""
 
-    def __init__(self, job: InstructJob) -> None:
+    def __init__(
+        self, fmt: str, spec: TokenizerSpec, chat_template: str | None = None,
+        train_on_input: bool = False, flag: str = "--format chat",
+    ) -> None:  # fmt: skip
+        self.spec, self.encoder = spec, Encoder(spec)
+        self.fmt, self.train_on_input = fmt, train_on_input
+        file = Path(spec.path) if spec.path else None
+        self.bos_text = self.encoder.token_text(spec.bos_id)
+        self.template: ChatTemplate | None = None
+        if fmt == "chat":
+            bos = special_name(file, self.encoder.vocab(), "bos_token", ()) if file else None
+            eos = self.encoder.token_text(spec.eos_id)
+            folder = file.parent if file else None
+            self.template = ChatTemplate.load(chat_template, folder, bos, eos, flag)
+
+    @classmethod
+    def of_job(cls, job: InstructJob) -> Tokenized:
+        """The job's tokenizer (which must have an EOS) and template."""
         if job.fmt not in FORMATS[1:]:
             raise ConfigError(f"instruction --format is alpaca or chat; got {job.fmt!r}")
         if not job.tokenizer:
@@ -78,30 +101,35 @@ class Tokenized:
                 f"--format {job.fmt} needs --tokenizer with an end-of-sequence token; the byte "
                 "tokenizer has none (train one with `plait tokenizer train`)"
             )
-        self.spec: TokenizerSpec = resolve_tokenizer(
-            job.tokenizer, f"--format {job.fmt} ends every response with it"
-        )
-        self.encoder = Encoder(self.spec)
-        self.fmt, self.train_on_input = job.fmt, job.train_on_input
-        file = Path(self.spec.path)
-        vocab = self.encoder.vocab()
-        self.bos_text = self.encoder.token_text(self.spec.bos_id)
-        self.template: ChatTemplate | None = None
-        if job.fmt == "chat":
-            bos = special_name(file, vocab, "bos_token", ())
-            eos = self.encoder.token_text(self.spec.eos_id)
-            self.template = ChatTemplate.load(job.chat_template, file.parent, bos, eos)
+        spec = resolve_tokenizer(job.tokenizer, f"--format {job.fmt} ends every response with it")
+        return cls(job.fmt, spec, job.chat_template, job.train_on_input)
 
     def identity(self) -> dict[str, str]:
         return self.template.identity() if self.template else alpaca_identity()
 
     def pieces(self, record: Record) -> list[Turn]:
-        """The example's text pieces, targets marked."""
+        """The example's text pieces, targets marked. A chat's first piece is the text up to
+        its first assistant turn, rendered with the generation prompt (`ChatTemplate.turns`):
+        `prompt_pieces` of those messages."""
         if self.template is not None:
             return self.template.turns(record.fields["messages"], f"{record.where}: ")
         f = record.fields
-        return [Turn(alpaca_prompt(f["instruction"], f["input"]), False),
-                Turn(f["output"], True)]  # fmt: skip
+        return [*self.prompt_pieces(f), Turn(f["output"], True)]
+
+    def prompt_pieces(self, fields: dict[str, Any]) -> list[Turn]:
+        """What comes before a response: Stanford's prompt of `instruction` and `input`, or
+        the chat template's rendering of `messages` with the generation prompt."""
+        if self.template is not None:
+            return [Turn(self.template.render(fields["messages"], True), False)]
+        return [Turn(alpaca_prompt(fields["instruction"], fields.get("input")), False)]
+
+    def prompt_ids(self, fields: dict[str, Any]) -> np.ndarray:
+        """The prompt's tokens as `prepare` builds an example's (BOS first where the
+        tokenizer has one, the text tokenized without special tokens): what a model trained
+        on these examples answers."""
+        pieces = self.prompt_pieces(fields)
+        ids = self.encoder.encode_docs([p.text for p in pieces])
+        return self._concat(pieces, ids)[0]
 
     def encode(self, records: list[Record], pieces: list[list[Turn]]) -> list[Example]:
         """The examples' tokens and masks, the pieces of all of them in one batch call."""
@@ -112,24 +140,34 @@ class Tokenized:
             at += len(ps)
         return out
 
-    def _join(self, record: Record, pieces: list[Turn], ids: list[np.ndarray]) -> Example:
+    def _concat(self, pieces: list[Turn], ids: list[np.ndarray]) -> tuple[np.ndarray, ...]:
+        """The pieces' tokens joined, BOS first where the tokenizer puts one (and the text
+        does not start with it), with their target mask and the first target piece's start
+        (the prompt's length; the whole length when no piece is a target)."""
         dtype = self.spec.dtype
         parts, masks = [], []
         starts_with_bos = self.bos_text is not None and pieces[0].text.startswith(self.bos_text)
         if self.spec.bos_id is not None and not starts_with_bos:
             parts.append(np.array([self.spec.bos_id], dtype))
             masks.append(np.zeros(1, np.uint8))
+        prompt = None
         for piece, tokens in zip(pieces, ids, strict=True):
+            if piece.target and prompt is None:
+                prompt = sum(len(p) for p in parts)
             parts.append(tokens)
             masks.append(np.full(len(tokens), piece.target or self.train_on_input, np.uint8))
-        if self.fmt == "alpaca":
-            parts.append(np.array([self.spec.eos_id], dtype))
-            masks.append(np.ones(1, np.uint8))
         tokens, mask = np.concatenate(parts).astype(dtype), np.concatenate(masks)
+        return tokens, mask, len(tokens) if prompt is None else prompt
+
+    def _join(self, record: Record, pieces: list[Turn], ids: list[np.ndarray]) -> Example:
+        tokens, mask, prompt = self._concat(pieces, ids)
+        if self.fmt == "alpaca":  # the response ends with EOS, as Stanford's train.py
+            tokens = np.append(tokens, self.spec.eos_id).astype(self.spec.dtype)
+            mask = np.append(mask, np.uint8(1))
         mask[0] = 0  # the first token is never predicted
         if not mask.any():
             raise ConfigError(f"{record.where} has no target tokens (its responses are empty)")
-        return Example(tokens, mask)
+        return Example(tokens, mask, prompt)
 
 
 def check_instruct(job: InstructJob) -> tuple[Tokenized, list[list[Record]], list[Path]]:
@@ -142,7 +180,7 @@ def check_instruct(job: InstructJob) -> tuple[Tokenized, list[list[Record]], lis
         raise ConfigError(f"output folder {str(job.out)!r} exists; add --overwrite to replace it")
     if job.data is None:
         raise ConfigError(f"--format {job.fmt} needs --data FILE (a JSON array or JSONL)")
-    tok = Tokenized(job)
+    tok = Tokenized.of_job(job)
     columns = parse_columns(job.columns, job.fmt)
     files = source_files(job.data)
     return tok, [read_records(f, job.fmt, columns) for f in files], files
@@ -160,7 +198,7 @@ def prepare_examples(job: InstructJob) -> dict[str, Any]:
     partial.mkdir(parents=True)
     tokens = ShardWriter(partial, tok.spec.dtype, job.shard_tokens)
     masks = ShardWriter(partial, np.dtype(np.uint8), job.shard_tokens, prefix="mask")
-    lengths, first, targets = [], [], []
+    lengths, first, targets, prompts = [], [], [], []
     try:
         for i in range(0, len(records), CHUNK):
             for ex in tok.encode(records[i : i + CHUNK], pieces[i : i + CHUNK]):
@@ -169,6 +207,7 @@ def prepare_examples(job: InstructJob) -> dict[str, Any]:
                 lengths.append(len(ex.tokens))
                 first.append(int(np.argmax(ex.mask)))
                 targets.append(int(ex.mask.sum()))
+                prompts.append(ex.prompt)
     except BaseException:
         tokens.close()
         masks.close()
@@ -191,6 +230,7 @@ def prepare_examples(job: InstructJob) -> dict[str, Any]:
             "lengths": lengths,
             "first_target": first,
             "targets": targets,
+            "prompts": prompts,
         },
     }
     sources = [{"path": str(f), "bytes": f.stat().st_size} for f in files]

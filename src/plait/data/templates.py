@@ -106,9 +106,10 @@ class ChatTemplate:
             raise ConfigError(f"chat template {source} does not compile: {e}") from None
 
     @classmethod
-    def load(cls, file: str | None, folder: Path | None, bos: str | None, eos: str | None):
+    def load(cls, file: str | None, folder: Path | None, bos: str | None, eos: str | None,
+             flag: str = "--format chat"):  # fmt: skip
         """`--chat-template FILE` if given, else the tokenizer folder's; ConfigError when
-        there is none."""
+        there is none (`flag` names what asked for it)."""
         if file:
             path = Path(file)
             if not path.is_file():
@@ -118,7 +119,7 @@ class ChatTemplate:
         if text is None:
             where = f"tokenizer folder {str(folder)!r}" if folder else "the byte tokenizer"
             raise ConfigError(
-                f"--format chat needs a chat template: {where} has none (no chat_template in "
+                f"{flag} needs a chat template: {where} has none (no chat_template in "
                 "tokenizer_config.json); give one with --chat-template FILE"
             )
         return cls(text, f"of {str(folder)!r}", bos, eos)

@@ -2,12 +2,16 @@
 
 The tokenizer is anything with `encode(text) -> ids` and `decode(ids) -> text`; plait's byte
 tokenizer is the default, and a Hugging Face tokenizer wrapped the same way plugs in.
+Decoding stops early at a stop id (the end of a response): `stop_ids` says which, by
+transformers' rule for a model folder.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -71,8 +75,10 @@ def generate(
     max_new_tokens: int,
     sampling: Sampling = Sampling(),
     vocab: int | None = None,
+    stop: Sequence[int] = (),
 ) -> Tensor:
-    """The `max_new_tokens` ids (n,) that follow `prompt` (s,), each position computed once.
+    """The ids (n,) that follow `prompt` (s,), each position computed once: `max_new_tokens`
+    of them, or fewer when one of `stop` comes first (that id itself not returned).
     `vocab`: only ids below it are produced (the tokenizer's; a model's may be larger)."""
     check_length(model, prompt.numel(), max_new_tokens)
     sampling.check()
@@ -81,22 +87,42 @@ def generate(
     cache = KVCache()
     device = next(model.parameters()).device
     logits = model(prompt.view(1, -1).to(device), cache=cache)[0, -1]  # (V,)
-    out = []
+    out: list[Tensor] = []
+    stops = frozenset(int(i) for i in stop)
     for i in range(max_new_tokens):
-        out.append(pick(logits[:vocab], sampling, gen))
+        token = pick(logits[:vocab], sampling, gen)
+        if int(token) in stops:
+            break
+        out.append(token)
         if i + 1 < max_new_tokens:
-            logits = model(out[-1].view(1, 1), cache=cache)[0, -1]  # (V,)
-    return torch.stack(out)
+            logits = model(token.view(1, 1), cache=cache)[0, -1]  # (V,)
+    return torch.stack(out) if out else torch.empty(0, dtype=torch.long)
+
+
+def stop_ids(eos_id: int, folder: str | Path | None = None) -> list[int]:
+    """The ids that end a response: a model folder's generation_config.json `eos_token_id`
+    (an id or a list: chat models list their end-of-turn token there, as transformers'
+    `generate` reads it) when the folder has one, else the tokenizer's end-of-sequence id."""
+    config = Path(folder) / "generation_config.json" if folder else None
+    if config is not None and config.is_file():
+        value = json.loads(config.read_text()).get("eos_token_id")
+        ids = value if isinstance(value, list) else [value]
+        if ids and all(isinstance(i, int) for i in ids):
+            return list(ids)
+    return [eos_id]
 
 
 def complete(
     model: Transformer,
     tokenizer: Tokenizer,
-    prompt: str,
+    prompt: str | Sequence[int] | Tensor,
     max_new_tokens: int,
     sampling: Sampling = Sampling(),
+    stop: Sequence[int] = (),
 ) -> str:
-    """The text the model writes after `prompt` (the prompt itself not included)."""
-    ids = torch.as_tensor(tokenizer.encode(prompt), dtype=torch.long)
+    """The text the model writes after `prompt` (the prompt itself not included): a string
+    encoded by `tokenizer`, or ids already built (a template's prompt, `data.instruct`)."""
+    ids = prompt if not isinstance(prompt, str) else tokenizer.encode(prompt)
+    ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
     vocab = getattr(tokenizer, "vocab_size", None)
-    return tokenizer.decode(generate(model, ids, max_new_tokens, sampling, vocab).cpu())
+    return tokenizer.decode(generate(model, ids, max_new_tokens, sampling, vocab, stop).cpu())
