@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from plait.config import Config
+from plait.data.batches import Corpus
 from plait.models.loss import IGNORE
 
 
@@ -56,3 +58,9 @@ class PackedRows:
         seg, bounds = self.segments[row], [0]
         bounds += [i for i in range(1, self.seq_len) if seg[i] != seg[i - 1]]
         return list(zip(bounds, bounds[1:] + [self.seq_len], strict=True))
+
+
+def packed_corpus(cfg: Config) -> Corpus:
+    """Training and validation rows of `cfg`'s sequence length and vocabulary."""
+    s, v = cfg.train.seq_len, cfg.model.vocab_size
+    return Corpus(PackedRows(64, s, v, seed=11), PackedRows(16, s, v, seed=12), 0.0)
