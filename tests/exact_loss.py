@@ -33,7 +33,8 @@ def exact_parity(
     else:
         cfg = small_config(steps=steps, **kw)
     par = cfg.parallel
-    par.zero, par.offload, par.sequence_parallel, par.dp_mode = zero, offload, sequence_parallel, dp_mode
+    par.zero, par.offload, par.dp_mode = zero, offload, dp_mode
+    par.sequence_parallel = sequence_parallel
     if not two_bw:
         cfg.validate(check_data=False)
     corpus = packed_corpus(cfg)

@@ -53,12 +53,6 @@ class PackedRows:
     def target_count(self, idx: torch.Tensor) -> int:
         return int((self.targets[idx] != IGNORE).sum())
 
-    def runs(self, row: int) -> list[tuple[int, int]]:
-        """(start, end) of every run of row `row`, padding included."""
-        seg, bounds = self.segments[row], [0]
-        bounds += [i for i in range(1, self.seq_len) if seg[i] != seg[i - 1]]
-        return list(zip(bounds, bounds[1:] + [self.seq_len], strict=True))
-
 
 def packed_corpus(cfg: Config) -> Corpus:
     """Training and validation rows of `cfg`'s sequence length and vocabulary."""

@@ -87,7 +87,9 @@ def test_packed_row_equals_its_examples_one_by_one(preset, recompute):
     assert abs(crossed - packed) > 10 * RTOL * abs(packed)
 
 
-@pytest.mark.parametrize(("preset", "recompute"), [("tiny-gpt", "selective"), ("tiny-llama", "full")])
+@pytest.mark.parametrize(
+    ("preset", "recompute"), [("tiny-gpt", "selective"), ("tiny-llama", "full")]
+)
 def test_packed_row_with_dropout_has_no_cross_talk(preset, recompute):
     """With dropout the masks depend on a token's place in the row, so each example runs in
     its own place with every other example replaced by other tokens (IGNORE targets): the

@@ -47,4 +47,3 @@ class LMLoss(nn.Module):
             logits.float().flatten(0, 1), flat, ignore_index=IGNORE, reduction="none"
         )  # (n,), 0 where ignored
         return reduce_losses(losses, flat, denom)
-
