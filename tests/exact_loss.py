@@ -8,7 +8,7 @@ import torch
 from packed_rows import packed_corpus
 from plait.mesh import build_mesh
 from plait.parallel.tp.sharding import full_tensor, param_shard_specs
-from plait.train import Trainer
+from plait.train import Trainer, load_corpus
 from reference import assert_matches_reference, small_config
 from test_pp_2bw import delayed_reference, two_bw_config
 
@@ -22,11 +22,14 @@ def exact_parity(
     offload: str = "none",
     sequence_parallel: bool = False,
     dp_mode: str = "ddp",
+    examples: str | None = None,
     **kw,
 ) -> list[float]:
-    """Train the layout `kw` (small_config's arguments; schedule '2bw' too) on packed rows;
-    loss and gradient norm every step, final parameters and the validation loss must equal
-    the single process's. Returns the step losses."""
+    """Train the layout `kw` (small_config's arguments; schedule '2bw' too) on packed rows
+    (tests/packed_rows.py, or the prepared `examples` folder as `plait train` reads it, its
+    tokenizer's 400 tokens and rows of 128); loss and gradient norm every step, final
+    parameters and the validation loss must equal the single process's. Returns the step
+    losses."""
     two_bw = kw.get("schedule") == "2bw"
     if two_bw:
         cfg = two_bw_config(steps=steps, **{k: v for k, v in kw.items() if k != "schedule"})
@@ -35,9 +38,12 @@ def exact_parity(
     par = cfg.parallel
     par.zero, par.offload, par.dp_mode = zero, offload, dp_mode
     par.sequence_parallel = sequence_parallel
+    if examples is not None:
+        cfg.data.path, cfg.model.vocab_size = examples, 400
+        cfg.train.seq_len = cfg.model.max_seq_len = 128  # two or three examples a row
     if not two_bw:
         cfg.validate(check_data=False)
-    corpus = packed_corpus(cfg)
+    corpus = packed_corpus(cfg) if examples is None else load_corpus(cfg)
     mesh = build_mesh(par.layout, torch.device("cpu"), par.comm_timeout)
     trainer = Trainer(cfg, mesh, corpus)
     results = [trainer.train_step() for _ in range(steps)]

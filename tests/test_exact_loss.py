@@ -3,14 +3,18 @@
 target), every layout of a world of 2 gives the single process's loss and gradient norm
 every step, its final parameters and its validation loss (fp32, rtol 1e-5): data parallelism
 with accumulation, tensor + sequence parallelism, every pipeline schedule, 2BW (against its
-delayed rule), ZeRO 1-3 with CPU offload and naive data parallelism. The old per-micro-batch
-mean would differ on this data (test_packing.py measures by how much)."""
+delayed rule), ZeRO 1-3 with CPU offload and naive data parallelism; and data parallelism
+with accumulation on a prepared Alpaca examples folder, as `plait train` loads it. The old
+per-micro-batch mean would differ on this data (test_no_cross_talk.py measures by how much)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from exact_loss import exact_parity
+from instruct_data import LLAMA_TEMPLATE, tokenizer_folder, write_jsonl
+from plait.data.instruct import InstructJob, prepare_examples
 
 
 def _id(case: dict) -> str:
@@ -37,3 +41,21 @@ CASES = [
 def test_world2_layouts_give_the_single_process_loss(world2, case):
     out = world2.run(exact_parity, **case)
     assert out[0] == out[1]  # every rank reports the same global loss
+
+
+def test_dp2_on_prepared_alpaca_examples(world2, tmp_path):
+    """The trainer's own loading of an examples folder (train.load_corpus): packed rows of
+    Alpaca examples, prompts IGNORE, at dp2 with accumulation equal one process."""
+    rng = np.random.default_rng(2)
+    words = ["fox", "dog", "jumps", "over", "the", "lazy", "quick", "brown", "numbers"]
+    rows = [
+        {"instruction": " ".join(rng.choice(words, rng.integers(1, 4))), "input": "",
+         "output": " ".join(rng.choice(words, rng.integers(1, 12)))}
+        for _ in range(80)
+    ]  # fmt: skip
+    tok = tokenizer_folder(tmp_path / "tok", LLAMA_TEMPLATE)
+    data = write_jsonl(tmp_path / "a.jsonl", rows)
+    prepare_examples(InstructJob(str(data), tmp_path / "sft", "alpaca", str(tok)))
+    case = dict(dp=2, micro=1, accum=2, preset="tiny-llama", examples=str(tmp_path / "sft"))
+    out = world2.run(exact_parity, **case)
+    assert out[0] == out[1]
