@@ -14,7 +14,8 @@ Two modes, one process group of `--world` gloo ranks (one pipeline rank each, dp
   `Schedule1F1B`, `ScheduleInterleaved1F1B` (2 stages per rank) or
   `ScheduleInterleavedZeroBubble` (1 stage per rank, which is ZB-H1; the executed compute order
   is checked equal to plait's `zb-h1`). The loss function is the model's own `LMLoss` divided by
-  m with `scale_grads=False`, which is plait's accumulation rule. The rest of the step does
+  m with `scale_grads=False`, which is plait's token-weighted rule on text windows (every token
+  a target, every micro-batch the same size). The rest of the step does
   what the Trainer does: same sampler and batches, same lr schedule, tied-embedding gradient
   all-reduce between the pipeline ends, global-norm clip (squared norms summed over stages,
   tied matrix counted once), AdamW from `plait.optim.build_optimizer`, loss all-reduce.

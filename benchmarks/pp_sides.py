@@ -98,7 +98,7 @@ def torch_pipeline(
     loss: Callable[..., torch.Tensor],
 ) -> tuple[list[PipelineStage], Any]:
     """This rank's stages as PipelineStages and torch's schedule over them, with plait's
-    accumulation rule: each micro-batch's mean loss / m, and `scale_grads=False`."""
+    accumulation rule on text windows: each micro-batch's mean loss / m, `scale_grads=False`."""
     stages = [
         PipelineStage(
             TorchStage(model, plan), plan.stage, n_stages, torch.device("cpu"), group=group

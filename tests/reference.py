@@ -101,8 +101,8 @@ def _train(model, cfg: Config, corpus: Corpus):
         idx = sampler.next_batch()
         keys = sample_keys(t.seed, step, torch.arange(t.global_batch))
         set_lr(opt, lr_at(step, t))
-        x, y = corpus.train.batch(idx)
-        loss = model(x, y, keys)
+        x, y, seg = corpus.train.draw(idx)  # any Rows: text windows or packed rows
+        loss = model(x, y, keys, segments=seg)  # the global batch's token-weighted mean
         loss.backward()
         max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
@@ -128,8 +128,8 @@ def _validation(model, cfg: Config, corpus: Corpus) -> float:
     t = cfg.train
     idx = eval_indices(len(corpus.val), t.eval_batches * t.global_batch)
     model.eval()
-    x, y = corpus.val.batch(idx)
-    return float(model(x, y))
+    x, y, seg = corpus.val.draw(idx)
+    return float(model(x, y, segments=seg))
 
 
 def assert_matches_reference(

@@ -56,8 +56,8 @@ def delayed_reference(cfg: Config, corpus: Corpus, steps: int):
     sampler = GlobalBatchSampler(len(corpus.train), t.global_batch, t.seed)
     losses, norms = [], []
     for k in range(steps):
-        x, y = corpus.train.batch(sampler.next_batch())
-        loss = prev(x, y, sample_keys(t.seed, k, torch.arange(t.global_batch)))
+        x, y, seg = corpus.train.draw(sampler.next_batch())  # any Rows
+        loss = prev(x, y, sample_keys(t.seed, k, torch.arange(t.global_batch)), segments=seg)
         prev.zero_grad(set_to_none=True)
         loss.backward()
         for p_cur, p_prev in zip(cur.parameters(), prev.parameters(), strict=True):
@@ -72,8 +72,8 @@ def delayed_reference(cfg: Config, corpus: Corpus, steps: int):
     params = {n: p.detach().clone() for n, p in cur.named_parameters()}
     cur.eval()
     with torch.no_grad():
-        x, y = corpus.val.batch(eval_indices(len(corpus.val), t.eval_batches * t.global_batch))
-        val = float(cur(x, y))
+        x, y, seg = corpus.val.draw(eval_indices(len(corpus.val), t.eval_batches * t.global_batch))
+        val = float(cur(x, y, segments=seg))
     return losses, norms, params, val
 
 

@@ -19,6 +19,7 @@ from plait.composition import check_tensor_parallel
 from plait.errors import ConfigError
 from plait.mesh import build_mesh
 from plait.models.dropout import KeyedDropout
+from plait.models.loss import IGNORE
 from plait.models.presets import get_preset
 from plait.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear, ShardedDropout
 from plait.parallel.tp.mappings import (
@@ -234,6 +235,37 @@ def _cross_entropy(comm: Comm, vocab: int) -> None:
     assert not mine.grad[..., real:].any(), "padding columns got gradient"
 
 
+def _cross_entropy_ignored(comm: Comm, vocab: int) -> None:
+    """IGNORE targets (prompt tokens, pads): the same summed loss / denom, the mean over the
+    counted ones, and no gradient for an ignored token's logits, as one process computes."""
+    n = comm.mesh.size("tp")
+    gen = torch.Generator().manual_seed(vocab + 1)
+    logits = torch.randn(3, 6, vocab, generator=gen) * 3
+    targets = torch.randint(0, vocab, (3, 6), generator=gen)
+    targets[0, :4] = IGNORE
+    targets[2] = IGNORE  # a row with no target at all
+    loss_fn = VocabParallelCrossEntropy(vocab, comm)
+    spec = loss_fn.spec
+    padded = torch.cat([logits, torch.full((3, 6, spec.shape[0] * n - vocab), 7.0)], dim=-1)
+    for denom in (None, 5.5):
+        full = logits.clone().requires_grad_()
+        ref = F.cross_entropy(full.flatten(0, 1), targets.flatten(), ignore_index=IGNORE,
+                              reduction="sum" if denom else "mean")  # fmt: skip
+        ref = ref / denom if denom else ref
+        ref.backward()
+        mine = padded[..., spec.offsets[0] : spec.offsets[0] + spec.shape[0]].clone()
+        mine.requires_grad_()
+        loss = loss_fn(mine, targets, denom)
+        torch.testing.assert_close(loss, ref, rtol=RTOL, atol=0)
+        loss.backward()
+        real = spec.local_shape[0]
+        _close(mine.grad[..., :real], full.grad[..., spec.region()[0]], f"CE ignore V={vocab}")
+        assert not mine.grad[targets == IGNORE].any(), "an ignored token's logits got gradient"
+    none = loss_fn(padded[..., spec.offsets[0] : spec.offsets[0] + spec.shape[0]],
+                   torch.full((3, 6), IGNORE))  # fmt: skip
+    assert none.item() == 0.0, "no target at all: loss 0, not NaN"
+
+
 def _embedding(comm: Comm, vocab: int, sequence_parallel: bool) -> None:
     r, n = comm.mesh.axis_rank("tp"), comm.mesh.size("tp")
     gen = torch.Generator().manual_seed(vocab)
@@ -260,6 +292,7 @@ def _vocab(tp: int) -> None:
     comm = _comm(tp)
     for vocab in (256, 250, 3):  # 3 < tp=4: a rank with no real column at all
         _cross_entropy(comm, vocab)
+        _cross_entropy_ignored(comm, vocab)
         for sp in (False, True):
             _embedding(comm, vocab, sp)
     logits = torch.randn(2, 3, 250, generator=torch.Generator().manual_seed(0))

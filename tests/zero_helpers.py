@@ -86,14 +86,16 @@ def reference(cfg: Config, corpus: Corpus) -> Record:
     out = Record()
     model.train()
     for step in range(t.steps):
-        share, positions = replica_share(sampler.next_batch(), mesh.coord.dp, n)
+        indices = sampler.next_batch()
+        denom = max(corpus.train.target_count(indices), 1) / n  # plait's loss rule
+        share, positions = replica_share(indices, mesh.coord.dp, n)
         keys = sample_keys(t.seed, step, positions)
         micro_idx, micro_keys = split_micro(share, t.micro_batch), split_micro(keys, t.micro_batch)
         total = torch.zeros(())
         for idx, key in zip(micro_idx, micro_keys, strict=True):
-            x, y = corpus.train.batch(idx)
-            loss = model(x, y, key)
-            (loss / len(micro_idx)).backward()
+            x, y, seg = corpus.train.draw(idx)
+            loss = model(x, y, key, segments=seg, denom=denom)  # summed target losses / denom
+            loss.backward()
             total += loss.detach().float()
         for p in params:
             if p.grad is None:
@@ -109,7 +111,7 @@ def reference(cfg: Config, corpus: Corpus) -> Record:
         set_lr(opt, lr_at(step, t))
         opt.step()
         opt.zero_grad(set_to_none=True)
-        mean = total / len(micro_idx)
+        mean = total  # this replica's share: the dp average is the global loss
         comm.all_reduce(mean, "dp", op="avg", tag="loss")
         out.losses.append(float(mean))
     for name, p in model.named_parameters():

@@ -12,6 +12,7 @@ from functools import partial
 from pathlib import Path
 from typing import Protocol
 
+import torch
 from rich.console import Console
 
 from plait.checkpoint import inspect, store
@@ -224,7 +225,8 @@ def sample(checkpoint: Path, corpus: Corpus, cfg: Config) -> dict[str, str]:
     if is_examples_dir(cfg.data.path):
         return instruct_sample(model, cfg)
     tokenizer = text_tokenizer(data_tokenizer(cfg.data.path, cfg.data.tokenizer))
-    prompt = tokenizer.decode(corpus.val.batch([0])[0][0, :SAMPLE_PROMPT])
+    first = corpus.val.draw(torch.zeros(1, dtype=torch.int64))[0]  # any Rows: tokens first
+    prompt = tokenizer.decode(first[0, :SAMPLE_PROMPT])
     room = model.cfg.max_seq_len - len(tokenizer.encode(prompt))
     n = min(SAMPLE_TOKENS, room) if model.cfg.pos == "learned" else SAMPLE_TOKENS
     return {"prompt": prompt, "text": complete(model, tokenizer, prompt, n)}

@@ -28,6 +28,7 @@ from plait.config import TrainConfig
 from plait.data.batches import MicroBatch, StepBatches
 from plait.device import synchronize
 from plait.errors import NonFiniteError
+from plait.models.loss import target_count
 from plait.optim import lr_at
 from plait.parallel.grads import SplitGradRules, clip_coef
 from plait.parallel.optimizer_engine import OptimizerEngine
@@ -54,7 +55,9 @@ class Runner(Protocol):
     draining: bool  # the step's time is the pipe's drain, not a step's work (2BW's last)
 
     def run(self, step: int) -> Tensor:
-        """This replica's mean loss of the step, the same on every pp and tp rank."""
+        """This replica's share of the step's token-weighted loss (its micro-batches' summed
+        target losses / `MicroBatch.denom`), the same on every pp and tp rank: the dp
+        average of the shares is the global loss."""
 
 
 class Accumulate:
@@ -71,10 +74,11 @@ class Accumulate:
         loss_sum = torch.zeros((), device=self.batches.device)
         for i, mb in enumerate(micro):
             self.engine.micro_batch(is_last=i == n - 1)  # communicate after the last only
-            loss = self.model(mb.tokens, mb.targets, mb.keys)  # mean over its tokens
-            self.engine.scale_loss(loss / n).backward()
+            # The summed target loss / the global count (over dp): no per-micro-batch mean.
+            loss = self.model(mb.tokens, mb.targets, mb.keys, segments=mb.segments, denom=mb.denom)
+            self.engine.scale_loss(loss).backward()
             loss_sum += loss.detach().float()
-        return loss_sum / n
+        return loss_sum
 
 
 class Pipelined:
@@ -117,6 +121,7 @@ class Step:
         engine.finish()
         self.grad_rules.sync(engine.grad_pieces(), self.comm)
         norm = engine.grad_norm(self.grad_rules)
+        # The replicas' shares average to the global token-weighted loss (denom is N / dp).
         self.comm.all_reduce(loss, "dp", op="avg", tag="loss")  # now global, as the norm is
         loss_value, norm_value = float(loss), float(norm)  # the step's one read of each
         finite = math.isfinite(loss_value) and math.isfinite(norm_value)
@@ -154,7 +159,8 @@ def evaluate_loss(
     comm: Comm,
     pipeline: PipelineDriver | None,
 ) -> float:
-    """Mean token loss over this replica's validation micro-batches, averaged over replicas."""
+    """The token-weighted validation loss: every replica's summed target losses over its
+    micro-batches, summed over dp, divided by their target tokens (0.0 with none)."""
     was_training = model.training
     model.eval()
     try:
@@ -162,10 +168,10 @@ def evaluate_loss(
             totals = pipeline.evaluate(model, batches)
         else:
             totals = torch.zeros(2, dtype=torch.float64, device=comm.mesh.device)  # sum, tokens
-            for mb in batches:
-                totals[0] += model(mb.tokens, mb.targets).double() * mb.targets.numel()
-                totals[1] += mb.targets.numel()
+            for mb in batches:  # denom 1.0: the sum of the target losses
+                totals[0] += model(mb.tokens, mb.targets, segments=mb.segments, denom=1.0).double()
+                totals[1] += target_count(mb.targets)
     finally:
         model.train(was_training)
     comm.all_reduce(totals, "dp", op="sum", tag="eval")
-    return float(totals[0] / totals[1])
+    return float(totals[0] / totals[1].clamp(min=1))

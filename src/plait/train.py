@@ -25,6 +25,7 @@ from plait.comm import Comm
 from plait.config import Config
 from plait.data import baseline_sample, load_stream, split_tokens, unigram_entropy
 from plait.data.batches import Corpus, StepBatches
+from plait.data.examples import example_corpus, is_examples_dir
 from plait.data.sampler import TokenWindows
 from plait.data.shards import ShardStream
 from plait.mesh import Mesh
@@ -93,8 +94,14 @@ def _to_device_without_storage(model: nn.Module, device: torch.device) -> None:
 
 
 def load_corpus(cfg: Config) -> Corpus:
-    """Raw text read into memory, or prepared shards memory-mapped (data/stream.py)."""
-    tokens = load_stream(cfg.data.path, cfg.data.tokenizer, cfg.data.max_bytes)
+    """Raw text read into memory, prepared shards memory-mapped (data/stream.py), or an
+    examples folder's packed rows (data/examples.py: IGNORE targets and segments, which the
+    model and the loss rule consume; every rank builds the same rows)."""
+    d = cfg.data
+    if is_examples_dir(d.path):
+        made = example_corpus(d.path, cfg.train.seq_len, d.val_fraction, d.pack, d.long)
+        return Corpus(made.train, made.val, made.baseline)
+    tokens = load_stream(d.path, d.tokenizer, d.max_bytes)
     return corpus_from_tokens(tokens, cfg)
 
 

@@ -4,6 +4,12 @@ Plain accumulation, a pipeline schedule and the 2BW stream all take their micro-
 here, so the rule that makes every layout see the single process's data is written once:
 every rank draws the same global batch from the seeded sampler, keeps its replica's
 contiguous share, and keys dropout by the sample's position in the global batch.
+
+The loss rule is written here too (models/loss.py): each micro-batch carries `denom`, the
+target tokens of the whole global batch divided by dp (every rank drew the whole batch's
+indices, so it counts them without a collective); a micro-batch's loss is its summed target
+loss / denom, so the sum over micro-batches, averaged over replicas, is the global
+token-weighted mean in every layout.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from torch import Tensor
 
 from plait.data.sampler import (
     GlobalBatchSampler,
-    TokenWindows,
+    Rows,
     eval_indices,
     replica_share,
     split_micro,
@@ -28,16 +34,18 @@ class MicroBatch:
     """One micro-batch as every stage sees it (tokens used by stage 0, targets by the last)."""
 
     tokens: Tensor  # (b, s)
-    targets: Tensor  # (b, s)
+    targets: Tensor  # (b, s), IGNORE where a token is no target
     keys: Tensor  # (b,) dropout keys
+    segments: Tensor | None = None  # (b, s) packed rows' example ids; None: plain causal
+    denom: float | None = None  # the loss's divisor (models/loss.py); None: the mean
 
 
 @dataclass
 class Corpus:
     """Training and validation windows plus the baseline the model must beat."""
 
-    train: TokenWindows
-    val: TokenWindows
+    train: Rows
+    val: Rows
     unigram_baseline: float
 
 
@@ -61,24 +69,36 @@ class StepBatches:
 
     def draw(self, step: int) -> list[MicroBatch]:
         """Step `step`'s micro-batches; steps must be drawn in order (the sampler advances)."""
-        idx, keys = self._share(self._next(step), step, self.replica[0])
-        return [self._micro(self.corpus.train, i, k) for i, k in zip(idx, keys, strict=True)]
+        indices = self._next(step)
+        denom = self._denom(indices) / self.replica[1]  # dp's average then gives the sum / N
+        idx, keys = self._share(indices, step, self.replica[0])
+        train = self.corpus.train
+        return [self._micro(train, i, k, denom) for i, k in zip(idx, keys, strict=True)]
 
     def draw_whole(self, step: int) -> list[MicroBatch]:
         """Step `step`'s micro-batches of the whole global batch, for a rank that hands the
         replicas their shares (naive data parallelism): micro-batch i holds every replica's
         micro-batch i, replica after replica, so splitting it dp ways gives each replica
-        exactly what `draw` gives it. Every rank calls it, so the sampler advances alike."""
+        exactly what `draw` gives it. Every rank calls it, so the sampler advances alike.
+        `denom` is the global batch's whole count: the coordinator sums, not averages, the
+        replicas' gradients."""
         indices = self._next(step)
+        denom = self._denom(indices)
         shares = [self._share(indices, step, r) for r in range(self.replica[1])]
         return [
             self._micro(
                 self.corpus.train,
                 torch.cat([idx[i] for idx, _ in shares]),
                 torch.cat([keys[i] for _, keys in shares]),
+                denom,
             )
             for i in range(len(shares[0][0]))
         ]
+
+    def _denom(self, indices: Tensor) -> float:
+        """Target tokens of the global batch `indices` (at least 1: a batch without targets
+        has loss 0, not 0/0)."""
+        return float(max(self.corpus.train.target_count(indices), 1))
 
     def _next(self, step: int) -> Tensor:
         """The next global batch, remembering where the sampler stood before it."""
@@ -108,6 +128,10 @@ class StepBatches:
             for chunk in torch.split(mine, self.micro_batch)
         ]
 
-    def _micro(self, windows: TokenWindows, idx: Tensor, keys: Tensor) -> MicroBatch:
-        x, y = (v.to(self.device) for v in windows.batch(idx))
-        return MicroBatch(x, y, keys.to(self.device))
+    def _micro(
+        self, rows: Rows, idx: Tensor, keys: Tensor, denom: float | None = None
+    ) -> MicroBatch:
+        """Validation leaves `denom` None: evaluation sums the losses and counts itself."""
+        x, y, seg = rows.draw(idx)
+        seg = None if seg is None else seg.to(self.device)
+        return MicroBatch(x.to(self.device), y.to(self.device), keys.to(self.device), seg, denom)

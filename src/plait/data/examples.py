@@ -32,8 +32,8 @@ from plait.data.packing import Plan, plan_rows, val_split
 from plait.data.shards import ShardStream, read_index, shard_tokenizer
 from plait.data.tokenizer import resolve_tokenizer
 from plait.errors import ConfigError
+from plait.models.loss import IGNORE  # a target that contributes nothing to the loss
 
-IGNORE = -100  # plait.models.loss.IGNORE: a target that contributes nothing to the loss
 BASELINE_TARGETS = 1 << 22  # target tokens the unigram baseline is counted on, at most
 
 

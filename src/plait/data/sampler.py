@@ -10,7 +10,7 @@ anything random about it, such as dropout masks.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -21,6 +21,25 @@ from plait.errors import ConfigError
 
 def _as_index_tensor(indices: Sequence[int] | torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(indices, dtype=torch.int64).reshape(-1)
+
+
+class Rows(Protocol):
+    """What the sampler draws from: rows of `seq_len` tokens with their targets (IGNORE where
+    a token is no target, models/loss.py) and, for packed rows, their segments (models/
+    packing.py). `TokenWindows` is one (every target counts, no segments); instruction
+    data's packed rows are the other."""
+
+    seq_len: int
+
+    def __len__(self) -> int: ...
+
+    def draw(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Tokens (b, s), targets (b, s) and segments (b, s) or None, all int64."""
+        ...
+
+    def target_count(self, idx: torch.Tensor) -> int:
+        """Targets that are not IGNORE in rows `idx`: known before the step, no collective."""
+        ...
 
 
 class TokenWindows:
@@ -79,6 +98,15 @@ class TokenWindows:
         else:
             spans = self._tokens[idx[:, None] * self.seq_len + self._offsets].long()  # (b, s+1)
         return spans[:, :-1].contiguous(), spans[:, 1:].contiguous()
+
+    def draw(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        """`Rows.draw`: plain causal windows, so no segments."""
+        x, y = self.batch(idx)
+        return x, y, None
+
+    def target_count(self, idx: torch.Tensor) -> int:
+        """`Rows.target_count`: every token of a window is a target."""
+        return len(_as_index_tensor(idx)) * self.seq_len
 
 
 def _epoch_seed(seed: int, epoch: int) -> int:

@@ -84,8 +84,9 @@ def _step(k: int, ddp: DistributedDataParallel, optimizer: torch.optim.Optimizer
     for i, mb in enumerate(micro):
         sync = contextlib.nullcontext() if i == n - 1 else ddp.no_sync()
         with sync:
-            loss = ddp(mb.tokens, mb.targets, mb.keys)
-            (loss / n).backward()
+            # plait's loss rule: summed target losses / the global count (models/loss.py)
+            loss = ddp(mb.tokens, mb.targets, mb.keys, segments=mb.segments, denom=mb.denom)
+            loss.backward()
         loss_sum += loss.detach().float()
     if t.grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(ddp.parameters(), t.grad_clip)
@@ -93,7 +94,7 @@ def _step(k: int, ddp: DistributedDataParallel, optimizer: torch.optim.Optimizer
     optimizer.step()
     grads = sum(p.grad.nbytes for p in ddp.parameters() if p.grad is not None)
     optimizer.zero_grad(set_to_none=True)
-    mean = loss_sum / n
+    mean = loss_sum  # this replica's share; the dp average is the global loss
     comm.all_reduce(mean, "dp", op="avg", tag="loss")
     synchronize(comm.mesh.device)
     return float(mean), time.perf_counter() - start, grads

@@ -11,6 +11,10 @@ id that survives pipeline splitting.
 
 Dropout keys: `keys` is an int64 tensor (b,) of per-sample keys (see dropout.py). It is
 threaded through every forward so that masks depend on the sample, never on the rank.
+
+Packed rows: `segments` (b, s) (see packing.py) become a `Packing` once per forward, whose
+per-token positions feed the learned positions or RoPE and whose block-causal mask feeds
+attention; every layer gets the same object. Without segments nothing changes (is_causal).
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from plait.models.contract import ModelContract
 from plait.models.declare import describe
 from plait.models.dropout import KeyedDropout
 from plait.models.kv_cache import KVCache, causal_mask
+from plait.models.loss import LMLoss
+from plait.models.packing import Packing
 
 # Dropout site ids: the embedding owns site 0, block i owns 4 * i + kind.
 SITE_EMBED, SITE_ATTN_PROBS, SITE_ATTN_OUT, SITE_MLP_OUT = 0, 1, 2, 3
@@ -52,17 +58,25 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
 
 
 def rope_cos_sin(
-    seq_len: int, head_dim: int, theta: float, device: torch.device, start: int = 0
+    seq_len: int,
+    head_dim: int,
+    theta: float,
+    device: torch.device,
+    start: int = 0,
+    positions: Tensor | None = None,
 ) -> tuple:
-    """cos and sin (s, hd) for positions start..start+s-1, in fp32, rotate-half layout.
+    """cos and sin (s, hd) for positions start..start+s-1, in fp32, rotate-half layout; given
+    per-token `positions` (b, s) (packed rows), (b, 1, s, hd) to broadcast over heads.
 
     Computed on the fly rather than cached in buffers: it is cheap, works on the meta
     device, and leaves nothing for `to_empty` to turn into garbage.
     """
     inv_freq = theta ** -(torch.arange(0, head_dim, 2, device=device).float() / head_dim)
-    positions = torch.arange(start, start + seq_len, device=device).float()
-    angles = torch.outer(positions, inv_freq)  # (s, hd/2)
-    angles = torch.cat((angles, angles), dim=-1)  # (s, hd)
+    if positions is None:
+        angles = torch.outer(torch.arange(start, start + seq_len, device=device).float(), inv_freq)
+    else:  # the same products, per token: (b, 1, s, hd/2)
+        angles = (positions.float().unsqueeze(-1) * inv_freq).unsqueeze(1)
+    angles = torch.cat((angles, angles), dim=-1)  # (s, hd) or (b, 1, s, hd)
     return angles.cos(), angles.sin()
 
 
@@ -82,20 +96,27 @@ class CoreAttention(nn.Module):
 
     Parameter-free and separate so that selective recomputation can wrap exactly the
     part whose activations (b, a, s, s) dominate memory (Korthikanti et al., 2022).
+    `mask` (b, 1, s, s), True where a query may see a key (packed rows: block-causal),
+    replaces the causal mask; None keeps SDPA's is_causal kernel.
     """
 
     def __init__(self, p: float, site: int) -> None:
         super().__init__()
         self.drop = KeyedDropout(p, site)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, keys: Tensor | None) -> Tensor:
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, keys: Tensor | None, mask: Tensor | None = None
+    ) -> Tensor:
         if not (self.training and self.drop.p > 0):
+            if mask is not None:
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (b, a, s, hd)
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (b, a, s, hd)
         # Explicit path: the fused kernel's dropout uses torch's RNG, which is not keyed.
         s = q.shape[-2]
         scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # (b, a, s, s)
-        causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~causal, float("-inf"))
+        if mask is None:
+            mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~mask, float("-inf"))
         probs = scores.float().softmax(dim=-1).type_as(q)  # (b, a, s, s)
         return self.drop(probs, keys) @ v  # (b, a, s, hd)
 
@@ -114,7 +135,13 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * hd, cfg.d_model, bias=cfg.bias)
         self.core = CoreAttention(cfg.dropout, 4 * layer + SITE_ATTN_PROBS)
 
-    def forward(self, x: Tensor, keys: Tensor | None, cache: KVCache | None = None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        keys: Tensor | None,
+        cache: KVCache | None = None,
+        pack: Packing | None = None,
+    ) -> Tensor:
         b, s, _ = x.shape  # (b, s, h)
         start = cache.length if cache is not None else 0
         hd = self.head_dim
@@ -123,7 +150,8 @@ class Attention(nn.Module):
         k = self.wk(x).view(b, s, -1, hd).transpose(1, 2)  # (b, kv, s, hd)
         v = self.wv(x).view(b, s, -1, hd).transpose(1, 2)  # (b, kv, s, hd)
         if self.rope_theta is not None:
-            cos, sin = rope_cos_sin(s, hd, self.rope_theta, x.device, start)
+            positions = None if pack is None else pack.positions
+            cos, sin = rope_cos_sin(s, hd, self.rope_theta, x.device, start, positions)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.extend(self.layer, k, v)  # (b, kv, start + s, hd)
@@ -132,7 +160,7 @@ class Attention(nn.Module):
             k = k.repeat_interleave(rep, dim=1)  # (b, a, s, hd)
             v = v.repeat_interleave(rep, dim=1)  # (b, a, s, hd)
         if cache is None:
-            y = self.core(q, k, v, keys)  # (b, a, s, hd)
+            y = self.core(q, k, v, keys, None if pack is None else pack.mask)  # (b, a, s, hd)
         else:  # decoding (no dropout): the new positions see every cached one
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(start, s, x.device))
         y = y.transpose(1, 2).reshape(b, s, -1)  # (b, s, a*hd)
@@ -177,14 +205,19 @@ class Block(nn.Module):
         self.mlp_drop = KeyedDropout(cfg.dropout, 4 * layer + SITE_MLP_OUT)
 
     def forward(
-        self, x: Tensor, keys: Tensor | None = None, cache: KVCache | None = None
+        self,
+        x: Tensor,
+        keys: Tensor | None = None,
+        cache: KVCache | None = None,
+        pack: Packing | None = None,
     ) -> Tensor:
-        x = x + self.attn_drop(self.attn(self.attn_norm(x), keys, cache), keys)  # (b, s, h)
+        x = x + self.attn_drop(self.attn(self.attn_norm(x), keys, cache, pack), keys)  # (b, s, h)
         return x + self.mlp_drop(self.mlp(self.mlp_norm(x)), keys)  # (b, s, h)
 
 
 class Embedding(nn.Module):
-    """Token embedding, plus learned positions for GPT-2, then dropout."""
+    """Token embedding, plus learned positions for GPT-2 (per token in packed rows), then
+    dropout."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -193,7 +226,13 @@ class Embedding(nn.Module):
             self.pos = nn.Embedding(cfg.max_seq_len, cfg.d_model)
         self.drop = KeyedDropout(cfg.dropout, SITE_EMBED)
 
-    def forward(self, tokens: Tensor, keys: Tensor | None = None, start: int = 0) -> Tensor:
+    def forward(
+        self,
+        tokens: Tensor,
+        keys: Tensor | None = None,
+        start: int = 0,
+        pack: Packing | None = None,
+    ) -> Tensor:
         x = self.tok(tokens)  # (b, s, h)
         if hasattr(self, "pos"):
             end = start + tokens.shape[1]
@@ -201,24 +240,16 @@ class Embedding(nn.Module):
                 raise ValueError(
                     f"sequence length {end} exceeds max_seq_len {self.pos.num_embeddings}"
                 )
-            x = x + self.pos(torch.arange(start, end, device=tokens.device))  # (b, s, h)
+            if pack is None:
+                x = x + self.pos(torch.arange(start, end, device=tokens.device))  # (b, s, h)
+            else:  # packed rows: positions restart in every run
+                x = x + self.pos(pack.positions)  # (b, s, h)
         return self.drop(x, keys)
 
 
-class LMLoss(nn.Module):
-    """Mean token cross-entropy, computed in fp32.
-
-    A submodule rather than a call inside `Transformer.forward` so that tensor parallelism
-    can swap in a vocabulary-parallel loss that reads vocabulary-sharded logits.
-    """
-
-    def forward(self, logits: Tensor, targets: Tensor) -> Tensor:
-        # fp32 loss: a low-precision log-softmax over a large vocabulary loses digits.
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-
-
 class Transformer(nn.Module):
-    """embed -> blocks -> norm -> head; returns logits, or the mean loss given targets."""
+    """embed -> blocks -> norm -> head; returns logits, or the loss given targets (models/loss.py:
+    the mean over target tokens, or their sum / `denom`)."""
 
     contract: ModelContract  # what parallel code may know about this model (contract.py)
 
@@ -258,14 +289,18 @@ class Transformer(nn.Module):
         targets: Tensor | None = None,
         keys: Tensor | None = None,
         cache: KVCache | None = None,
+        segments: Tensor | None = None,
+        denom: float | None = None,
     ) -> Tensor:
-        """`cache` (generation): `tokens` continue the cached positions, which it extends."""
+        """`cache` (generation): `tokens` continue the cached positions, which it extends.
+        `segments` (b, s): packed rows (packing.py); `denom`: the loss's divisor (loss.py)."""
         if cache is not None:  # generation: one process, the model's own modules
             return self._decode(tokens, cache)
-        x = self.embed(tokens, keys)  # (b, s, h)
+        pack = Packing.of(segments)  # once per forward: every layer reads it
+        x = self.embed(tokens, keys, pack=pack)  # (b, s, h)
         for block in self.blocks:
-            x = block(x, keys)  # (b, s, h)
-        return self.output(x, targets)
+            x = block(x, keys, None, pack)  # (b, s, h)
+        return self.output(x, targets, denom)
 
     def _decode(self, tokens: Tensor, cache: KVCache) -> Tensor:
         """Logits of `tokens` at positions cache.length.., extending the cache."""
@@ -275,12 +310,14 @@ class Transformer(nn.Module):
         cache.advance(tokens.shape[1])
         return self.output(x)
 
-    def output(self, x: Tensor, targets: Tensor | None = None) -> Tensor:
-        """Final norm and head: logits, or the mean loss given targets (the last stage's job)."""
+    def output(
+        self, x: Tensor, targets: Tensor | None = None, denom: float | None = None
+    ) -> Tensor:
+        """Final norm and head: logits, or the loss given targets (the last stage's job)."""
         logits = self.head(self.norm(x))  # (b, s, V)
         if targets is None:
             return logits
-        return self.loss(logits, targets)
+        return self.loss(logits, targets, denom)
 
 
 # ---------------------------------------------------------------- counting

@@ -6,7 +6,8 @@ replica's logits, computes the loss over the whole micro-batch and scatters the 
 gradients back; each replica runs its backward; then the parameter gradients are reduced to
 rank 0, which clips and steps alone and broadcasts the new parameters.
 
-It is exact like every other layout (the loss is the mean over the same tokens, the gradient
+It is exact like every other layout (the loss is the summed target loss over the same tokens
+divided by the global batch's target count, `MicroBatch.denom` of `draw_whole`; the gradient
 the sum of the replicas' parts), and it is slow for the reasons the lesson names, which the
 comm layer and the memory tracker measure: the logits (b·s·V per replica) cross the wire
 twice per micro-batch, nothing overlaps with compute, the parameters go out again every step,
@@ -26,7 +27,7 @@ from torch import Tensor, nn
 
 from plait.comm import Comm
 from plait.config import TrainConfig
-from plait.data.batches import StepBatches
+from plait.data.batches import MicroBatch, StepBatches
 from plait.memory_tracker import MemoryTracker, tensor_bytes
 from plait.models.transformer import Transformer
 from plait.parallel.adamw import AdamW
@@ -163,26 +164,30 @@ class ScatterGather:
         micro = self.batches.draw_whole(step)  # every rank draws: the sampler moves alike
         loss_sum = torch.zeros((), device=self.comm.mesh.device)
         for mb in micro:
-            loss_sum += self._micro(mb.tokens, mb.targets, mb.keys, len(micro))
+            loss_sum += self._micro(mb)
         self.comm.broadcast(loss_sum, "dp", tag="loss")
-        return loss_sum / len(micro)
+        return loss_sum  # the step's loss: summed target losses / the global count
 
-    def _micro(self, tokens: Tensor, targets: Tensor, keys: Tensor, n: int) -> Tensor:
+    def _micro(self, mb: MicroBatch) -> Tensor:
         """One micro-batch of the whole global batch; rank 0's loss (0 elsewhere)."""
+        tokens, targets, keys, segments = mb.tokens, mb.targets, mb.keys, mb.segments
         lead, dp = self.engine.lead, self.comm.mesh.size("dp")
         mine = tokens.new_empty((len(tokens) // dp, tokens.shape[1]))
         my_keys = keys.new_empty(len(keys) // dp)
         self.comm.scatter(mine, tokens if lead else None, "dp")
         self.comm.scatter(my_keys, keys if lead else None, "dp")
-        logits = self.model(mine, None, my_keys)
+        my_segments = None
+        if segments is not None:  # packed rows: every rank drew them, each keeps its rows
+            my_segments = segments.tensor_split(dp)[self.comm.mesh.axis_rank("dp")]
+        logits = self.model(mine, None, my_keys, segments=my_segments)
         whole = logits.new_empty((len(tokens), *logits.shape[1:])) if lead else None
         self.comm.gather(whole, logits.detach(), "dp")
         grad, loss = torch.empty_like(logits), torch.zeros((), device=logits.device)
         grad_whole = None
         if lead:
             whole.requires_grad_()
-            loss = self.model.loss(whole, targets)
-            (loss / n).backward()
+            loss = self.model.loss(whole, targets, mb.denom)  # denom: the global count
+            loss.backward()
             grad_whole = whole.grad
             gathered = 2 * tensor_bytes(whole)  # the logits and their gradient, on rank 0
             self.engine.memory.track("gathered", "comm_buffers", gathered, transient=True)

@@ -19,6 +19,7 @@ from plait.config import ParallelConfig
 from plait.data.batches import MicroBatch
 from plait.mesh import Mesh
 from plait.models.architecture import ModelConfig
+from plait.models.loss import target_count
 from plait.models.transformer import Transformer
 from plait.parallel.optimizer_engine import OptimizerEngine
 from plait.parallel.pipeline.stage import prune_to_stages, run_stage
@@ -86,8 +87,9 @@ class PipelineDriver:
 
     # -- training ------------------------------------------------------------------------
     def run(self, micro: list[MicroBatch]) -> torch.Tensor:
-        """One step's forward and backward; returns the step's mean loss on every pp rank."""
-        loss = self.runtime.run(micro) / self.m
+        """One step's forward and backward; returns this replica's share of the step's
+        token-weighted loss (summed over its micro-batches) on every pp rank."""
+        loss = self.runtime.run(micro)
         self.comm.all_reduce(loss, "pp", op="sum", tag="loss")  # only the last stage is nonzero
         return loss
 
@@ -95,7 +97,7 @@ class PipelineDriver:
     @torch.no_grad()
     def evaluate(self, model: Transformer, batches: list[MicroBatch]) -> torch.Tensor:
         """Forward-only through `model`'s stages (this rank's; 2BW: its newest weights), in
-        stage order; returns (loss x tokens, tokens) summed over the batches."""
+        stage order; returns (summed target loss, target tokens) over the batches."""
         totals = torch.zeros(2, dtype=torch.float64, device=self.mesh.device)
         for mb in batches:
             for stage in range(self.schedule.num_stages):
@@ -114,10 +116,11 @@ class PipelineDriver:
             shape = (mb.tokens.shape[0], *self.activation_shape[1:])
             x = torch.empty(shape, dtype=self.activation_dtype, device=self.mesh.device)
             self.comm.p2p([("recv", x, prev)], tag="eval").wait()
-        out = run_stage(model, plan, x, None, mb.targets if plan.last else None)
+        targets = mb.targets if plan.last else None
+        out = run_stage(model, plan, x, None, targets, mb.segments, 1.0)  # 1.0: the sum
         if plan.last:
-            totals[0] += out.double() * mb.targets.numel()
-            totals[1] += mb.targets.numel()
+            totals[0] += out.double()
+            totals[1] += target_count(mb.targets)
         else:
             self.comm.p2p([("send", out.contiguous(), nxt)], tag="eval").wait()
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from plait.models.contract import ModelContract, Part, contract_of
+from plait.models.packing import Packing
 from plait.models.transformer import Transformer
 from plait.schedule.stages import StagePlan
 
@@ -53,12 +54,18 @@ def run_stage(
     inp: Tensor,
     keys: Tensor | None,
     targets: Tensor | None = None,
+    segments: Tensor | None = None,
+    denom: float | None = None,
 ) -> Tensor:
-    """Forward of one stage: tokens or activations in; activations or the mean loss out."""
-    x = model.embed(inp, keys) if plan.first else inp  # (b, s, h)
+    """Forward of one stage: tokens or activations in; activations or the loss out (the sum
+    of the targets' losses / `denom`, models/loss.py). `segments`: packed rows; every stage
+    draws the same micro-batch, so each builds their positions and mask itself, once per
+    call, and nothing about them travels between stages."""
+    pack = Packing.of(segments)
+    x = model.embed(inp, keys, pack=pack) if plan.first else inp  # (b, s, h)
     for i in plan.layers:
-        x = model.blocks[i](x, keys)  # (b, s, h)
-    return model.output(x, targets) if plan.last else x
+        x = model.blocks[i](x, keys, None, pack)  # (b, s, h)
+    return model.output(x, targets, denom) if plan.last else x
 
 
 def stage_params(model: Transformer, plan: StagePlan) -> list[nn.Parameter]:

@@ -99,12 +99,13 @@ class TwoBWStream:
 
     def run(self, step: int) -> Tensor:
         """Walk the stream to step `step`'s update point; hand its gradients to the versions;
-        returns the step's mean loss on every pp rank (collective over pp)."""
+        returns this replica's share of the step's token-weighted loss on every pp rank
+        (collective over pp)."""
         k, grads, loss_sum, busy = next(self._updates)
         if k != step:
             raise RuntimeError(f"2BW stream is at step {k}, asked for step {step}")
         self.versions.take(k, grads, busy)
-        loss = loss_sum / self.m  # nonzero on the last stage only
+        loss = loss_sum  # the micro-batches' sum / the global count; last stage only
         self.comm.all_reduce(loss, "pp", op="sum", tag="loss")
         return loss
 

@@ -16,9 +16,11 @@ It walks the list in the batches `comm_batches` gives:
   compute action that reads it, and sends drain while the rank computes on (`p2p.py` says why
   that cannot deadlock);
 - F runs the chunk's stage (`stage.run_stage`) on the micro-batch's tokens (first stage) or
-  the received activation. On the last stage the output is the micro-batch's mean loss, which
-  backward sees divided by m: the gradient accumulated over the step's m micro-batches is then
-  exactly that of their mean loss (and the engine scales it under fp16);
+  the received activation, with its segments (packed rows) on every stage. On the last stage
+  the output is the micro-batch's summed target loss divided by the global batch's count
+  (`MicroBatch.denom`, models/loss.py): the gradient accumulated over the step's
+  micro-batches is then exactly that of the token-weighted loss (the engine scales it under
+  fp16);
 - B runs backward from the stage output with the received output gradient and keeps the input
   gradient for SEND_B. Where the schedule splits the backward (ZB-H1), B computes only the
   input gradient and W, later, the weight gradients (`split_backward.py`);
@@ -78,7 +80,7 @@ class Flight:
     """The tensors in flight on this rank during a walk, keyed by `Key`."""
 
     inputs: dict[Key, Tensor] = field(default_factory=dict)  # stage inputs (tokens, activations)
-    outputs: dict[Key, Tensor] = field(default_factory=dict)  # activations, or the loss / m
+    outputs: dict[Key, Tensor] = field(default_factory=dict)  # activations, or the loss
     grads_in: dict[Key, Tensor] = field(default_factory=dict)  # w.r.t. inputs, to send back
     grads_out: dict[Key, Tensor] = field(default_factory=dict)  # received, w.r.t. outputs
     pending_w: dict[Key, WeightWork | PlainWeightWork] = field(default_factory=dict)  # B done
@@ -196,10 +198,10 @@ class Walker:
         mb = self.feed.micro_batch_for(a)
         inp = mb.tokens if plan.first else flight.inputs[key].requires_grad_()
         flight.inputs[key] = inp
-        out = run_stage(model, plan, inp, mb.keys, mb.targets if plan.last else None)
-        if plan.last:
+        targets = mb.targets if plan.last else None
+        out = run_stage(model, plan, inp, mb.keys, targets, mb.segments, mb.denom)
+        if plan.last:  # the micro-batch's share of the step's token-weighted loss
             flight.add_loss(a.step, out.detach())
-            out = out / self.schedule.m  # the step's loss is the mean over micro-batches
             out = self.engine.scale_loss(out)  # fp16: backward runs on the scaled loss
         flight.outputs[key], flight.versions[key] = out, version
 

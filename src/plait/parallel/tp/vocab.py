@@ -9,7 +9,9 @@ or mid-size model. Split by vocabulary rows, rank r owns tokens [r V/tp, (r+1) V
   logits. With tied embeddings it uses the embedding's shard, whose rows are the same.
 - loss: cross-entropy from the logit slices, exchanging only per-token scalars (the max,
   the sum of exponentials, the target's logit): full logits never exist on one rank
-  (Megatron-LM's vocab-parallel cross-entropy, Shoeybi et al., 2019, section 3).
+  (Megatron-LM's vocab-parallel cross-entropy, Shoeybi et al., 2019, section 3). It keeps
+  the model's loss rule (models/loss.py): IGNORE targets add nothing and get no gradient,
+  and the sum is divided by the given `denom` (None: the mean over counted targets).
 
 A vocabulary not divisible by tp is padded to the next multiple: padding rows are zero,
 no token looks them up, the loss masks their logits to -inf so they get zero gradient (Adam
@@ -24,6 +26,8 @@ from torch import Tensor, nn
 
 from plait.comm import Comm
 from plait.models.dropout import KeyedDropout
+from plait.models.loss import IGNORE, reduce_losses
+from plait.models.packing import Packing
 from plait.parallel.tp.layers import ShardedDropout, copy_from_full, new_shard, tp_coords
 from plait.parallel.tp.mappings import exit_region, gather_from_tp
 from plait.parallel.tp.sharding import split_spec
@@ -79,7 +83,8 @@ class ParallelEmbedding(nn.Module):
     """The model's Embedding with a vocab-parallel token table (same names: tok, pos, drop).
 
     Under sequence parallelism the lookup arrives as this rank's positions
-    [r s/tp, (r+1) s/tp): learned positions and dropout apply to that shard only, the
+    [r s/tp, (r+1) s/tp): learned positions (a packed row's per-token ones: the shard's
+    slice of them) and dropout apply to that shard only, the
     position table's gradient is partial (the contract says so; grads.py sums it over tp)
     and the dropout mask is the shard's slice of the single-process mask.
     """
@@ -101,7 +106,16 @@ class ParallelEmbedding(nn.Module):
         self.pos = pos  # None stays a plain attribute: the names are the model's
         self.drop = ShardedDropout.from_dropout(drop, 1, comm) if sequence_parallel else drop
 
-    def forward(self, tokens: Tensor, keys: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        tokens: Tensor,
+        keys: Tensor | None = None,
+        start: int = 0,
+        pack: Packing | None = None,
+    ) -> Tensor:
+        """`start` (decoding) is the model Embedding's; tensor parallelism never decodes."""
+        if start:
+            raise ValueError("a tensor-parallel embedding does not decode from a cache")
         if self.sequence_parallel and tokens.shape[1] % self.size:
             raise ValueError(
                 f"sequence length {tokens.shape[1]} is not divisible by tp={self.size} "
@@ -114,8 +128,11 @@ class ParallelEmbedding(nn.Module):
                 raise ValueError(
                     f"sequence length {s} exceeds max_seq_len {self.pos.num_embeddings}"
                 )
-            start = self.rank * local if self.sequence_parallel else 0
-            x = x + self.pos(torch.arange(start, start + local, device=tokens.device))
+            first = self.rank * local if self.sequence_parallel else 0
+            if pack is None:
+                x = x + self.pos(torch.arange(first, first + local, device=tokens.device))
+            else:
+                x = x + self.pos(pack.rows(first, local))  # (b, local, h)
         return self.drop(x, keys)
 
 
@@ -138,17 +155,18 @@ class VocabParallelCrossEntropyFn(torch.autograd.Function):
         mine = (local >= 0) & (local < real)  # (n,) targets this rank owns
         index = local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)  # (n, 1)
         target = torch.where(mine, shifted.gather(-1, index).squeeze(-1), 0.0)  # (n,)
+        counted = targets != IGNORE  # (n,) IGNORE: no loss, no gradient
         exp = shifted.exp()  # (n, V/tp)
         sums = torch.stack((exp.sum(dim=-1), target))  # (2, n): one call for both sums
         comm.all_reduce(sums, "tp", tag=tag)
         softmax = exp.div_(sums[0].unsqueeze(-1))
-        ctx.save_for_backward(softmax, index, mine)
-        return sums[0].log() - sums[1]  # (n,)
+        ctx.save_for_backward(softmax, index, mine, counted)
+        return torch.where(counted, sums[0].log() - sums[1], 0.0)  # (n,)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        softmax, index, mine = ctx.saved_tensors
-        scale = grad.unsqueeze(-1)  # (n, 1)
+        softmax, index, mine, counted = ctx.saved_tensors
+        scale = torch.where(counted, grad, 0.0).unsqueeze(-1)  # (n, 1)
         out = softmax * scale  # (n, V/tp)
         out.scatter_add_(-1, index, -mine.unsqueeze(-1).to(out) * scale)  # minus the one-hot
         return out, None, None, None, None, None
@@ -160,11 +178,13 @@ def _padding_columns(logits: Tensor, real: int) -> Tensor:
 
 
 class VocabParallelCrossEntropy(nn.Module):
-    """Mean token cross-entropy (fp32) from vocabulary-sharded logits (b, s, V/tp).
+    """Token cross-entropy (fp32) from vocabulary-sharded logits (b, s, V/tp), by the model's
+    loss rule (models/loss.py): summed over targets that are not IGNORE, divided by `denom`.
 
     Replaces the model's `loss` submodule; every tp rank returns the same loss, and each
-    rank's backward fills only the gradient of its own logit slice. Targets must be token
-    ids in [0, V): there is no ignore_index (plait's data never produces one).
+    rank's backward fills only the gradient of its own logit slice. Targets are token ids in
+    [0, V) or IGNORE (prompt tokens and pads of instruction data): an ignored token's loss
+    is 0 and its logits get no gradient.
     """
 
     def __init__(self, vocab_size: int, comm: Comm, tag: str = "tp-loss") -> None:
@@ -173,17 +193,18 @@ class VocabParallelCrossEntropy(nn.Module):
         self.comm, self.tag, self.vocab_size = comm, tag, vocab_size
         self.spec = split_spec((vocab_size,), 0, rank, size, pad=True)
 
-    def forward(self, logits: Tensor, targets: Tensor) -> Tensor:
+    def forward(self, logits: Tensor, targets: Tensor, denom: float | None = None) -> Tensor:
         if logits.shape[-1] != self.spec.shape[0]:
             raise ValueError(
                 f"expected logits with {self.spec.shape[0]} vocabulary columns (this rank's "
                 f"slice of {self.vocab_size}), got shape {tuple(logits.shape)}"
             )
         start, real = self.spec.offsets[0], self.spec.local_shape[0]
+        flat = targets.flatten()
         losses = VocabParallelCrossEntropyFn.apply(
-            logits.float().flatten(0, 1), targets.flatten(), self.comm, start, real, self.tag
+            logits.float().flatten(0, 1), flat, self.comm, start, real, self.tag
         )
-        return losses.mean()
+        return reduce_losses(losses, flat, denom)
 
     def extra_repr(self) -> str:
         return f"vocab={self.vocab_size}, slice {self.spec.region()[0]}"

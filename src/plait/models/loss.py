@@ -1,0 +1,49 @@
+"""The language-model loss and its ignore rule: the one home of IGNORE.
+
+A target equal to IGNORE (-100, the value Hugging Face and PyTorch use) is no target: it adds
+nothing to the loss and gets no gradient (a prompt token, a pad). The loss of a micro-batch is
+the sum of its targets' cross entropies divided by `denom`, the number of target tokens of
+the whole global batch divided by the data-parallel size (`data/batches.py` computes it from
+the rows drawn, before the step): summed over micro-batches and averaged over replicas it is
+the global token-weighted mean, whatever the layout, and needs no collective for the count.
+Averaging per micro-batch instead weighs a micro-batch with few targets as much as one with
+many, which is the gradient-accumulation bug of transformers before PR #34191.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+IGNORE = -100
+
+
+def target_count(targets: Tensor) -> int:
+    """How many of `targets` count (are not IGNORE)."""
+    return int((targets != IGNORE).sum())
+
+
+def reduce_losses(losses: Tensor, targets: Tensor, denom: float | None) -> Tensor:
+    """Per-token losses (n,) -> the summed loss / `denom`; with `denom` None the mean over
+    the counted targets, 0.0 (not NaN) when none counts. Ignored tokens must already hold 0."""
+    if denom is not None:
+        return losses.sum() / denom
+    count = (targets != IGNORE).sum()
+    return losses.sum() / count.clamp(min=1)
+
+
+class LMLoss(nn.Module):
+    """Token cross entropy in fp32 with the ignore rule, summed and divided by `denom`.
+
+    A submodule rather than a call inside `Transformer.forward` so that tensor parallelism
+    can swap in a vocabulary-parallel loss that reads vocabulary-sharded logits
+    (`parallel/tp/vocab.py`, the same rule).
+    """
+
+    def forward(self, logits: Tensor, targets: Tensor, denom: float | None = None) -> Tensor:
+        # fp32 loss: a low-precision log-softmax over a large vocabulary loses digits.
+        flat = targets.flatten()
+        losses = F.cross_entropy(
+            logits.float().flatten(0, 1), flat, ignore_index=IGNORE, reduction="none"
+        )  # (n,), 0 where ignored
+        return reduce_losses(losses, flat, denom)
