@@ -23,6 +23,7 @@ cli_main = importlib.import_module("plait.cli.dispatch")  # the parser and the h
 BASE: dict[tuple[str, ...], list[str]] = {
     ("train",): [],
     ("estimate",): [],
+    ("eval",): [],
     ("plan",): ["--gpus", "8", "--global-batch", "8", "--seq-len", "64"],
     ("calibrate",): [],
     ("schedule",): ["--pp", "2", "--microbatches", "4"],

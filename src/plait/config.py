@@ -21,6 +21,7 @@ from plait.composition import (
     check_zero,
 )
 from plait.data import data_tokenizer, stream_length
+from plait.data.examples import check_examples, is_examples_dir
 from plait.data.packing import LONG
 from plait.device import cuda_available, device_kind
 from plait.domain import Domain, above, at_least, check_fields, fraction
@@ -469,7 +470,11 @@ def config_warnings(cfg: Config) -> list[str]:
 
 
 def _validate_corpus(cfg: Config) -> None:
-    t = cfg.train
+    t, d = cfg.train, cfg.data
+    if is_examples_dir(d.path):  # rows from the index alone: no token is read here
+        check_examples(d.path, t.seq_len, d.val_fraction, d.pack, d.long, t.global_batch,
+                       t.init_from)  # fmt: skip
+        return
     available = stream_length(cfg.data.path, cfg.data.tokenizer, cfg.data.max_bytes)
     source = cfg.data.path or "the default corpus"
     unit = "bytes" if cfg.data.tokenizer_hash is None else "tokens"

@@ -67,6 +67,8 @@ class Run:
         self.lead = mesh.is_logging_rank  # rank 0 alone prints and writes files
         self.console = Console(stderr=True, soft_wrap=True)
         self.trainer = Trainer(cfg, mesh, corpus)
+        if self.lead and self.trainer.corpus.report:  # instruction data: rows and packing
+            self.console.print(self.trainer.corpus.report, highlight=False)
         self._resume()
         keep = self.trainer.step if t.resume else None  # a resumed run continues its metrics
         self.log = MetricsLog(self.out, t.tensorboard, keep_before=keep) if self.lead else None

@@ -152,7 +152,6 @@ class Step:
         )
 
 
-@torch.no_grad()
 def evaluate_loss(
     model: nn.Module,
     batches: list[MicroBatch],
@@ -161,6 +160,19 @@ def evaluate_loss(
 ) -> float:
     """The token-weighted validation loss: every replica's summed target losses over its
     micro-batches, summed over dp, divided by their target tokens (0.0 with none)."""
+    loss_sum, targets = evaluate_totals(model, batches, comm, pipeline)
+    return loss_sum / max(targets, 1)
+
+
+@torch.no_grad()
+def evaluate_totals(
+    model: nn.Module,
+    batches: list[MicroBatch],
+    comm: Comm,
+    pipeline: PipelineDriver | None,
+) -> tuple[float, int]:
+    """(summed target loss, target tokens) over every replica's `batches`: the two numbers
+    validation and `plait eval` divide, exchanged over dp once."""
     was_training = model.training
     model.eval()
     try:
@@ -174,4 +186,4 @@ def evaluate_loss(
     finally:
         model.train(was_training)
     comm.all_reduce(totals, "dp", op="sum", tag="eval")
-    return float(totals[0] / totals[1].clamp(min=1))
+    return float(totals[0]), int(totals[1])

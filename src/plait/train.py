@@ -100,7 +100,7 @@ def load_corpus(cfg: Config) -> Corpus:
     d = cfg.data
     if is_examples_dir(d.path):
         made = example_corpus(d.path, cfg.train.seq_len, d.val_fraction, d.pack, d.long)
-        return Corpus(made.train, made.val, made.baseline)
+        return Corpus(made.train, made.val, made.baseline, made.report)
     tokens = load_stream(d.path, d.tokenizer, d.max_bytes)
     return corpus_from_tokens(tokens, cfg)
 
@@ -246,12 +246,18 @@ class Trainer:
 
     def load(self, path: Path) -> None:
         """Continue from a checkpoint written under any layout (collective)."""
-        state = store.read_trainer(path)
-        ckpt_io.load(path, self.engine, self._model, self.comm, state)
+        state = self.load_weights(path)
         self.batches.sampler.load_state_dict(state["sampler"])
         self.step = state["step"]
         if self.stream:  # 2BW: the stream goes on from the loaded versions
             self.stream.start_at(self.step)
+
+    def load_weights(self, path: Path) -> dict[str, Any]:
+        """The parameters and optimizer state of a checkpoint of any layout (collective), not
+        where its run stood (`plait eval` reads other data); returns its trainer state."""
+        state = store.read_trainer(path)
+        ckpt_io.load(path, self.engine, self._model, self.comm, state)
+        return state
 
     def close(self) -> None:
         self.engine.close()

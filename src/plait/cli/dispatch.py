@@ -13,6 +13,7 @@ from plait.cli import (
     checkpoint,
     data,
     estimate,
+    evaluate,
     lessons,
     models,
     plan,
@@ -28,6 +29,7 @@ Handler = Callable[[argparse.Namespace, Console], int]
 HANDLERS: dict[str, Handler] = {
     "train": train.run,
     "estimate": estimate.run,
+    "eval": evaluate.run,
     "plan": plan.run,
     "calibrate": calibrate.run,
     "presets": presets.run,
@@ -60,6 +62,7 @@ def build_parser() -> Parser:
     sub = parser.add_subparsers(dest="command", required=True)
     train.add_parser(sub)
     estimate.add_parser(sub)
+    evaluate.add_parser(sub)
     plan.add_plan_parser(sub)
     calibrate.add_parser(sub)
     presets.add_parser(sub)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,9 +63,14 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
         _add_section(parser, section, cls)
 
 
-def config_from_args(args: argparse.Namespace, check_data: bool = True) -> Config:
+def config_from_args(
+    args: argparse.Namespace,
+    check_data: bool = True,
+    adjust: Callable[[Config], None] | None = None,
+) -> Config:
     """Preset <- TOML <- flags, then validate (raises ConfigError); `check_data=False`
-    leaves the corpus unread (the estimator needs only shapes)."""
+    leaves the corpus unread (the estimator needs only shapes); `adjust` sets what a command
+    derives rather than takes (`plait eval`: the global batch), before validation."""
     overrides: dict[str, dict[str, Any]] = load_toml(args.config) if args.config else {}
     overrides = {k: dict(v) for k, v in overrides.items()}
     toml_preset = overrides.get("model", {}).pop("preset", None)
@@ -83,6 +89,8 @@ def config_from_args(args: argparse.Namespace, check_data: bool = True) -> Confi
         cfg = build_config(f"hf:{folder}", overrides, model)
     else:
         cfg = build_config(preset or "small-gpt", overrides)
+    if adjust is not None:
+        adjust(cfg)
     cfg.validate(check_data)
     if check_data and under_torchrun():  # every rank would otherwise fail alone, with a traceback
         cfg.parallel.layout.check_world(int(os.environ["WORLD_SIZE"]))

@@ -47,6 +47,7 @@ class Corpus:
     train: Rows
     val: Rows
     unigram_baseline: float
+    report: str = ""  # what `train` says about the rows (instruction data: packing)
 
 
 class StepBatches:

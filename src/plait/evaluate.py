@@ -1,0 +1,100 @@
+"""`plait eval` on every rank: a model's token-weighted loss over every row of a dataset.
+
+It is validation during training, run over the whole dataset instead of a held-out share: the
+model is built in the requested layout exactly as `plait train` builds it (any dp, tp, pp,
+ZeRO stage), its weights come from `--init-from` (a Hugging Face folder) or a checkpoint
+written in any layout, every row is evaluated once (the replicas split them; pipeline stages
+pass them on), and the figure is the sum of the target tokens' cross entropy divided by their
+count (`step.evaluate_totals`): the number transformers gives for the same examples with -100
+on the prompt, summed over target tokens and divided by their count. Examples are packed with
+the block-causal mask (`data/packing.py`), which computes what running them one by one would.
+
+The launcher (`cli/evaluate.py`) checks the request and prepares raw files into a temporary
+examples folder first; the workers only read prepared data.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from plait.config import Config
+from plait.data.batches import Corpus
+from plait.data.examples import ExampleRows, ExampleStore, is_examples_dir
+from plait.data.packing import plan_rows
+from plait.data.sampler import Rows, TokenWindows
+from plait.data.stream import load_stream
+from plait.errors import ConfigError
+from plait.mesh import Mesh
+from plait.step import evaluate_totals
+from plait.train import Trainer
+
+
+@dataclass(frozen=True)
+class EvalRows:
+    """Every row of a dataset and what the JSON reports about them."""
+
+    rows: Rows
+    examples: int  # examples evaluated (text: sequences)
+    truncated: int
+    dropped: int
+
+
+def eval_rows(cfg: Config) -> EvalRows:
+    """All rows of `cfg.data.path` at `cfg.train.seq_len`: an examples folder packed (or
+    padded, `data.pack`) with the `data.long` rule, or text cut into windows; no split."""
+    seq = cfg.train.seq_len
+    path = cfg.data.path
+    if is_examples_dir(path):
+        store = ExampleStore(path)
+        ids = np.arange(len(store), dtype=np.int64)
+        plan = plan_rows(ids, store.lengths, store.first_target, seq, cfg.data.pack,
+                         cfg.data.long)  # fmt: skip
+        kept = len(plan.example)
+        return EvalRows(ExampleRows(store, plan), kept, plan.truncated, plan.dropped)
+    windows = TokenWindows(load_stream(path, cfg.data.tokenizer, cfg.data.max_bytes), seq)
+    return EvalRows(windows, len(windows), 0, 0)
+
+
+def check_rows(cfg: Config, made: EvalRows) -> None:
+    """One micro-batch per replica at least: the layout needs rows to run."""
+    need = cfg.train.micro_batch * cfg.parallel.layout.dp
+    if len(made.rows) < need:
+        raise ConfigError(
+            f"data {cfg.data.path!r} gives {len(made.rows)} rows of seq_len "
+            f"{cfg.train.seq_len}, fewer than micro-batch {cfg.train.micro_batch} x dp "
+            f"{cfg.parallel.layout.dp} = {need}; lower --micro-batch"
+        )
+
+
+def eval_worker(cfg: Config, mesh: Mesh, checkpoint: str | None, result: str) -> dict:
+    """One rank's share; rank 0 writes the figures to `result` (a JSON file) and returns them."""
+    made = eval_rows(cfg)
+    check_rows(cfg, made)
+    trainer = Trainer(cfg, mesh, Corpus(made.rows, made.rows, 0.0))
+    try:
+        if checkpoint:
+            trainer.load_weights(Path(checkpoint))
+        per_step = cfg.train.global_batch
+        batches = trainer.batches.validation(math.ceil(len(made.rows) / per_step))
+        loss_sum, targets = evaluate_totals(trainer.model, batches, trainer.comm,
+                                            trainer.pipeline)  # fmt: skip
+    finally:
+        trainer.close()
+    loss = loss_sum / max(targets, 1)
+    figures = {
+        "loss": loss,
+        "perplexity": math.exp(loss) if loss < 700 else math.inf,
+        "target_tokens": targets,
+        "examples": made.examples,
+        "rows": len(made.rows),
+        "truncated": made.truncated,
+        "dropped": made.dropped,
+    }
+    if mesh.rank == 0:
+        Path(result).write_text(json.dumps(figures))
+    return figures
