@@ -11,10 +11,12 @@ weights) and linked in, except what the line itself writes; the configs are copi
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 from hf_models import gpt2_config, llama_config, save
+from plait.data.instruct import InstructJob, prepare_examples
 from plait.data.prepare import PrepareJob, prepare
 from plait.data.sources import iter_texts, source_files
 from plait.data.tokenizer import train_bpe
@@ -22,6 +24,7 @@ from plait.outdir import RUN_FILES
 
 CORPUS_TEXT = "plait reads text. " * 20_000  # the stand-in for the reader's `my_corpus/`
 LINKED = ("my_corpus", "tok.json", "shards", "hf")
+EXAMPLES = "runs/finetune/sft"  # the instruction recipe's examples (docs/finetuning.md)
 
 
 def shared_artifacts(folder: Path, root: Path) -> Path:
@@ -34,7 +37,19 @@ def shared_artifacts(folder: Path, root: Path) -> Path:
     save(llama_config(max_position_embeddings=1024), folder / "hf" / "tiny-llama")
     save(gpt2_config(n_positions=1024), folder / "hf" / "gpt2-small")  # its context
     shutil.copytree(root / "configs", folder / "configs")
+    _examples(folder)
     return folder
+
+
+def _examples(folder: Path) -> None:
+    """A stand-in for the recipe's examples folder: enough Alpaca records, prepared with the
+    stand-in tokenizer, for a global batch of packed 512-token rows and a validation."""
+    records = [{"instruction": f"Repeat the word {i}.", "input": "", "output": "text " * (i % 60 + 20)}
+               for i in range(600)]  # fmt: skip
+    source = folder / "records.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = folder / "examples"
+    prepare_examples(InstructJob(str(source), out, "alpaca", str(folder / "tok.json")))
 
 
 def scratch_folder(folder: Path, artifacts: Path, argv: list[str]) -> Path:
@@ -47,6 +62,9 @@ def scratch_folder(folder: Path, artifacts: Path, argv: list[str]) -> Path:
             (folder / name).symlink_to(artifacts / name)
     shutil.copytree(artifacts / "configs", folder / "configs")
     _previous_run(folder / "runs" / "default")
+    if out != EXAMPLES:
+        (folder / EXAMPLES).parent.mkdir(parents=True)
+        (folder / EXAMPLES).symlink_to(artifacts / "examples")
     return folder
 
 

@@ -16,9 +16,10 @@ checkout. Each must exit 0:
 - `lessons` lines (minutes of runs) are parsed and their request checked, as `plait lessons`
   does before running anything.
 
-`calibrate` (minutes of measuring) and `checkpoint`, `export`, `generate` and a `--resume`
+`calibrate` (minutes of measuring) and `checkpoint`, `eval`, `export`, `generate` and a `--resume`
 of a named checkpoint (they read a run the docs trained earlier) are parsed only: that they
-run is tested on runs made by the tests (test_plan_step_terms, test_checkpoint, test_hf).
+run is tested on runs made by the tests (test_plan_step_terms, test_checkpoint, test_hf,
+test_eval).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from plait.lessons.runner import check_request
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 PLAIT = re.compile(r"^(?:\.venv/bin/)?plait\s")
-PARSED_ONLY = ("calibrate", "checkpoint", "export", "generate")
+PARSED_ONLY = ("calibrate", "checkpoint", "eval", "export", "generate")
 
 
 def _commands() -> list[tuple[str, list[str]]]:
