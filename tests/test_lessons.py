@@ -143,6 +143,8 @@ def test_finetune_loss_rules_differ_and_packing_keeps_the_loss(sections):
     gap = section.rows[0]
     assert gap.measured > 0 and abs(gap.ratio - 1) < 0.1, gap  # fp32 rounding of ~1e-4
     assert abs(section.rows[1].ratio - 1) < 1e-3, section.rows[1]  # gradient norms' ratio
+    for row in section.rows[2:4]:  # each run's reported loss is its rule, recomputed
+        assert abs(row.ratio - 1) < 1e-5, row
     packing = section.raw["packing"]
     val = packing["packed"]["val_at_start"], packing["padded"]["val_at_start"]
     assert abs(val[0] - val[1]) <= 1e-5 * val[1], val

@@ -48,14 +48,44 @@ DP, MICRO, ACCUM = 2, 1, 4  # micro-batches of one row: their target counts vary
 
 def measure_from_start(cfg: Config, mesh: Mesh) -> dict[str, Any]:
     """Validate on the initial weights (every validation row), then train; each step's loss,
-    gradient norm and time. Written as OUT/rank{r}.json like `measure`'s record."""
+    gradient norm and time. Packed runs also keep, before each step, the summed target loss
+    of each of this replica's micro-batches on the weights the step starts from (a forward
+    outside the step's timing): both rules' losses on the same weights, every step. Written
+    as OUT/rank{r}.json like `measure`'s record."""
     trainer = Trainer(cfg, mesh)
+    steps, sums = [], []
     try:
         val = trainer.evaluate()
-        steps = [step_row(trainer, trainer.train_step()) for _ in range(cfg.train.steps)]
+        for idx in step_indices(cfg, trainer.corpus.train):
+            if cfg.data.pack:
+                sums.append(_micro_sums(trainer, cfg, idx))
+            steps.append(step_row(trainer, trainer.train_step()))
     finally:
         trainer.close()
-    return save_record(cfg, mesh, steps, val_at_start=val)
+    return save_record(cfg, mesh, steps, val_at_start=val, micro_sums=sums)
+
+
+@torch.no_grad()
+def _micro_sums(trainer: Trainer, cfg: Config, idx: torch.Tensor) -> list[float]:
+    """Summed target losses of this replica's micro-batches of the global batch `idx`."""
+    rows, dp = trainer.corpus.train, cfg.parallel.dp
+    share = replica_share(idx, trainer.mesh.coord.dp, dp)[0]
+    out = []
+    for m in split_micro(share, cfg.train.micro_batch):
+        x, y, seg = rows.draw(m)
+        out.append(float(trainer.model(x, y, segments=seg, denom=1.0)))
+    return out
+
+
+def both_rules(run: Run, counts: list[list[int]]) -> tuple[list[float], list[float]]:
+    """Per step, (token-weighted, mean of micro-batch means) on the weights the step started
+    from, from the replicas' micro-batch sums (rank order = replica order at dp only)."""
+    token, mean = [], []
+    for k, n in enumerate(counts):
+        sums = [x for r in run.records for x in r["micro_sums"][k]]
+        token.append(sum(sums) / max(sum(n), 1))
+        mean.append(sum(s / max(c, 1) for s, c in zip(sums, n, strict=True)) / len(n))
+    return token, mean
 
 
 def cases(quick: bool, procs: int, work: Path) -> list[Case]:
@@ -65,7 +95,7 @@ def cases(quick: bool, procs: int, work: Path) -> list[Case]:
     seq = 512
     _, val_ids = val_split(len(ExampleStore(data)), 0.1)
     global_batch = MICRO * ACCUM * DP
-    train = {"seq_len": seq, "steps": 8 if quick else 30, "lr": 1e-3,
+    train = {"seq_len": seq, "steps": 12 if quick else 30, "lr": 3e-3,
              "eval_batches": -(-len(val_ids) // global_batch)}  # every validation row  # fmt: skip
     model = {"max_seq_len": seq, "dropout": 0.0}
 
@@ -114,8 +144,9 @@ def section(runs: dict[str, Run], out: Path) -> Section:
     packing = _packing(runs, sec)
     sec.figures.append(figures.lines(
         out / "finetune-loss-rules.png",
-        {"|loss difference| (nats)": loss_rows["loss_diff"],
-         "|gradient-norm difference|": loss_rows["norm_diff"]},
+        {"the runs' |loss difference| (nats)": loss_rows["loss_diff"],
+         "the runs' |gradient-norm difference|": loss_rows["norm_diff"],
+         "same weights: |loss gap| (nats)": loss_rows["same_weights_diff"]},
         f"per-micro-batch mean vs token-weighted, dp {DP} x accumulation {ACCUM}, "
         "each step", "|difference|"))  # fmt: skip
     sec.notes += _notes(runs["tokens"].cfg, loss_rows, counts, packing)
@@ -136,24 +167,38 @@ def _loss_rule(runs: dict[str, Run], sec: Section) -> tuple[dict, list, dict]:
     dloss = [abs(a - b) for a, b in zip(mb, tok, strict=True)]
     dnorm = [abs(a - b) for a, b in zip(mb_n, tok_n, strict=True)]
     flat = [n for c in counts for n in c]
+    same_tok, same_mb = both_rules(runs["tokens"], counts)
+    own_mb = both_rules(runs["micro-batch"], counts)[1]
+    same = [abs(a - b) for a, b in zip(same_mb, same_tok, strict=True)]
+    last = len(tok) - 1
     sec.rows += [
-        Row("step 0 (same weights): |per-micro-batch - token-weighted loss|",
-            "|mean of micro-batch means - Σ target losses / N| (one process)",
+        Row("step 0 (same weights): loss gap, per-micro-batch vs token-weighted",
+            "mean of micro-batch means vs Σ target losses / N, absolute (one process)",
             abs(expect["micro-batch"] - expect["tokens"]), dloss[0], unit="nats"),
         Row("step 0 (same weights): gradient norm, per-micro-batch / token-weighted",
             "the two rules' gradients from the same weights (one process)",
             expect["micro-batch norm"] / expect["tokens norm"], mb_n[0] / tok_n[0], unit="x"),
-        Row(f"largest |loss difference| over {len(dloss)} steps",
+        Row(f"token-weighted run, step {last}: reported loss",
+            "Σ target losses / N (forward on the step's weights)", same_tok[-1], tok[-1],
+            unit="nats"),
+        Row(f"per-micro-batch run, step {last}: reported loss",
+            "mean of micro-batch means (forward on the step's weights)", own_mb[-1], mb[-1],
+            unit="nats"),
+        Row(f"same weights, every step: largest loss gap of the rules ({len(same)} steps)",
+            "nonzero when micro-batches hold different target counts", None, max(same),
+            unit="nats"),
+        Row(f"the two runs: largest loss difference over {len(dloss)} steps",
             "nonzero when micro-batches hold different target counts", None, max(dloss),
             unit="nats"),
-        Row(f"largest |gradient-norm difference| over {len(dnorm)} steps",
+        Row(f"the two runs: largest gradient-norm difference over {len(dnorm)} steps",
             "nonzero: another gradient every step", None, max(dnorm), unit=""),
         Row("targets per micro-batch, largest / smallest (every step)",
             "1 for text windows (every token a target)", None,
             max(flat) / max(min(flat), 1), unit="x"),
     ]  # fmt: skip
     loss_rows = {"tokens": tok, "micro-batch": mb, "tokens_norm": tok_n,
-                 "micro-batch_norm": mb_n, "loss_diff": dloss, "norm_diff": dnorm}  # fmt: skip
+                 "micro-batch_norm": mb_n, "loss_diff": dloss, "norm_diff": dnorm,
+                 "same_weights_diff": same}  # fmt: skip
     return loss_rows, counts, expect
 
 
@@ -199,6 +244,7 @@ def _packing(runs: dict[str, Run], sec: Section) -> dict[str, Any]:
 def _notes(cfg: Config, loss_rows: dict, counts: list, packing: dict) -> list[str]:
     t = cfg.train
     diffs = ", ".join(f"{d:.4f}" for d in loss_rows["loss_diff"])
+    same = ", ".join(f"{d:.4f}" for d in loss_rows["same_weights_diff"])
     norms = ", ".join(f"{d:.4f}" for d in loss_rows["norm_diff"])
     first = counts[0]
     n = sum(first)
@@ -208,17 +254,22 @@ def _notes(cfg: Config, loss_rows: dict, counts: list, packing: dict) -> list[st
         f"{len(ExampleStore(cfg.data.path)):,} stdlib instruction examples (prompt masked, "
         f"response + EOS the targets), rows of {t.seq_len}, dp {DP} x accumulation {ACCUM} x "
         f"micro-batch {MICRO} = {t.global_batch} rows a step, {cfg.preset} fp32 on the CPU.",
-        f"Per step |per-micro-batch - token-weighted| loss: {diffs} nats; gradient norm: "
-        f"{norms}. Step 0 starts from the same weights, so its difference is the rule alone; "
-        "later steps also carry the weights each rule's earlier steps made.",
+        f"Per step, the two runs' |per-micro-batch - token-weighted| loss: {diffs} nats; "
+        f"gradient norm: {norms}. Step 0 starts from the same weights, so its difference is "
+        "the rule alone; later steps also carry the weights each rule's earlier steps made. "
+        f"On the same weights (the token-weighted run's, before each step): {same} nats. At "
+        "initialization every token costs about ln V, so the rules nearly agree; they part "
+        "as the model learns that some tokens are easier than others.",
         f"Why: step 0's micro-batches hold {', '.join(map(str, first))} targets (N = {n}); "
         f"the per-micro-batch mean weighs each target token N / ({len(first)} · n_i) times "
         f"its token-weighted weight: {min(weights):.2f}x to {max(weights):.2f}x here, so the "
         "few targets of a thin micro-batch count as much as a full one's.",
         f"Packing: {pk['rows']:,} packed rows ({pk['efficiency']:.1%} full) against "
-        f"{pd['rows']:,} padded ({pd['efficiency']:.1%} full); a step costs about the same "
-        f"({pk['median_step_s'] * 1e3:.0f} vs {pd['median_step_s'] * 1e3:.0f} ms), so target "
-        "tokens per second follow the share of positions that hold a token. Validation losses "
+        f"{pd['rows']:,} padded ({pd['efficiency']:.1%} full). A step computes the same "
+        f"positions either way ({pk['median_step_s'] * 1e3:.0f} vs "
+        f"{pd['median_step_s'] * 1e3:.0f} ms median here), so target tokens per second should "
+        "follow the share of positions that hold a token; on a shared machine the timings "
+        "vary by tens of percent from run to run. Validation losses "
         f"on the same weights: packed {pk['val_at_start']:.6f}, padded "
         f"{pd['val_at_start']:.6f}.",
     ]
