@@ -19,7 +19,7 @@ from plait.config import Config
 from plait.estimate import estimate
 from plait.lessons import recompute
 from plait.lessons.phases import PhaseMeter
-from plait.lessons.runner import choose_procs, registry
+from plait.lessons.runner import choose_procs, plan_cases, registry
 from plait.lessons.section import Run, Section, Target
 from plait.mesh import build_mesh
 
@@ -30,7 +30,7 @@ def _target(target: Target, cfg: Config) -> dict:
 
 def _runs(world, lesson, out: Path) -> dict[str, Run]:
     runs = {}
-    for case in lesson.cases(quick=True, procs=2):
+    for case in plan_cases(lesson, quick=True, procs=2, work=out / "work"):
         train = dataclasses.replace(case.cfg.train, steps=2, out=str(out / case.label))
         cfg = dataclasses.replace(case.cfg, train=train)
         runs[case.label] = Run(cfg, world.run(_target, case.target, cfg))
@@ -52,7 +52,7 @@ def sections(world2, tmp_path_factory) -> Callable[[str], Section]:
 
 
 @pytest.mark.parametrize(
-    "name", ["dp", "pipeline", "tp", "zero", "precision", "recompute", "offload"]
+    "name", ["dp", "pipeline", "tp", "zero", "precision", "recompute", "offload", "finetune"]
 )
 def test_each_lesson_reports_the_formulas_exactly(sections, name):
     section = sections(name)
@@ -135,9 +135,26 @@ def test_pipeline_stages_hold_what_their_schedule_keeps_in_flight(sections):
     assert zb[0] == 1 and all(0.85 < r <= 1 for r in zb), zb  # W frees the rest (see notes)
 
 
+def test_finetune_loss_rules_differ_and_packing_keeps_the_loss(sections):
+    """The two loss rules' step-0 gap (same weights) is the one a single process computes,
+    and nonzero; packed and padded rows give the same validation loss on the same weights,
+    with less padding."""
+    section = sections("finetune")
+    gap = section.rows[0]
+    assert gap.measured > 0 and abs(gap.ratio - 1) < 0.1, gap  # fp32 rounding of ~1e-4
+    assert abs(section.rows[1].ratio - 1) < 1e-3, section.rows[1]  # gradient norms' ratio
+    for row in section.rows[2:4]:  # each run's reported loss is its rule, recomputed
+        assert abs(row.ratio - 1) < 1e-5, row
+    packing = section.raw["packing"]
+    val = packing["packed"]["val_at_start"], packing["padded"]["val_at_start"]
+    assert abs(val[0] - val[1]) <= 1e-5 * val[1], val
+    assert packing["packed"]["padding_share"] < packing["padded"]["padding_share"]
+    assert packing["packed"]["rows"] < packing["padded"]["rows"]
+
+
 def test_bad_requests_exit_2_before_anything_runs(tmp_path, capsys):
     assert main(["lessons", "--only", "dp", "--only", "nope", "--out", str(tmp_path)]) == 2
-    known = "dp, pipeline, tp, zero, precision, recompute, offload"
+    known = "dp, pipeline, tp, zero, precision, recompute, offload, finetune"
     assert f"unknown lesson nope; known: {known}" in capsys.readouterr().err
     (tmp_path / "file").write_text("")
     assert main(["lessons", "--out", str(tmp_path / "file" / "sub")]) == 2

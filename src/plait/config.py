@@ -21,6 +21,7 @@ from plait.composition import (
     check_zero,
 )
 from plait.data import data_tokenizer, stream_length
+from plait.data.batches import check_loss_average
 from plait.data.examples import check_examples, is_examples_dir
 from plait.data.packing import LONG
 from plait.device import cuda_available, device_kind
@@ -195,6 +196,14 @@ class TrainConfig:
     )
     beta1: float = field(default=0.9, metadata={"domain": fraction(), "help": "AdamW beta1"})
     beta2: float = field(default=0.95, metadata={"domain": fraction(), "help": "AdamW beta2"})
+    loss_average: str = field(
+        default="tokens",
+        metadata={
+            "help": "tokens: summed target losses / the global batch's target count (exact); "
+            "micro-batch: each micro-batch's own mean, averaged (transformers before PR "
+            "#34191; for comparison)"
+        },
+    )
     grad_clip: float = field(
         default=1.0,
         metadata={"domain": at_least(0, float), "help": "global gradient-norm clip; 0 = off"},
@@ -424,6 +433,7 @@ def validate_config(cfg: Config, check_data: bool = True) -> None:
         par.reduce_dtype,
         par.schedule,
     )
+    check_loss_average(t.loss_average)
     if t.nan_policy not in ("stop", "skip"):
         raise ConfigError(f"nan_policy must be stop or skip; got {t.nan_policy!r}")
     if t.nan_policy == "skip" and par.two_bw:  # its weight versions advance every step

@@ -161,7 +161,13 @@ class Trainer:
         self.grad_rules = SplitGradRules.of(model, mesh)
         replica = (mesh.coord.dp, mesh.size("dp"))
         self.batches = StepBatches(
-            self.corpus, t.global_batch, t.micro_batch, t.seed, replica, mesh.device
+            self.corpus,
+            t.global_batch,
+            t.micro_batch,
+            t.seed,
+            replica,
+            mesh.device,
+            t.loss_average,
         )
         self._model = model
         self.stream: TwoBWStream | None = None  # the 2BW runner, when the schedule is 2bw

@@ -10,6 +10,12 @@ target tokens of the whole global batch divided by dp (every rank drew the whole
 indices, so it counts them without a collective); a micro-batch's loss is its summed target
 loss / denom, so the sum over micro-batches, averaged over replicas, is the global
 token-weighted mean in every layout.
+
+`loss_average="micro-batch"` (`--loss-average`) reproduces instead the rule Hugging Face's
+Trainer used before transformers PR #34191, for comparison (the finetune lesson): each
+micro-batch's loss is the mean over its own targets, averaged over the micro-batches and the
+replicas. It is the same mechanism with another divisor, max(own targets, 1) x the replica's
+micro-batches, so no runner knows which rule it runs.
 """
 
 from __future__ import annotations
@@ -26,7 +32,18 @@ from plait.data.sampler import (
     replica_share,
     split_micro,
 )
+from plait.errors import ConfigError
 from plait.models.dropout import sample_keys
+
+LOSS_AVERAGES = ("tokens", "micro-batch")
+"""`tokens`: summed target losses / the global batch's target count (the default, exact);
+`micro-batch`: the mean over each micro-batch's own targets, averaged (transformers' old rule)."""
+
+
+def check_loss_average(value: str) -> None:
+    """ConfigError naming `value` unless it is one of LOSS_AVERAGES."""
+    if value not in LOSS_AVERAGES:
+        raise ConfigError(f"loss_average must be one of {', '.join(LOSS_AVERAGES)}; got {value!r}")
 
 
 @dataclass
@@ -38,6 +55,9 @@ class MicroBatch:
     keys: Tensor  # (b,) dropout keys
     segments: Tensor | None = None  # (b, s) packed rows' example ids; None: plain causal
     denom: float | None = None  # the loss's divisor (models/loss.py); None: the mean
+    # A whole micro-batch of naive DP under loss_average "micro-batch": each replica share's
+    # divisor, in share order (the shares' divisors differ); None: `denom` for every row.
+    share_denoms: tuple[float, ...] | None = None
 
 
 @dataclass
@@ -61,8 +81,12 @@ class StepBatches:
         seed: int,
         replica: tuple[int, int],
         device: torch.device,
+        loss_average: str = "tokens",
     ) -> None:
-        """`replica`: (dp rank, dp size); every tp and pp peer of a replica draws alike."""
+        """`replica`: (dp rank, dp size); every tp and pp peer of a replica draws alike.
+        `loss_average`: which divisor the micro-batches carry (module doc)."""
+        check_loss_average(loss_average)
+        self.loss_average = loss_average
         self.corpus, self.global_batch, self.micro_batch = corpus, global_batch, micro_batch
         self.seed, self.replica, self.device = seed, replica, device
         self.sampler = GlobalBatchSampler(len(corpus.train), global_batch, seed)
@@ -71,35 +95,49 @@ class StepBatches:
     def draw(self, step: int) -> list[MicroBatch]:
         """Step `step`'s micro-batches; steps must be drawn in order (the sampler advances)."""
         indices = self._next(step)
-        denom = self._denom(indices) / self.replica[1]  # dp's average then gives the sum / N
         idx, keys = self._share(indices, step, self.replica[0])
+        denoms = self._denoms(indices, idx, whole=False)
         train = self.corpus.train
-        return [self._micro(train, i, k, denom) for i, k in zip(idx, keys, strict=True)]
+        return [self._micro(train, *a) for a in zip(idx, keys, denoms, strict=True)]
 
     def draw_whole(self, step: int) -> list[MicroBatch]:
         """Step `step`'s micro-batches of the whole global batch, for a rank that hands the
         replicas their shares (naive data parallelism): micro-batch i holds every replica's
         micro-batch i, replica after replica, so splitting it dp ways gives each replica
         exactly what `draw` gives it. Every rank calls it, so the sampler advances alike.
-        `denom` is the global batch's whole count: the coordinator sums, not averages, the
-        replicas' gradients."""
+        The divisors are `draw`'s times dp: the coordinator sums, not averages, the
+        replicas' gradients (`denom` the global batch's whole count; under "micro-batch" the
+        shares' divisors differ and go in `share_denoms`)."""
         indices = self._next(step)
-        denom = self._denom(indices)
-        shares = [self._share(indices, step, r) for r in range(self.replica[1])]
-        return [
-            self._micro(
+        dp = self.replica[1]
+        shares = [self._share(indices, step, r) for r in range(dp)]
+        denoms = [self._denoms(indices, idx, whole=True) for idx, _ in shares]
+        micro = []
+        for i in range(len(shares[0][0])):
+            mb = self._micro(
                 self.corpus.train,
                 torch.cat([idx[i] for idx, _ in shares]),
                 torch.cat([keys[i] for _, keys in shares]),
-                denom,
+                denoms[0][i],
             )
-            for i in range(len(shares[0][0]))
-        ]
+            if self.loss_average != "tokens":
+                mb.denom, mb.share_denoms = None, tuple(d[i] for d in denoms)
+            micro.append(mb)
+        return micro
 
-    def _denom(self, indices: Tensor) -> float:
-        """Target tokens of the global batch `indices` (at least 1: a batch without targets
-        has loss 0, not 0/0)."""
-        return float(max(self.corpus.train.target_count(indices), 1))
+    def _denoms(self, indices: Tensor, micro: list[Tensor], whole: bool) -> list[float]:
+        """The divisor of each of a replica's micro-batches `micro` (of the global batch
+        `indices`), such that their summed losses averaged over dp is the step's loss:
+        tokens: the global count N / dp for every one (the average gives sum / N);
+        micro-batch: its own count x len(micro) (the average gives the mean of the means).
+        `whole` (naive DP sums the replicas): dp times that. Counts are at least 1: a batch
+        without targets has loss 0, not 0/0."""
+        rows, dp = self.corpus.train, self.replica[1]
+        if self.loss_average == "tokens":
+            n = float(max(rows.target_count(indices), 1))
+            return [n if whole else n / dp] * len(micro)
+        scale = len(micro) * (dp if whole else 1)
+        return [float(max(rows.target_count(m), 1) * scale) for m in micro]
 
     def _next(self, step: int) -> Tensor:
         """The next global batch, remembering where the sampler stood before it."""

@@ -16,13 +16,15 @@ def lesson_config(
     model: dict[str, Any] | None = None,
     micro: int = 2,
     accum: int = 1,
+    data: dict[str, Any] | None = None,
 ) -> Config:
-    """A validated config for one case: global batch = micro x accum x dp."""
+    """A validated config for one case: global batch = micro x accum x dp. `data`: the
+    data section's overrides (an examples folder: the model follows its tokenizer)."""
     dp = parallel.get("dp", 1)
     over = {
         "model": dict(model or {}),
         "parallel": {"bucket_mb": 0.05, "comm_timeout": 120, **parallel},
-        "data": {"max_bytes": 300_000},
+        "data": {"max_bytes": 300_000, **(data or {})},
         "train": {
             "steps": 6 if quick else 20,
             "micro_batch": micro,

@@ -56,10 +56,11 @@ def save_record(cfg: Config, mesh: Mesh, steps: list[dict[str, Any]], **extra: A
 
 
 def step_row(trainer: Trainer, result: StepResult, metered: bool = False) -> dict[str, Any]:
-    """What one step cost: its loss and time, bytes by collective, memory by category (and,
-    `metered`, the peak of saved activations)."""
+    """What one step cost: its loss, gradient norm and time, bytes by collective, memory by
+    category (and, `metered`, the peak of saved activations)."""
     row: dict[str, Any] = {
         "loss": result.loss,
+        "grad_norm": result.grad_norm,
         "time_s": result.time_s,
         "bytes": trainer.comm.stats.bytes_by_op(),
     }

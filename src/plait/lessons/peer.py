@@ -51,7 +51,7 @@ def ddp_peer(cfg: Config, mesh: Mesh) -> dict[str, Any]:
     optimizer = build_optimizer(model, t)
     replica = (mesh.coord.dp, mesh.size("dp"))
     batches = StepBatches(load_corpus(cfg), t.global_batch, t.micro_batch, t.seed, replica,
-                          mesh.device)  # fmt: skip
+                          mesh.device, t.loss_average)  # fmt: skip
     steps = []
     for k in range(t.steps):
         comm.stats.begin_step(k)

@@ -8,6 +8,7 @@ to the output folder, merged with the lessons it already held (writeup.py).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import tempfile
 from collections.abc import Callable, Sequence
@@ -19,7 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from plait.errors import ConfigError
 from plait.launch import launch
-from plait.lessons import dp, offload, pipeline, precision, recompute, tp, zero
+from plait.lessons import dp, finetune, offload, pipeline, precision, recompute, tp, zero
 from plait.lessons.section import Case, Run, Section
 from plait.lessons.writeup import previous_sections, write_report
 from plait.outdir import check_out_folder
@@ -29,7 +30,16 @@ MIN_PROCS, MAX_PROCS = 2, 4
 
 def registry() -> dict[str, ModuleType]:
     """Lesson name -> module, in the course's order."""
-    return {m.NAME: m for m in (dp, pipeline, tp, zero, precision, recompute, offload)}
+    course = (dp, pipeline, tp, zero, precision, recompute, offload, finetune)
+    return {m.NAME: m for m in course}
+
+
+def plan_cases(lesson: ModuleType, quick: bool, procs: int, work: Path) -> list[Case]:
+    """A lesson's cases; one whose `cases` takes `work` (finetune builds its instruction
+    data) gets its own folder of the run's temporary folder for what it builds."""
+    if "work" in inspect.signature(lesson.cases).parameters:
+        return lesson.cases(quick, procs, work=work)
+    return lesson.cases(quick, procs)
 
 
 def check_request(only: Sequence[str] | None, out: Path) -> list[str]:
@@ -68,7 +78,6 @@ def run_lessons(names: Sequence[str], quick: bool, out: Path, procs: int,
                 console: Console) -> list[Section]:  # fmt: skip
     """Every case of every lesson, with a progress bar; writes the report and returns it."""
     lessons = registry()
-    plans = {n: lessons[n].cases(quick, procs) for n in names}
     sections = []
     columns = (TextColumn("[bold]lessons"), BarColumn(), MofNCompleteColumn(),
                TextColumn("{task.fields[info]}"), TimeElapsedColumn())  # fmt: skip
@@ -76,6 +85,7 @@ def run_lessons(names: Sequence[str], quick: bool, out: Path, procs: int,
         tempfile.TemporaryDirectory(prefix="plait-lessons-") as tmp,
         Progress(*columns, console=console) as bar,
     ):
+        plans = {n: plan_cases(lessons[n], quick, procs, Path(tmp, n, "work")) for n in names}
         task = bar.add_task("", total=sum(len(c) for c in plans.values()), info="")
         for name, cases in plans.items():
             runs = {}

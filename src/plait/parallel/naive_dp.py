@@ -186,7 +186,7 @@ class ScatterGather:
         grad_whole = None
         if lead:
             whole.requires_grad_()
-            loss = self.model.loss(whole, targets, mb.denom)  # denom: the global count
+            loss = self._loss(whole, targets, mb)
             loss.backward()
             grad_whole = whole.grad
             gathered = 2 * tensor_bytes(whole)  # the logits and their gradient, on rank 0
@@ -195,3 +195,13 @@ class ScatterGather:
         self.engine.memory.release("gathered")
         logits.backward(grad)
         return loss.detach()
+
+    def _loss(self, whole: Tensor, targets: Tensor, mb: MicroBatch) -> Tensor:
+        """The whole micro-batch's loss: summed target losses / `denom` (the global count),
+        or, where each replica share has its own divisor (loss_average "micro-batch"), the
+        sum of the shares' losses, each over its divisor (data/batches.py)."""
+        if mb.share_denoms is None:
+            return self.model.loss(whole, targets, mb.denom)
+        dp = len(mb.share_denoms)
+        parts = zip(whole.tensor_split(dp), targets.tensor_split(dp), mb.share_denoms, strict=True)
+        return sum(self.model.loss(w, t, d) for w, t, d in parts)
