@@ -44,8 +44,10 @@ def shared_artifacts(folder: Path, root: Path) -> Path:
 def _examples(folder: Path) -> None:
     """A stand-in for the recipe's examples folder: enough Alpaca records, prepared with the
     stand-in tokenizer, for a global batch of packed 512-token rows and a validation."""
-    records = [{"instruction": f"Repeat the word {i}.", "input": "", "output": "text " * (i % 60 + 20)}
-               for i in range(600)]  # fmt: skip
+    records = [
+        {"instruction": f"Repeat the word {i}.", "input": "", "output": "text " * (i % 60 + 20)}
+        for i in range(600)
+    ]
     source = folder / "records.jsonl"
     source.write_text("".join(json.dumps(r) + "\n" for r in records))
     out = folder / "examples"
