@@ -63,15 +63,17 @@ def verify(path: Path) -> None:
             raise ConfigError(f"checkpoint {str(path)!r} is damaged: {name} fails its checksum")
 
 
-def latest(out: Path) -> Path | None:
-    """The newest committed checkpoint under `out/checkpoints` (warning about partial ones)."""
+def latest(out: Path, warn: bool = True) -> Path | None:
+    """The newest committed checkpoint under `out/checkpoints` (warning about newer partial
+    ones unless `warn` is False)."""
     root = out / "checkpoints"
     found = sorted(root.glob("step-*"), key=_step_of) if root.is_dir() else []
     for path in reversed(found):
         if committed(path):
             return path
-        print(f"plait: warning: ignoring {path}: the save did not finish (no {MARKER})",
-              file=sys.stderr)  # fmt: skip
+        if warn:
+            print(f"plait: warning: ignoring {path}: the save did not finish (no {MARKER})",
+                  file=sys.stderr)  # fmt: skip
     return None
 
 
