@@ -53,8 +53,17 @@ def _sha256(path: Path) -> str:
 
 
 def verify(path: Path) -> None:
-    """Every file the manifest lists is there, with its size and checksum."""
-    entries = json.loads((path / MANIFEST).read_text())
+    """Every file the manifest lists is there, with its size and checksum (a manifest that
+    is missing or cannot be read is damage too, one line like the rest)."""
+    try:
+        entries = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"checkpoint {str(path)!r} is damaged: {MANIFEST} is missing") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        what = e.strerror if isinstance(e, OSError) else "not JSON"
+        raise ConfigError(f"checkpoint {str(path)!r} is damaged: {MANIFEST}: {what}") from None
+    if not isinstance(entries, dict):
+        raise ConfigError(f"checkpoint {str(path)!r} is damaged: {MANIFEST}: not a JSON object")
     for name, entry in entries.items():
         file = path / name
         if not file.is_file() or file.stat().st_size != entry["bytes"]:
