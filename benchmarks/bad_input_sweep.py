@@ -5,8 +5,8 @@ starts (130 or 143 for a signal), with no traceback and nothing left behind.
 
 Not a benchmark of speed: it lives here because benchmarks/ holds the scripts run by hand
 against the whole package (linted and import-tested with it). The cases run in this process
-through `plait.cli.main(argv)` with stderr captured, so the sweep takes a minute or two; the
-launcher, calibrate's spawn, the lessons' launch, data prepare's pool and the tokenizer's
+through `plait.cli.main(argv)` with stderr captured, so the sweep takes seconds, not hours; the
+launcher (train, eval, lessons), calibrate's spawn, data prepare's pool and the tokenizer's
 training are replaced by a function that raises, so a case that gets that far is counted
 as "reached the workers". Signals are sent to a `plait` process of its own paused at its
 'start' phase (PLAIT_PAUSE_AT), for every command; the later phases of each long command
@@ -110,6 +110,10 @@ def wrong_values() -> list[Case]:
               for args in (["--max-examples", "0"], ["--max-chars", "-5"])]  # fmt: skip
     cases += [_c(v, "tokenizer", "train", "--data", "{S}/text.txt", "--out", "{S}/tok.json",
                  "--vocab-size", n) for n in ("10", "0", "-1", "nan")]  # fmt: skip
+    ev = ["eval", "--checkpoint", "{S}/run", "--data", "{S}/text.txt", "--no-progress"]
+    cases += [_c(v, *ev, *args) for args in (
+        ["--format", "xml"], ["--dp", "0"], ["--seq-len", "nan"], ["--micro-batch", "0"],
+        ["--eval-batches", "-1"])]  # fmt: skip
     cases += [
         _c(v, "lessons", "--only", "nope", "--out", "{S}/lessons"),
         _c(v, "lessons", "--only", "dp", "--only", "zzz", "--out", "{S}/lessons"),
@@ -164,6 +168,10 @@ def wrong_paths() -> list[Case]:
     cases += [_c(p, *tok, "--data", "{S}/text.txt", "--out", out)
               for out in (missing, folder, proc)]  # fmt: skip
     cases += [_c(p, *tok, "--data", "{S}/nothing-here", "--out", "{S}/tok.json")]
+    ev = ["eval", "--data", "{S}/text.txt", "--checkpoint"]
+    cases += [_c(p, *ev, c) for c in ("{S}/no", file)]
+    cases += [_c(p, "eval", "--checkpoint", "{S}/run", "--seq-len", "32", "--data", d)
+              for d in ("{S}/nothing-here", "{S}/empty")]  # fmt: skip
     cases += [_c(p, "lessons", "--only", "dp", "--out", out) for out in (file, proc)]
     cases += [_c(p, "lessons", "--only", "dp", "--out", "{S}/bad-lessons")]  # unreadable json
     return cases
@@ -257,6 +265,8 @@ def wrong_types() -> list[Case]:
         ),
         _c(t, "generate", "--init-from", "{S}/bad-hf", "--prompt", "x"),
         _c(t, "train", *FROM_HF, "--out", "{S}/new-run", "--init-from", "{S}/bad-hf"),
+        _c(t, "eval", "--checkpoint", "{S}/run", "--data", "{S}/bad.jsonl", "--format", "alpaca"),
+        _c(t, "eval", "--init-from", "{S}/bad-hf", "--data", "{S}/text.txt"),
     ]
     return cases
 
@@ -306,6 +316,17 @@ def conflicting_flags() -> list[Case]:
         _c(f, "checkpoint", "consolidate", "{S}/run", "--out", "{S}/exists.safetensors"),
         _c(f, "data", "prepare", "--data", "{S}/text.txt", "--out", "{S}/folder"),
         _c(f, "data", "instructions", "--out", "{S}/exists.txt"),
+        _c(
+            f,
+            "eval",
+            "--checkpoint",
+            "{S}/run",
+            "--init-from",
+            "{S}/hf-ok",
+            "--data",
+            "{S}/text.txt",
+        ),
+        _c(f, "eval", "--checkpoint", "{S}/run", "--data", "{S}/text.txt", "--model", "tiny-llama"),
         _c(f, "export", "--checkpoint", "{S}/run", "--out", "{S}/bad-lessons"),
         _c(
             f,
@@ -337,7 +358,8 @@ def damaged_checkpoints() -> list[Case]:
                   _c(d, "checkpoint", "consolidate", path, "--out", "{S}/c.safetensors"),
                   _c(d, "export", "--checkpoint", path, "--out", "{S}/hf"),
                   _c(d, "generate", "--checkpoint", path, "--prompt", "x"),
-                  _c(d, "train", *TINY, "--out", "{S}/new-run", "--resume", path)]  # fmt: skip
+                  _c(d, "train", *TINY, "--out", "{S}/new-run", "--resume", path),
+                  _c(d, "eval", "--checkpoint", path, "--data", "{S}/text.txt")]  # fmt: skip
     return cases
 
 
@@ -345,7 +367,7 @@ COMMANDS = (["train", "--out", "{S}/r"], ["estimate"], ["plan", "--gpus", "8"], 
             ["schedule", "--pp", "2"], ["presets"], ["checkpoint", "info", "x"],
             ["checkpoint", "consolidate", "x", "--out", "y"], ["export"], ["generate"],
             ["data", "prepare", "--out", "y"], ["data", "instructions", "--out", "y"],
-            ["tokenizer", "train", "--out", "y"], ["lessons"])  # fmt: skip
+            ["tokenizer", "train", "--out", "y"], ["lessons"], ["eval"])  # fmt: skip
 
 
 def signals() -> list[Case]:
@@ -444,7 +466,8 @@ def no_workers():
         raise ReachedWorkers()
 
     targets = ["plait.cli.train.launch", "torch.multiprocessing.start_processes",
-               "plait.lessons.runner.launch", "plait.data.prepare._pool",
+               "plait.lessons.runner.launch", "plait.cli.evaluate.launch",
+               "plait.data.prepare._pool",
                "plait.data.tokenizer.stoppable"]  # fmt: skip
     with contextlib.ExitStack() as stack:
         for target in targets:

@@ -33,7 +33,7 @@ def test_the_table_covers_every_command_and_class(sweep):
     assert commands == {
         "train", "estimate", "plan", "calibrate", "schedule", "presets", "checkpoint info",
         "checkpoint consolidate", "export", "generate", "data prepare", "data instructions",
-        "tokenizer train", "lessons",
+        "tokenizer train", "lessons", "eval",
     }  # fmt: skip
     assert {c.cls for c in cases} == set(sweep.CLASSES)
     for c in cases:

@@ -55,15 +55,7 @@ def _sha256(path: Path) -> str:
 def verify(path: Path) -> None:
     """Every file the manifest lists is there, with its size and checksum (a manifest that
     is missing or cannot be read is damage too, one line like the rest)."""
-    try:
-        entries = json.loads((path / MANIFEST).read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"checkpoint {str(path)!r} is damaged: {MANIFEST} is missing") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        what = e.strerror if isinstance(e, OSError) else "not JSON"
-        raise ConfigError(f"checkpoint {str(path)!r} is damaged: {MANIFEST}: {what}") from None
-    if not isinstance(entries, dict):
-        raise ConfigError(f"checkpoint {str(path)!r} is damaged: {MANIFEST}: not a JSON object")
+    entries = _read_json(path, MANIFEST)
     for name, entry in entries.items():
         file = path / name
         if not file.is_file() or file.stat().st_size != entry["bytes"]:
@@ -128,7 +120,22 @@ def complete(path: Path) -> Path:
 
 
 def read_trainer(path: Path) -> dict[str, Any]:
-    return json.loads((path / TRAINER).read_text())
+    """The checkpoint's trainer state; a missing or unreadable trainer.json is damage, one
+    line (a command may read it before it verifies the checkpoint: `generate`'s tokenizer)."""
+    return _read_json(path, TRAINER)
+
+
+def _read_json(path: Path, name: str) -> dict[str, Any]:
+    try:
+        data = json.loads((path / name).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"checkpoint {str(path)!r} is damaged: {name} is missing") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        what = e.strerror if isinstance(e, OSError) else "not JSON"
+        raise ConfigError(f"checkpoint {str(path)!r} is damaged: {name}: {what}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"checkpoint {str(path)!r} is damaged: {name}: not a JSON object")
+    return data
 
 
 KEPT = (("train", "global_batch"), ("train", "seq_len"), ("train", "seed"), ("data", "path"),
