@@ -8,7 +8,10 @@ waits for the markers, acts (sends a signal), and releases the phase if the run 
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -38,3 +41,37 @@ def wait_for_phase(
 def release(folder: Path, phase: str) -> None:
     """Let every process paused at `phase` go on."""
     (folder / f"{phase}.go").touch()
+
+
+def processes_with(marker: str) -> list[int]:
+    """PIDs whose environment carries `marker` (children inherit it; orphans would too)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if marker.encode() in (entry / "environ").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def start_plait(argv: list[str], marker: str, env: dict[str, str]) -> subprocess.Popen:
+    """`plait ARGV` in a session of its own (a hung run is killed with all its workers),
+    every process it starts marked by the environment variable `marker`."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "plait.cli", *argv], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, env={**os.environ, marker: "1", **env},
+        start_new_session=True,
+    )  # fmt: skip
+
+
+def ended(proc: subprocess.Popen, timeout: float = 120.0) -> str:
+    """The stderr of `proc` once it has ended; killed with its group if it does not."""
+    try:
+        return proc.communicate(timeout=timeout)[1]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()

@@ -69,3 +69,59 @@ def test_ctrl_c_while_plait_starts_is_one_line_and_130(tmp_path, command):
     assert err.strip().splitlines() == ["plait: interrupted; nothing more runs."], err
     assert "Traceback" not in err and out == ""
     assert not (tmp_path / "run").exists()
+
+
+def test_a_signal_reaches_items_read_by_another_thread():
+    """Native code reading items from a thread of its own (the Rust tokenizer) cannot run a
+    signal handler; `stoppable` still ends the reading with `Stopping` at the next item,
+    naming the signal, and puts the wakeup descriptor back."""
+    import os
+    import threading
+
+    from plait.signals import Stopping, stoppable
+
+    seen, caught = [], []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)  # a Python handler
+    with stoppable(iter(range(1000))) as items:
+
+        def read() -> None:  # the reading thread: it never runs a Python signal handler
+            try:
+                for item in items:
+                    seen.append(item)
+                    if item == 2:
+                        os.kill(os.getpid(), signal.SIGTERM)
+                        threading.Event().wait(0.2)  # the C handler wrote the byte by now
+            except Stopping as e:
+                caught.append(e.signum)
+
+        thread = threading.Thread(target=read)
+        thread.start()
+        thread.join()
+    signal.signal(signal.SIGTERM, previous)
+    assert caught == [signal.SIGTERM] and seen == [0, 1, 2]
+    assert signal.set_wakeup_fd(-1) == -1  # restored: none was set before
+
+
+def test_workers_start_with_the_stop_signals_blocked():
+    """A process started inside `blocked` inherits the mask (so a Ctrl-C waits for its
+    handler instead of interrupting its imports), even when multiprocessing's resource
+    tracker starts on that first spawn (starting it unblocks SIGINT and SIGTERM)."""
+    import multiprocessing
+
+    from plait.signals import HANDLED, blocked
+
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    with blocked():
+        procs = [ctx.Process(target=_report_mask, args=(queue,)) for _ in range(2)]
+        for p in procs:
+            p.start()
+    masks = [queue.get() for _ in procs]
+    for p in procs:
+        p.join()
+    assert all(set(HANDLED) <= mask for mask in masks)
+    assert not set(HANDLED) & signal.pthread_sigmask(signal.SIG_BLOCK, [])  # this one: as was
+
+
+def _report_mask(queue) -> None:
+    queue.put(signal.pthread_sigmask(signal.SIG_BLOCK, []))

@@ -55,7 +55,7 @@ from plait.outdir import check_out_file
 from plait.parallel.adamw import AdamW
 from plait.parallel.grads import squared_norm
 from plait.plan.hardware import Hardware, Link, OpCost, ring_steps_and_factor, save_hardware
-from plait.signals import pause_at
+from plait.signals import blocked, exit_code, pause_at, unblock
 from plait.topology import Layout
 
 SIZES = [2**k for k in range(10, 23, 2)]  # fp32 elements: 4 KiB to 16 MiB
@@ -212,6 +212,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     # Ctrl-C reaches the whole process group: the parent alone decides (it stops every
     # worker), so that no rank leaves the others waiting in a collective.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    unblock()  # started blocked (`run_calibrate`): a SIGTERM that waited ends this worker now
     pause_at("calibrate", f"rank{rank}")  # a test's Ctrl-C comes after this line
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(threads_per_worker(world))
@@ -289,6 +290,12 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def _interrupted(ctx: mp.ProcessContext, out: str, signum: int) -> int:
+    stop_all(ctx)
+    print(f"plait: calibrate interrupted; every rank stopped, {out} not written", file=sys.stderr)
+    return exit_code(signum)
+
+
 def run_calibrate(args: argparse.Namespace) -> int:
     if args.ranks < 2:
         raise ConfigError(f"--ranks must be >= 2 (collectives need two ranks), got {args.ranks}")
@@ -296,21 +303,23 @@ def run_calibrate(args: argparse.Namespace) -> int:
     check_out_file(Path(args.out))
     with tempfile.TemporaryDirectory(prefix="plait-calibrate-") as d:
         out = str(Path(d, "result.json"))
-        ctx = mp.start_processes(
-            _worker,
-            args=(args.ranks, free_port(), args, out),
-            nprocs=args.ranks,
-            start_method="spawn",
-            join=False,
-        )
+        with blocked():  # a worker still importing must not take Ctrl-C as a traceback
+            ctx = mp.start_processes(
+                _worker,
+                args=(args.ranks, free_port(), args, out),
+                nprocs=args.ranks,
+                start_method="spawn",
+                join=False,
+            )
         try:
             while not ctx.join():
                 pass
-        except KeyboardInterrupt:
-            stop_all(ctx)
-            print(f"plait: calibrate interrupted; every rank stopped, {args.out} not written",
-                  file=sys.stderr)  # fmt: skip
-            return 130
+        except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (`Stopping`, plait.cli.main)
+            return _interrupted(ctx, args.out, getattr(e, "signum", signal.SIGINT))
+        except mp.ProcessExitedException as e:
+            if e.signal_name != "SIGTERM":
+                raise
+            return _interrupted(ctx, args.out, signal.SIGTERM)  # the group's, a worker first
         result = json.loads(Path(out).read_text())
     hw = profile_of(result, args.ranks)
     save_hardware(hw, args.out)

@@ -114,6 +114,12 @@ class Parser(argparse.ArgumentParser):
         self.commands.append(sub)
         return sub
 
+    def error(self, message: str) -> Any:
+        """argparse's own refusals (an unknown flag or choice, a required flag missing, two
+        flags that exclude each other) in one line like every other bad input, exit 2: its
+        usage text buried the reason under lines of flags. The help is one flag away."""
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
     def _noting(self, group: Any) -> Any:
         plain = group.add_argument
         group.add_argument = lambda *a, **kw: self._note(plain(*a, **kw))

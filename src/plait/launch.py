@@ -34,7 +34,7 @@ from plait.device import backend_for, resolve_device, threads_per_worker
 from plait.errors import NonFiniteError
 from plait.mesh import Mesh, build_mesh
 from plait.run import ATTEMPT_ENV, attempt, run
-from plait.signals import forward_of, pause_at
+from plait.signals import Stopping, blocked, forward_of, pause_at, stopping_raised, unblock
 from plait.telemetry import RunSummary
 
 
@@ -111,8 +111,15 @@ def worker(
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     try:
-        mesh = init_worker(cfg, rank, world, local_rank, local_world)
-        return target(cfg, mesh)
+        # Until a run can stop after a step (its own StopRequest), a signal stops this worker
+        # at once; spawned, it waited blocked (`_run_world`) until this handler was set.
+        with stopping_raised(then=signal.SIG_IGN if port is not None else None):
+            unblock()
+            pause_at("rendezvous", f"rank{rank}")  # a test's signal comes after this line
+            mesh = init_worker(cfg, rank, world, local_rank, local_world)
+            return target(cfg, mesh)
+    except Stopping as e:  # an Exception for torch's spawn, which ignores KeyboardInterrupt
+        raise Interrupted(e.signum, forced=True) from None
     except BaseException as e:
         if error_dir is not None:  # the launcher picks the earliest failure: the root cause
             record = {"rank": rank, "time": time.time(), "traceback": traceback.format_exc()}
@@ -188,6 +195,8 @@ def _run_world(cfg: Config, target: Callable[[Config, Any], Any]) -> None:
     if world == 1:
         try:
             summary = worker(0, cfg, 1, 1, None, None, target)
+        except Interrupted:
+            raise
         except NonFiniteError as e:
             raise WorkerFailure(0, traceback.format_exc(), [], str(e)) from None
         except Exception:
@@ -196,16 +205,18 @@ def _run_world(cfg: Config, target: Callable[[Config, Any], Any]) -> None:
             raise Interrupted(summary.stopped_by)
         return
     with tempfile.TemporaryDirectory(prefix="plait-errors-") as error_dir:
-        ctx = mp.start_processes(
-            worker,
-            args=(cfg, world, world, free_port(), error_dir, target),
-            nprocs=world,
-            start_method="spawn",
-            join=False,
-        )
         received: list[int] = []
-        previous = _pass_signals_on(ctx, received)
+        with blocked():  # the workers start blocked; what reaches plait meanwhile waits too
+            ctx = mp.start_processes(
+                worker,
+                args=(cfg, world, world, free_port(), error_dir, target),
+                nprocs=world,
+                start_method="spawn",
+                join=False,
+            )
+            previous = _pass_signals_on(ctx, received)
         try:
+            pause_at("spawn", "launcher")  # a test's signal comes after this line
             with quiet_termination():
                 while not ctx.join():
                     pass

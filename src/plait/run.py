@@ -28,7 +28,7 @@ from plait.mesh import Mesh
 from plait.models.generate import complete, stop_ids
 from plait.models.transformer import Transformer, count_parameters, matmul_flops_per_token
 from plait.schedule.measured import report
-from plait.signals import StopRequest
+from plait.signals import StopRequest, pause_at
 from plait.step import StepResult
 from plait.telemetry import MetricsLog, RunSummary, make_progress, summary_table
 from plait.train import Trainer
@@ -49,11 +49,14 @@ def run(
     """Train `cfg` on this rank; returns the summary (identical numbers on every rank)."""
     current = Run(cfg, mesh, corpus, hook)
     try:
-        current.train()
-        current.finish()
+        try:
+            current.train()
+            current.finish()
+        finally:
+            current.close()
+        return current.report()  # a signal now is still a request: the table is not cut
     finally:
-        current.close()
-    return current.report()
+        current.stop.restore()
 
 
 class Run:
@@ -126,6 +129,7 @@ class Run:
         summary.model_state_bytes = row.get("model_state_bytes")
         done = summary.steps_done = result.step + 1
         if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
+            pause_at("evaluate", f"rank{self.mesh.rank}")  # a test's signal comes here
             summary.val_loss = row["val_loss"] = self.trainer.evaluate()
             summary.val_step = done
         if t.save_every and done % t.save_every == 0:
@@ -166,8 +170,8 @@ class Run:
             summary.pipeline = _trace(trainer, self.out, self.lead)
 
     def close(self) -> None:
-        """Signal handlers back, progress and log closed, the engine's resources freed."""
-        self.stop.restore()
+        """Progress and log closed, the engine's resources freed (the signal handlers stay
+        until the report is out: `run`)."""
         if self.progress:
             self.progress.stop()
         if self.log:
@@ -178,10 +182,14 @@ class Run:
         """Rank 0: a sample from the last checkpoint, `summary.json` and the table."""
         summary = self.summary
         if self.lead and summary.checkpoint and summary.params <= SAMPLE_MAX_PARAMS:
+            pause_at("sample", "rank0")  # a test's signal comes here
             summary.sample = sample(Path(summary.checkpoint), self.trainer.corpus, self.cfg)
         if self.lead:
             (self.out / "summary.json").write_text(json.dumps(summary.as_dict(), indent=2))
             self.console.print(summary_table(summary))
+            if self.stop.requested and summary.stopped_by is None:  # after the last step
+                name = signal.Signals(self.stop.signum).name
+                self.console.print(f"plait: {name} came after the last step; the run is whole")
         return summary
 
 

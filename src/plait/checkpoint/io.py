@@ -32,6 +32,7 @@ from plait.checkpoint.store import write_manifest
 from plait.comm import Comm
 from plait.parallel.grads import SplitGradRules
 from plait.parallel.optimizer_engine import OptimizerEngine
+from plait.signals import pause_at
 
 
 def save(
@@ -56,6 +57,7 @@ def save(
         dcp.save(state, checkpoint_id=str(path), no_dist=mesh.world_size == 1)
     if before_commit is not None:
         before_commit()
+    pause_at("save", f"rank{mesh.rank}")  # written, not committed: a test's signal comes here
     comm.barrier()  # every rank's file is written
     nbytes = write_manifest(path, trainer_state) if mesh.rank == 0 else 0
     comm.barrier()  # committed before anyone goes on

@@ -53,8 +53,9 @@ def _sha256(path: Path) -> str:
 
 
 def verify(path: Path) -> None:
-    """Every file the manifest lists is there, with its size and checksum."""
-    entries = json.loads((path / MANIFEST).read_text())
+    """Every file the manifest lists is there, with its size and checksum (a manifest that
+    is missing or cannot be read is damage too, one line like the rest)."""
+    entries = _read_json(path, MANIFEST)
     for name, entry in entries.items():
         file = path / name
         if not file.is_file() or file.stat().st_size != entry["bytes"]:
@@ -63,15 +64,17 @@ def verify(path: Path) -> None:
             raise ConfigError(f"checkpoint {str(path)!r} is damaged: {name} fails its checksum")
 
 
-def latest(out: Path) -> Path | None:
-    """The newest committed checkpoint under `out/checkpoints` (warning about partial ones)."""
+def latest(out: Path, warn: bool = True) -> Path | None:
+    """The newest committed checkpoint under `out/checkpoints` (warning about newer partial
+    ones unless `warn` is False)."""
     root = out / "checkpoints"
     found = sorted(root.glob("step-*"), key=_step_of) if root.is_dir() else []
     for path in reversed(found):
         if committed(path):
             return path
-        print(f"plait: warning: ignoring {path}: the save did not finish (no {MARKER})",
-              file=sys.stderr)  # fmt: skip
+        if warn:
+            print(f"plait: warning: ignoring {path}: the save did not finish (no {MARKER})",
+                  file=sys.stderr)  # fmt: skip
     return None
 
 
@@ -117,7 +120,22 @@ def complete(path: Path) -> Path:
 
 
 def read_trainer(path: Path) -> dict[str, Any]:
-    return json.loads((path / TRAINER).read_text())
+    """The checkpoint's trainer state; a missing or unreadable trainer.json is damage, one
+    line (a command may read it before it verifies the checkpoint: `generate`'s tokenizer)."""
+    return _read_json(path, TRAINER)
+
+
+def _read_json(path: Path, name: str) -> dict[str, Any]:
+    try:
+        data = json.loads((path / name).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"checkpoint {str(path)!r} is damaged: {name} is missing") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        what = e.strerror if isinstance(e, OSError) else "not JSON"
+        raise ConfigError(f"checkpoint {str(path)!r} is damaged: {name}: {what}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"checkpoint {str(path)!r} is damaged: {name}: not a JSON object")
+    return data
 
 
 KEPT = (("train", "global_batch"), ("train", "seq_len"), ("train", "seed"), ("data", "path"),

@@ -17,10 +17,13 @@ typed configs down to the part that does the work.
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
+from contextlib import nullcontext
 from typing import Any
 
-from plait.signals import pause_at
+from plait.signals import exit_code, pause_at, stopping_raised
 
 __all__ = ["build_parser", "config_from_args", "main"]
 
@@ -28,15 +31,21 @@ __all__ = ["build_parser", "config_from_args", "main"]
 def main(argv: list[str] | None = None) -> int:
     """The `plait` entry point. Importing the commands (torch among them) takes seconds, and a
     Ctrl-C in that time would print the import's traceback; so this module stays light, and
-    an interrupt before the command's own handling starts ends in one line and exit 130."""
+    an interrupt before the command's own handling starts ends in one line and exit 130.
+    SIGTERM is taken the same way (`plait.signals.Stopping`, exit 143): a command without
+    workers cleans up what it was writing, as on Ctrl-C, instead of dying mid-file."""
+    main_thread = threading.current_thread() is threading.main_thread()
     try:
-        pause_at("start", "plait")  # test hook: a test signals here, deterministically
-        from plait.cli.dispatch import main as run
+        with stopping_raised() if main_thread else nullcontext():
+            pause_at("start", "plait")  # test hook: a test signals here, deterministically
+            from plait.cli.dispatch import main as run
 
-        return run(argv)
-    except KeyboardInterrupt:
-        print("plait: interrupted; nothing more runs.", file=sys.stderr)
-        return 130
+            return run(argv)
+    except KeyboardInterrupt as e:
+        signum = getattr(e, "signum", signal.SIGINT)
+        what = "interrupted" if signum == signal.SIGINT else f"stopped by {e}"
+        print(f"plait: {what}; nothing more runs.", file=sys.stderr)
+        return exit_code(signum)
 
 
 def __getattr__(name: str) -> Any:

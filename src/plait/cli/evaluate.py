@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import signal
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from plait.data.shards import is_shard_dir
 from plait.errors import ConfigError, print_bad_input
 from plait.evaluate import check_rows, eval_rows, eval_worker
 from plait.launch import Interrupted, WorkerFailure, launch
+from plait.signals import exit_code
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -161,11 +163,9 @@ def run(args: argparse.Namespace, err: Console) -> int:
             err.print("[bold red]plait: a worker failed; all ranks stopped.[/]")
             err.print(str(e), markup=False, highlight=False)
             return 1
-        except Interrupted as e:
-            return 128 + e.signum
-        except KeyboardInterrupt:
-            err.print("[bold]plait: interrupted; every rank stopped.[/]")
-            return 130
+        except (Interrupted, KeyboardInterrupt) as e:  # `Stopping` (SIGTERM) included
+            err.print("[bold]plait: eval interrupted; every rank stopped.[/]")
+            return exit_code(getattr(e, "signum", signal.SIGINT))
         finally:
             if request.scratch is not None:
                 shutil.rmtree(request.scratch.parent, ignore_errors=True)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 from pathlib import Path
 
 from rich.console import Console
 
 from plait.errors import ConfigError, print_bad_input
 from plait.launch import Interrupted, WorkerFailure
+from plait.signals import exit_code
 
 
 def add_lessons_command(sub: argparse._SubParsersAction) -> None:
@@ -39,8 +41,8 @@ def lessons_main(args: argparse.Namespace, err: Console) -> int:
         err.print("[bold red]plait: a worker failed; all ranks stopped.[/]")
         err.print(str(e), markup=False, highlight=False)
         return 1
-    except (Interrupted, KeyboardInterrupt):
+    except (Interrupted, KeyboardInterrupt) as e:  # nothing of this request was written
         err.print("[bold]plait: lessons interrupted; every rank stopped.[/]")
-        return 130
+        return exit_code(getattr(e, "signum", signal.SIGINT))
     Console().print(f"wrote {out / 'lessons.md'}, {out / 'lessons.json'} and the figures")
     return 0

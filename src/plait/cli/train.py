@@ -9,17 +9,19 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 from pathlib import Path
 
 from rich.console import Console
 
-from plait.checkpoint.store import check_resumable, resolve
+from plait.checkpoint.store import check_resumable, latest, resolve
 from plait.cli.run_flags import add_run_flags, config_from_args
 from plait.config import config_warnings
 from plait.device import check_gpu_per_rank
 from plait.errors import ConfigError, print_bad_input
 from plait.launch import Interrupted, WorkerFailure, launch, under_torchrun
 from plait.outdir import check_out_folder, prepare_out
+from plait.signals import exit_code
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -55,10 +57,19 @@ def run(args: argparse.Namespace, err: Console) -> int:
         err.print(str(e), markup=False, highlight=False)
         return 1
     except Interrupted as e:
-        if e.forced:
-            err.print("[bold]plait: stopped at once; every rank ended, no checkpoint.[/]")
-        return 128 + e.signum
-    except KeyboardInterrupt:
+        if e.forced:  # what is on disk now, not what this run had meant to write
+            err.print(f"[bold]plait: stopped at once; every rank ended, {_kept(out)}.[/]")
+        return exit_code(e.signum)
+    except KeyboardInterrupt as e:  # `Stopping` (SIGTERM) included
         err.print("[bold]plait: interrupted; every rank stopped.[/]")
-        return 130
+        return exit_code(getattr(e, "signum", signal.SIGINT))
     return 0
+
+
+def _kept(out: Path) -> str:
+    """The newest committed checkpoint a forced stop leaves: a second Ctrl-C after a save
+    committed it (while the summary was written) must not say there is none."""
+    newest = latest(out, warn=False)
+    if newest is None:
+        return "no checkpoint"
+    return f"newest checkpoint {newest}; continue with --resume latest --out {out}"

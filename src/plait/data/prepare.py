@@ -14,6 +14,7 @@ import functools
 import multiprocessing
 import os
 import shutil
+import signal
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, Future, ProcessPoolExecutor
@@ -37,6 +38,7 @@ from plait.data.sources import (
 from plait.data.tokenizer import Encoder, TokenizerSpec, resolve_tokenizer
 from plait.errors import ConfigError
 from plait.outdir import check_out_folder
+from plait.signals import pause_at
 
 SHARD_TOKENS = 1 << 27  # 256 MiB of uint16 per shard
 
@@ -81,6 +83,7 @@ def _quiet_tokenizer() -> None:
     # Each pool worker is one process: the tokenizer's own thread pool would only compete
     # with its siblings for the same cores.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the parent stops the pool, cleanly
 
 
 def _encode(batch: list[Piece], text_key: str, spec: TokenizerSpec) -> list[tuple[np.ndarray, int]]:
@@ -151,6 +154,7 @@ def prepare(job: PrepareJob, advance: Callable[[int], None] | None = None) -> di
                 documents += docs if piece.kind != "text" else int(piece.starts_doc)
                 if advance:
                     advance(piece_bytes(piece))
+                pause_at("prepare", "plait")  # workers busy, shards half written: a test's signal
     except BaseException:
         writer.close()
         shutil.rmtree(partial, ignore_errors=True)

@@ -19,6 +19,7 @@ import numpy as np
 from plait.data.corpus import ByteTokenizer
 from plait.errors import ConfigError
 from plait.outdir import atomic_file, check_out_file
+from plait.signals import pausing_after_first, stoppable
 
 # The end-of-document token a trained tokenizer gets, and the names looked for in others.
 EOS_TOKEN = "<|endoftext|>"
@@ -189,7 +190,9 @@ def train_bpe(
         show_progress=progress,
     )
     check_out_file(out)  # before the training, which can take minutes
-    tok.train_from_iterator(texts, trainer, length=length)
+    texts = pausing_after_first(texts, "tokenizer", "plait")  # a test signals in training
+    with stoppable(texts) as texts:  # Ctrl-C while the tokenizer reads: at the next text
+        tok.train_from_iterator(texts, trainer, length=length)
     with atomic_file(out) as tmp:
         tok.save(str(tmp))
     return resolve_tokenizer(out)

@@ -45,7 +45,10 @@ def parse_size(text: str | int | float) -> int:
     unit = found.group(2).upper() if found else ""
     if not found or unit not in _UNITS:
         raise ConfigError(f"memory size {text!r} is not a number with a unit like 80GiB or 40GB")
-    return int(float(found.group(1)) * _UNITS[unit])
+    size = int(float(found.group(1)) * _UNITS[unit])
+    if size <= 0:  # else the planner reports that nothing fits in "-"
+        raise ConfigError(f"memory size {text!r} must be more than 0 bytes")
+    return size
 
 
 @dataclass(frozen=True)
