@@ -5,13 +5,12 @@ tests' BPE (tests/instruct_data.py) saved into their folders, so `--init-from DI
 tokenizer. The reference is built here from transformers alone: Stanford's template, [BOS] +
 prompt ids, response ids + [EOS], -100 on the prompt, cross entropy summed over every target
 token of every example and divided by their count. Several examples of different lengths
-pack into shared rows (and `--no-pack` gives the same). Multi-rank layouts and a checkpoint
-source: test_eval_world.py.
+pack into shared rows (and `--no-pack` gives the same). A checkpoint source equals its
+exported folder; bad input stops before any worker. Multi-rank layouts: test_eval_world.py.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import tempfile
 from pathlib import Path
@@ -21,44 +20,19 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hf_models import gpt2_config, hf_model, llama_config, save  # noqa: E402
-from instruct_data import (  # noqa: E402
-    CHATS,
-    LLAMA_TEMPLATE,
-    ROWS,
-    TEXT,
-    tokenizer_folder,
-    write_jsonl,
-)
+from eval_cases import EXAMPLES, SEQ, evaluate, family, model_folder  # noqa: E402
+from hf_models import hf_model, save  # noqa: E402
+from instruct_data import CHATS, TEXT, tokenizer_folder, write_jsonl  # noqa: E402
 from plait.cli import main  # noqa: E402
 from plait.data.templates import alpaca_prompt  # noqa: E402
 
 RTOL = 1e-5
-SEQ = 256  # the Alpaca preamble alone is ~60 tokens of this small BPE
-MORE = [
-    {"instruction": "Write about foxes.", "input": "",
-     "output": "The quick brown fox jumps over the lazy dog. " * 3},
-    {"instruction": "Return the sum.", "input": "def add(a, b):", "output": "return a + b"},
-]  # fmt: skip
-EXAMPLES = ROWS + MORE  # 5 examples, 70 to 110 tokens: two or three share a row of 256
-
-
-def _family(kind: str):
-    ids = dict(bos_token_id=0, eos_token_id=1)  # the BPE's <s> and </s>
-    if kind == "llama":
-        return llama_config(vocab=400, max_position_embeddings=SEQ, **ids)
-    return gpt2_config(vocab=400, n_positions=SEQ, **ids)
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, Path]:
-    """A model folder of each family with the tokenizer beside its weights."""
     root = tmp_path_factory.mktemp("eval-models")
-    out = {}
-    for kind in ("llama", "gpt2"):
-        folder = save(_family(kind), root / kind)
-        out[kind] = tokenizer_folder(folder, LLAMA_TEMPLATE)
-    return out
+    return {kind: model_folder(root / kind, kind) for kind in ("llama", "gpt2")}
 
 
 @pytest.fixture(scope="module")
@@ -114,14 +88,6 @@ def _chat(tok, chat: list[dict]) -> tuple[list[int], list[int]]:
         done = len(upto)
     rest = tok(full[done:], add_special_tokens=False)["input_ids"]
     return ids + rest, labels + [-100] * len(rest)
-
-
-def evaluate(argv: list[str], capsys) -> dict:
-    """`plait eval ARGV --json` in this process (world 1 runs in the launcher's process)."""
-    code = main(["eval", *argv, "--json", "--micro-batch", "1", "--device", "cpu"])
-    out = capsys.readouterr()
-    assert code == 0, out.err[-3000:]
-    return json.loads(out.out)
 
 
 def _scratch() -> set[str]:
@@ -190,7 +156,7 @@ def test_bad_input_stops_before_workers(folders, rows, tmp_path, capsys) -> None
     text = tmp_path / "t.txt"
     text.write_text(TEXT[0])
     bare = tmp_path / "bare"  # a model folder without a tokenizer
-    save(_family("llama"), bare)
+    save(family("llama"), bare)
     capsys.readouterr()  # transformers' progress bar
     bad_row = write_jsonl(tmp_path / "bad.jsonl", [*EXAMPLES[:2], {"instruction": "x"}])
     cases = [
@@ -259,7 +225,7 @@ def test_shards_of_another_tokenizer_are_refused_by_eval_and_train(
     folders, rows, sft, tmp_path, capsys
 ) -> None:
     other = tokenizer_folder(tmp_path / "other", None)  # the same BPE, another file's hash
-    gpt2 = save(_family("gpt2"), tmp_path / "gpt2")
+    gpt2 = save(family("gpt2"), tmp_path / "gpt2")
     (gpt2 / "tokenizer.json").write_text((other / "tokenizer.json").read_text() + " ")
     capsys.readouterr()  # transformers' progress bar
     seq = ["--seq-len", str(SEQ)]
