@@ -1,8 +1,9 @@
 """`plait eval` in multi-rank layouts, its ranks on one harness world (tests/in_process.py:
 the real command and each rank's real `eval_worker`, without process start-up per run):
-data parallelism splitting the rows unevenly (5 one-example rows over 2 replicas), tensor
-parallelism with sequence parallelism, and a two-stage pipeline on packed rows give the
-single process's figures."""
+data parallelism with ZeRO-3 splitting the rows unevenly (5 one-example rows over 2
+replicas: the second runs a micro-batch without targets, or the first would wait on its
+parameter gathers forever), tensor parallelism with sequence parallelism, and a two-stage
+pipeline on packed rows give the single process's figures."""
 
 from __future__ import annotations
 
@@ -29,11 +30,11 @@ def argv(tmp_path_factory) -> list[str]:
 @pytest.mark.parametrize(
     ("layout", "rows"),
     [
-        (["--dp", "2"], ["--no-pack"]),
+        (["--dp", "2", "--zero", "3"], ["--no-pack"]),
         (["--tp", "2", "--sequence-parallel"], []),
         (["--pp", "2"], []),
     ],
-    ids=["dp2-padded", "tp2-sp-packed", "pp2-packed"],
+    ids=["dp2-zero3-padded", "tp2-sp-packed", "pp2-packed"],
 )
 def test_a_layout_gives_the_single_process_figures(world2, argv, layout, rows, capsys) -> None:
     one = evaluate([*argv, *rows], capsys)
