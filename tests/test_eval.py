@@ -12,6 +12,7 @@ exported folder; bad input stops before any worker. Multi-rank layouts: test_eva
 from __future__ import annotations
 
 import math
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -203,9 +204,12 @@ def test_a_checkpoint_equals_its_export_and_shards_their_raw_file(
 ) -> None:
     """One step of instruction tuning from the Llama folder: `--checkpoint RUN` (the run's
     tokenizer by default) gives the figure of `--init-from` its exported folder, and not the
-    folder's it started from; the prepared shards give the raw file's figure."""
-    llama, run = str(folders["llama"]), tmp_path / "run"
-    _train(["--init-from", llama, "--data", str(sft), "--seq-len", str(SEQ), "--out", str(run),
+    folder's it started from; the prepared shards give the raw file's figure. Once the run's
+    data has moved, its tokenizer is unknown: refused, unless --tokenizer names the one the
+    run recorded."""
+    llama, run, data = str(folders["llama"]), tmp_path / "run", tmp_path / "sft"
+    shutil.copytree(sft, data)
+    _train(["--init-from", llama, "--data", str(data), "--seq-len", str(SEQ), "--out", str(run),
             "--lr", "1e-2"], capsys)  # fmt: skip
     hf = tmp_path / "hf"
     assert main(["export", "--checkpoint", str(run), "--format", "hf", "--out", str(hf)]) == 0
@@ -219,6 +223,16 @@ def test_a_checkpoint_equals_its_export_and_shards_their_raw_file(
     assert abs(start["loss"] - tuned["loss"]) > 1e-3  # the step moved it
     shards = evaluate(["--init-from", llama, "--data", str(sft), "--seq-len", str(SEQ)], capsys)
     assert shards == start
+    data.rename(tmp_path / "moved")
+    said = _bad(["--checkpoint", str(run), *alpaca], capsys)
+    assert f"the run of --checkpoint {run}/checkpoints/step-1 trained with tokenizer sha256" in said
+    assert "but its data now names bytes (sha256 None): moved or remade; give --tokenizer" in said
+    assert evaluate(["--checkpoint", str(run), "--tokenizer", llama, *alpaca], capsys) == tuned
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "tokenizer.json").write_text((folders["llama"] / "tokenizer.json").read_text() + " ")
+    said = _bad(["--checkpoint", str(run), "--tokenizer", str(other), *alpaca], capsys)
+    assert f"--tokenizer {other} is not the tokenizer the run of --checkpoint {run}/" in said
 
 
 def test_shards_of_another_tokenizer_are_refused_by_eval_and_train(

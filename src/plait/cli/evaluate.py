@@ -22,7 +22,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from plait.checkpoint import inspect
+from plait.checkpoint import inspect, store
 from plait.cli.models import checkpoint_path, run_tokenizer
 from plait.cli.run_flags import add_run_flags, config_from_args
 from plait.config import Config
@@ -71,8 +71,32 @@ def _model_tokenizer(args: argparse.Namespace, checkpoint: Path | None) -> Token
     if folder and (Path(folder) / "tokenizer.json").is_file():
         return resolve_tokenizer(folder)
     if checkpoint is not None:
-        return run_tokenizer(checkpoint)
+        return _run_tokenizer(args, checkpoint)
     return None
+
+
+def _run_tokenizer(args: argparse.Namespace, checkpoint: Path) -> TokenizerSpec | None:
+    """The tokenizer the checkpoint's run trained with, found through its data (shards name
+    theirs) and checked against the SHA-256 the run recorded: data moved or remade since
+    would otherwise pass for bytes or another tokenizer. An explicit --tokenizer must be the
+    recorded one; with it, the run's data is not needed (None)."""
+    recorded = store.read_trainer(checkpoint)["config"]["data"].get("tokenizer_hash")
+    given = _given(args, "data.tokenizer")
+    if given:
+        if resolve_tokenizer(given).identity != recorded:
+            raise ConfigError(
+                f"--tokenizer {given} is not the tokenizer the run of --checkpoint "
+                f"{checkpoint} trained with (sha256 {recorded or 'none: bytes'})"
+            )
+        return None
+    spec = run_tokenizer(checkpoint)
+    if spec.identity != recorded:
+        raise ConfigError(
+            f"the run of --checkpoint {checkpoint} trained with tokenizer sha256 {recorded}, "
+            f"but its data now names {spec.name} (sha256 {spec.identity}): moved or remade; "
+            "give --tokenizer"
+        )
+    return spec
 
 
 def _model_name(args: argparse.Namespace, checkpoint: Path | None) -> tuple[str, str]:
