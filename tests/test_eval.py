@@ -233,6 +233,12 @@ def test_a_checkpoint_equals_its_export_and_shards_their_raw_file(
     (other / "tokenizer.json").write_text((folders["llama"] / "tokenizer.json").read_text() + " ")
     said = _bad(["--checkpoint", str(run), "--tokenizer", str(other), *alpaca], capsys)
     assert f"--tokenizer {other} is not the tokenizer the run of --checkpoint {run}/" in said
+    gpt2_sft = tmp_path / "gpt2-sft"  # examples of another tokenizer than the run's
+    assert main(["data", "prepare", "--format", "alpaca", "--data", str(rows), "--tokenizer",
+                 str(other), "--out", str(gpt2_sft), "--no-progress"]) == 0  # fmt: skip
+    capsys.readouterr()
+    said = _bad(["--checkpoint", str(run), "--tokenizer", llama, "--data", str(gpt2_sft)], capsys)
+    assert f"not with --tokenizer {llama}'s; prepare them again with --tokenizer {llama}" in said
 
 
 def test_shards_of_another_tokenizer_are_refused_by_eval_and_train(

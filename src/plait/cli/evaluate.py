@@ -108,12 +108,14 @@ def _model_name(args: argparse.Namespace, checkpoint: Path | None) -> tuple[str,
 
 
 def _check_shards(data: str, args: argparse.Namespace, checkpoint: Path | None) -> None:
-    """Prepared shards must hold the model's tokens: made with its tokenizer (an explicit
-    --tokenizer is checked against them when the config is read)."""
-    model = _model_tokenizer(args, checkpoint)
+    """Prepared shards must hold the model's tokens: made with its tokenizer (a checkpoint's
+    --tokenizer, which is the run's, stands for it)."""
+    model, given = _model_tokenizer(args, checkpoint), _given(args, "data.tokenizer")
+    named, tokenizer = _model_name(args, checkpoint) if model else (f"--tokenizer {given}", given)
+    if model is None and given:  # a checkpoint's --tokenizer (checked to be the run's)
+        model = resolve_tokenizer(given)
     made = shard_tokenizer(data, None)
     if model is not None and model.identity != made.identity:
-        named, tokenizer = _model_name(args, checkpoint)
         raise ConfigError(
             f"shards {data!r} were made with tokenizer {made.name} (sha256 {made.identity}), "
             f"not with {named}'s; prepare them again with --tokenizer {tokenizer}"
