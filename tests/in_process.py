@@ -4,7 +4,8 @@
 output folder, then launches the workers, each of which runs `launch.training_run`.
 `train(world, args)` runs that same `plait.cli.main`, with its launch (in `plait.cli.train`)
 replaced by the same per-rank call on the ranks of a harness `World` (started once per
-module): everything but the launcher, without seconds of process start-up per run.
+module): everything but the launcher, without seconds of process start-up per run;
+`evaluate(world, args)` does the same for `plait eval` (its worker is `evaluate.eval_worker`).
 tests/test_launch.py tests the launcher itself (spawned workers, signals, failures,
 restarts, torchrun).
 """
@@ -13,13 +14,15 @@ from __future__ import annotations
 
 import io
 import tempfile
-from contextlib import redirect_stderr
+from collections.abc import Callable
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
+import plait.cli.evaluate as eval_command
 import plait.cli.train as train_command
 from harness import World
 from plait.cli import main
@@ -36,10 +39,11 @@ TINY = [
 """The flags of a tiny dp2 run of a few seconds (tests override any of them after)."""
 
 
-def _rank_run(cfg: Config, store_file: str) -> str:
-    """One rank's run, set up as `launch.init_worker` sets up a launched worker (its share of
-    the cores, its device, a key-value store for the stop agreement: a file store here, as
-    the harness world's own is not handed out); returns what it printed on stderr."""
+def _rank_run(cfg: Config, store_file: str, target: Callable = training_run) -> str:
+    """One rank's run (`target(cfg, mesh)`: a training run, or `plait eval`'s worker), set up
+    as `launch.init_worker` sets up a launched worker (its share of the cores, its device, a
+    key-value store for the stop agreement: a file store here, as the harness world's own is
+    not handed out); returns what it printed on stderr."""
     rank, world = dist.get_rank(), dist.get_world_size()
     threads = torch.get_num_threads()
     torch.set_num_threads(threads_per_worker(world))
@@ -49,7 +53,7 @@ def _rank_run(cfg: Config, store_file: str) -> str:
     err = io.StringIO()
     try:
         with redirect_stderr(err):
-            training_run(cfg, mesh)
+            target(cfg, mesh)
     finally:
         torch.set_num_threads(threads)
     return err.getvalue()
@@ -69,3 +73,19 @@ def train(world: World, args: list[str]) -> tuple[int, str]:
         patch.setattr(train_command, "launch", launch)
         code = main(["train", *args])
     return code, err.getvalue() + "".join(printed)
+
+
+def evaluate(world: World, args: list[str]) -> tuple[int, str, str]:
+    """`plait eval ARGS` with `world`'s ranks as its workers: the exit code, stdout (what the
+    command printed), and stderr (the command's own lines, then each rank's)."""
+    printed: list[str] = []
+
+    def launch(cfg: Config, target: Callable) -> None:
+        with tempfile.TemporaryDirectory(prefix="plait-test-store-") as folder:
+            printed.extend(world.run(_rank_run, cfg, str(Path(folder, "store")), target))
+
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, redirect_stdout(out), redirect_stderr(err):
+        patch.setattr(eval_command, "launch", launch)
+        code = main(["eval", *args])
+    return code, out.getvalue(), err.getvalue() + "".join(printed)

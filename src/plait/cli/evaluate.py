@@ -22,12 +22,13 @@ from pathlib import Path
 
 from rich.console import Console
 
-from plait.checkpoint import inspect
+from plait.checkpoint import inspect, store
 from plait.cli.models import checkpoint_path, run_tokenizer
 from plait.cli.run_flags import add_run_flags, config_from_args
 from plait.config import Config
 from plait.data.instruct import FORMATS, InstructJob, prepare_examples
-from plait.data.shards import is_shard_dir
+from plait.data.shards import is_shard_dir, shard_tokenizer
+from plait.data.tokenizer import TokenizerSpec, resolve_tokenizer
 from plait.errors import ConfigError, print_bad_input
 from plait.evaluate import check_rows, eval_rows, eval_worker
 from plait.launch import Interrupted, WorkerFailure, launch
@@ -63,41 +64,93 @@ def _given(args: argparse.Namespace, dest: str):
     return getattr(args, dest, None)
 
 
-def _tokenizer(args: argparse.Namespace, checkpoint: Path | None) -> str:
-    """The tokenizer a raw instruction file is prepared with: --tokenizer, else the model's."""
-    given = _given(args, "data.tokenizer")
-    if given:
-        return given
+def _model_tokenizer(args: argparse.Namespace, checkpoint: Path | None) -> TokenizerSpec | None:
+    """The model's own tokenizer: its folder's tokenizer.json, or the one its run trained
+    with (bytes included); None when the model does not say (a folder without one)."""
     folder = _given(args, "train.init_from")
     if folder and (Path(folder) / "tokenizer.json").is_file():
-        return folder
-    if checkpoint is not None and run_tokenizer(checkpoint).path:
-        return run_tokenizer(checkpoint).path
-    raise ConfigError(
-        f"--format {args.format} needs a tokenizer: give --tokenizer, or a model whose folder "
-        "or run has one"
-    )
+        return resolve_tokenizer(folder)
+    if checkpoint is not None:
+        return _run_tokenizer(args, checkpoint)
+    return None
+
+
+def _run_tokenizer(args: argparse.Namespace, checkpoint: Path) -> TokenizerSpec | None:
+    """The tokenizer the checkpoint's run trained with, found through its data (shards name
+    theirs) and checked against the SHA-256 the run recorded: data moved or remade since
+    would otherwise pass for bytes or another tokenizer. An explicit --tokenizer must be the
+    recorded one; with it, the run's data is not needed (None)."""
+    recorded = store.read_trainer(checkpoint)["config"]["data"].get("tokenizer_hash")
+    given = _given(args, "data.tokenizer")
+    if given:
+        if resolve_tokenizer(given).identity != recorded:
+            raise ConfigError(
+                f"--tokenizer {given} is not the tokenizer the run of --checkpoint "
+                f"{checkpoint} trained with (sha256 {recorded or 'none: bytes'})"
+            )
+        return None
+    spec = run_tokenizer(checkpoint)
+    if spec.identity != recorded:
+        raise ConfigError(
+            f"the run of --checkpoint {checkpoint} trained with tokenizer sha256 {recorded}, "
+            f"but its data now names {spec.name} (sha256 {spec.identity}): moved or remade; "
+            "give --tokenizer"
+        )
+    return spec
+
+
+def _model_name(args: argparse.Namespace, checkpoint: Path | None) -> tuple[str, str]:
+    """The model as the user named it, and the tokenizer to prepare its data with."""
+    if checkpoint is None:
+        folder = _given(args, "train.init_from")
+        return f"--init-from {folder}", folder
+    return f"the run of --checkpoint {checkpoint}", run_tokenizer(checkpoint).name
+
+
+def _check_shards(data: str, args: argparse.Namespace, checkpoint: Path | None) -> None:
+    """Prepared shards must hold the model's tokens: made with its tokenizer (a checkpoint's
+    --tokenizer, which is the run's, stands for it)."""
+    model, given = _model_tokenizer(args, checkpoint), _given(args, "data.tokenizer")
+    named, tokenizer = _model_name(args, checkpoint) if model else (f"--tokenizer {given}", given)
+    if model is None and given:  # a checkpoint's --tokenizer (checked to be the run's)
+        model = resolve_tokenizer(given)
+    made = shard_tokenizer(data, None)
+    if model is not None and model.identity != made.identity:
+        raise ConfigError(
+            f"shards {data!r} were made with tokenizer {made.name} (sha256 {made.identity}), "
+            f"not with {named}'s; prepare them again with --tokenizer {tokenizer}"
+        )
 
 
 def _prepare_raw(args: argparse.Namespace, checkpoint: Path | None) -> Path | None:
-    """A raw alpaca/chat file prepared into a temporary folder (the caller removes it)."""
+    """A raw alpaca/chat file prepared into a temporary folder (the caller removes it); the
+    tokenizer of a raw file (any format) is --tokenizer, else the model's."""
     data = _given(args, "data.path")
     fmt = args.format or "text"
     if data and is_shard_dir(data):
         if args.format:
             raise ConfigError(f"--data {data} is prepared shards; leave out --format")
+        _check_shards(data, args, checkpoint)
         return None
+    model = _model_tokenizer(args, checkpoint)
+    tokenizer = _given(args, "data.tokenizer") or (model.path if model else None)
     if fmt == "text":
         for flag, value in (("--columns", args.columns), ("--chat-template", args.chat_template),
                             ("--train-on-input", args.train_on_input)):  # fmt: skip
             if value:
                 raise ConfigError(f"{flag} is for --format alpaca or chat, not text")
+        setattr(args, "data.tokenizer", tokenizer)
         return None
     if not data:
         raise ConfigError(f"--format {fmt} needs --data FILE")
+    if not tokenizer:
+        raise ConfigError(
+            f"--format {fmt} needs a tokenizer: give --tokenizer, or a model whose folder "
+            "or run has one"
+        )
     scratch = Path(tempfile.mkdtemp(prefix="plait-eval-")) / "examples"
-    job = InstructJob(data, scratch, fmt, _tokenizer(args, checkpoint), args.columns,
-                      args.chat_template, args.train_on_input)  # fmt: skip
+    job = InstructJob(data, scratch, fmt, tokenizer, args.columns, args.chat_template,
+                      args.train_on_input)  # fmt: skip
     try:
         prepare_examples(job)
     except BaseException:

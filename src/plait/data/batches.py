@@ -34,6 +34,7 @@ from plait.data.sampler import (
 )
 from plait.errors import ConfigError
 from plait.models.dropout import sample_keys
+from plait.models.loss import IGNORE
 
 LOSS_AVERAGES = ("tokens", "micro-batch")
 """`tokens`: summed target losses / the global batch's target count (the default, exact);
@@ -157,15 +158,29 @@ class StepBatches:
         return self._before.get(step) or self.sampler.state_dict()
 
     def validation(self, batches: int) -> list[MicroBatch]:
-        """This replica's share of `batches` global batches of fixed validation windows."""
+        """This replica's share of `batches` global batches of fixed validation windows.
+
+        Fewer rows than asked for (a small validation set, `plait eval` over every row) split
+        unevenly over the replicas; a replica left with fewer micro-batches than the first
+        (the largest share) gets micro-batches of one row without targets, so that every
+        replica runs as many forwards: ZeRO-3 gathers each layer's parameters over dp in
+        every forward, and a replica that stopped early would leave the others waiting.
+        They add nothing to the loss or the count."""
         val = self.corpus.val
         idx = eval_indices(len(val), batches * self.global_batch)
         rank, size = self.replica
-        mine = torch.tensor_split(idx, size)[rank]
-        return [
-            self._micro(val, chunk, torch.zeros(len(chunk), dtype=torch.int64))
-            for chunk in torch.split(mine, self.micro_batch)
-        ]
+        shares = torch.tensor_split(idx, size)  # the first share is the largest
+        zeros = torch.zeros(self.micro_batch, dtype=torch.int64)
+        out = [self._micro(val, chunk, zeros[: len(chunk)])
+               for chunk in torch.split(shares[rank], self.micro_batch)]  # fmt: skip
+        while len(out) < -(-len(shares[0]) // self.micro_batch):
+            out.append(self._no_targets(self._micro(val, idx[:1], zeros[:1])))
+        return out
+
+    @staticmethod
+    def _no_targets(mb: MicroBatch) -> MicroBatch:
+        mb.targets.fill_(IGNORE)
+        return mb
 
     def _micro(
         self, rows: Rows, idx: Tensor, keys: Tensor, denom: float | None = None
