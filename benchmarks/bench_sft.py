@@ -191,7 +191,7 @@ def report(res: dict[str, Any]) -> str:
         "",
         f"target tokens/s packed/padded: median of per-round ratios **"
         f"{t['paired_rate_ratio']:.2f}**, ratio of medians {t['rate_ratio_of_medians']:.2f}; "
-        f"epoch time padded/packed {t['epoch_ratio']:.2f}",
+        f"over an epoch (every row's targets at the median step): {t['epoch_ratio']:.2f}",
         f"step 0, same weights, {s0['packed']['targets']:,} validation target tokens "
         f"({s0['packed']['rows']} packed / {s0['padded']['rows']} padded rows): loss per "
         f"target token packed {s0['packed']['per_target']:.6f}, padded "
