@@ -36,7 +36,7 @@ def model_folder(folder: Path, kind: str) -> Path:
 
 def evaluate(argv: list[str], capsys) -> dict:
     """`plait eval ARGV --json` in this process (world 1 runs in the launcher's process)."""
-    code = main(["eval", *argv, "--json", "--micro-batch", "1", "--device", "cpu"])
+    code = main(["eval", *argv, "--json", "--device", "cpu"])  # micro-batch: the rows
     out = capsys.readouterr()
     assert code == 0, out.err[-3000:]
     return json.loads(out.out)

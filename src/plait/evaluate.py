@@ -60,21 +60,24 @@ def eval_rows(cfg: Config) -> EvalRows:
     return EvalRows(windows, len(windows), 0, 0)
 
 
-def check_rows(cfg: Config, made: EvalRows) -> None:
-    """One micro-batch per replica at least: the layout needs rows to run."""
-    need = cfg.train.micro_batch * cfg.parallel.layout.dp
-    if len(made.rows) < need:
+def fit_rows(cfg: Config, made: EvalRows) -> None:
+    """Every replica needs a row: fewer rows than dp is refused; a micro-batch larger than
+    the rows per replica is lowered to them (a small file needs no --micro-batch), and the
+    global batch is one micro-batch per replica."""
+    rows, dp = len(made.rows), cfg.parallel.layout.dp
+    if rows < dp:
         raise ConfigError(
-            f"data {cfg.data.path!r} gives {len(made.rows)} rows of seq_len "
-            f"{cfg.train.seq_len}, fewer than micro-batch {cfg.train.micro_batch} x dp "
-            f"{cfg.parallel.layout.dp} = {need}; lower --micro-batch"
+            f"data {cfg.data.path!r} gives {rows} rows of seq_len {cfg.train.seq_len}, "
+            f"fewer than dp {dp} replicas; lower --dp"
         )
+    cfg.train.micro_batch = min(cfg.train.micro_batch, rows // dp)
+    cfg.train.global_batch = cfg.train.micro_batch * dp
 
 
 def eval_worker(cfg: Config, mesh: Mesh, checkpoint: str | None, result: str) -> dict:
     """One rank's share; rank 0 writes the figures to `result` (a JSON file) and returns them."""
     made = eval_rows(cfg)
-    check_rows(cfg, made)
+    fit_rows(cfg, made)
     trainer = Trainer(cfg, mesh, Corpus(made.rows, made.rows, 0.0))
     try:
         if checkpoint:
@@ -88,7 +91,7 @@ def eval_worker(cfg: Config, mesh: Mesh, checkpoint: str | None, result: str) ->
     loss = loss_sum / max(targets, 1)
     figures = {
         "loss": loss,
-        "perplexity": math.exp(loss) if loss < 700 else math.inf,
+        "perplexity": math.exp(loss) if loss < 700 else None,  # JSON has no infinity
         "target_tokens": targets,
         "examples": made.examples,
         "rows": len(made.rows),

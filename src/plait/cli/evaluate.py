@@ -30,7 +30,7 @@ from plait.data.instruct import FORMATS, InstructJob, prepare_examples
 from plait.data.shards import is_shard_dir, shard_tokenizer
 from plait.data.tokenizer import TokenizerSpec, resolve_tokenizer
 from plait.errors import ConfigError, print_bad_input
-from plait.evaluate import check_rows, eval_rows, eval_worker
+from plait.evaluate import eval_rows, eval_worker, fit_rows
 from plait.launch import Interrupted, WorkerFailure, launch
 from plait.signals import exit_code
 
@@ -181,7 +181,7 @@ def check_request(args: argparse.Namespace) -> Request:
     scratch = _prepare_raw(args, checkpoint)
     try:
         cfg = config_from_args(args, check_data=False, adjust=_adjust(checkpoint))
-        check_rows(cfg, eval_rows(cfg))
+        fit_rows(cfg, eval_rows(cfg))
     except BaseException:
         if scratch is not None:
             shutil.rmtree(scratch.parent, ignore_errors=True)
@@ -193,8 +193,9 @@ def _say(figures: dict, as_json: bool) -> None:
     if as_json:
         print(json.dumps(figures))
         return
+    ppl = "overflow" if figures["perplexity"] is None else f"{figures['perplexity']:.4g}"
     print(
-        f"loss {figures['loss']:.6f} (perplexity {figures['perplexity']:.4g}) over "
+        f"loss {figures['loss']:.6f} (perplexity {ppl}) over "
         f"{figures['target_tokens']:,} target tokens of {figures['examples']:,} examples in "
         f"{figures['rows']:,} rows ({figures['truncated']:,} truncated, "
         f"{figures['dropped']:,} dropped)"
