@@ -163,6 +163,8 @@ def test_bad_input_stops_before_workers(folders, rows, tmp_path, capsys) -> None
     cases = [
         (["--checkpoint", str(tmp_path), "--init-from", llama, *alpaca],
          "--checkpoint names the model; leave out --init-from"),
+        (alpaca, "plait eval needs a model: --init-from HF_DIR or --checkpoint CK"),
+        (["--init-from", str(tmp_path / "nowhere"), *alpaca], "nowhere is not a folder"),
         (["--init-from", str(bare), *alpaca], "--format alpaca needs a tokenizer"),
         (["--init-from", llama, "--data", str(text), "--columns", "output=completion"],
          "--columns is for --format alpaca or chat, not text"),
@@ -225,8 +227,12 @@ def test_a_checkpoint_equals_its_export_and_shards_their_raw_file(
     assert shards == start
     data.rename(tmp_path / "moved")
     said = _bad(["--checkpoint", str(run), *alpaca], capsys)
-    assert f"the run of --checkpoint {run}/checkpoints/step-1 trained with tokenizer sha256" in said
-    assert "but its data now names bytes (sha256 None): moved or remade; give --tokenizer" in said
+    assert f"the run of checkpoint {run}/checkpoints/step-1 trained with tokenizer sha256" in said
+    assert f"but its data {str(data)!r} now gives bytes (sha256 None): run from the folder" in said
+    assert said.endswith("(its paths are relative to it), or give --tokenizer")
+    generate = ["generate", "--checkpoint", str(run), "--template", "alpaca", "--prompt", "x"]
+    assert main(generate) == 2  # generate and export find the tokenizer the same way
+    assert "now gives bytes (sha256 None): run from the folder" in capsys.readouterr().err
     assert evaluate(["--checkpoint", str(run), "--tokenizer", llama, *alpaca], capsys) == tuned
     other = tmp_path / "other"
     other.mkdir()

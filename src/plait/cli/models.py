@@ -85,10 +85,20 @@ def init_model(folder: str, explicit: dict[str, Any], preset: str | None) -> Mod
     return cfg
 
 
-def run_tokenizer(checkpoint: Path) -> TokenizerSpec:
-    """The tokenizer the checkpointed run trained with (bytes, or its tokenizer.json)."""
+def run_tokenizer(checkpoint: Path, hint: str = "") -> TokenizerSpec:
+    """The tokenizer the checkpointed run trained with (bytes, or its tokenizer.json), found
+    through the run's data and checked against the SHA-256 the run recorded: data that moved
+    (the run's paths are relative to where it started) would otherwise pass for bytes."""
     data = store.read_trainer(checkpoint)["config"]["data"]
-    return data_tokenizer(data.get("path"), data.get("tokenizer"))
+    spec = data_tokenizer(data.get("path"), data.get("tokenizer"))
+    recorded = data.get("tokenizer_hash", spec.identity)
+    if spec.identity != recorded:
+        raise ConfigError(
+            f"the run of checkpoint {checkpoint} trained with tokenizer sha256 {recorded}, but "
+            f"its data {data.get('path')!r} now gives {spec.name} (sha256 {spec.identity}): run "
+            f"from the folder the run started in (its paths are relative to it){hint}"
+        )
+    return spec
 
 
 def export_main(args: argparse.Namespace, console: Console) -> None:
