@@ -264,20 +264,20 @@ def test_corpus_large_enough_validates(tmp_path: Path) -> None:
 
 
 def test_corpus_too_short_for_global_batch(tmp_path: Path) -> None:
-    # 2000 bytes, 5% held out: int(1900 - 1) // 32 = 59 training windows < 64.
+    # 2000 bytes at seq_len 32: 60 blocks of one window (33 tokens), 3 of them held out.
     path = write_corpus(tmp_path, 2000)
     cfg = tiny(data={"path": str(path)}, train={"global_batch": 64, "micro_batch": 8})
     msg = expect_error(cfg, f"corpus {str(path)!r} has 2000 bytes", check_data=True)
-    assert "59 training and 3 validation sequences of seq_len 32" in msg
+    assert "57 training and 3 validation sequences of seq_len 32" in msg
     assert "needs 64 training sequences" in msg
 
 
 def test_corpus_too_short_for_validation(tmp_path: Path) -> None:
-    # 500 bytes: 25 held out, fewer than one window of seq_len 32 (needs 33 tokens).
-    path = write_corpus(tmp_path, 500)
-    cfg = tiny(data={"path": str(path)}, train={"global_batch": 8, "micro_batch": 8})
-    msg = expect_error(cfg, "has 500 bytes", check_data=True)
-    assert "14 training and 0 validation sequences of seq_len 32" in msg
+    # 40 bytes: one window of seq_len 32 (needs 33 tokens), one block, nothing to hold out.
+    path = write_corpus(tmp_path, 40)
+    cfg = tiny(data={"path": str(path)}, train={"global_batch": 1, "micro_batch": 1})
+    msg = expect_error(cfg, "has 40 bytes", check_data=True)
+    assert "1 training and 0 validation sequences of seq_len 32" in msg
     assert "validation at least 1" in msg
 
 
@@ -289,18 +289,26 @@ def test_max_bytes_caps_the_corpus(tmp_path: Path) -> None:
     expect_error(cfg, "has 1000 bytes: 29 training", check_data=True)
 
 
-def test_corpus_check_agrees_with_the_real_split(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("nbytes", "seq_len", "fraction"), [(21, 2, 0.2), (700, 8, 0.05), (30_011, 4, 0.3)]
+)
+def test_corpus_check_agrees_with_the_real_split(
+    tmp_path: Path, nbytes: int, seq_len: int, fraction: float
+) -> None:
+    """The check counts the windows `load_corpus` makes: a global batch of exactly the
+    training windows passes, one more is refused naming both sides' counts."""
     from plait.train import load_corpus
 
-    path = tmp_path / "c.txt"
-    path.write_bytes(b"abcdefghijklmnopqrstu")  # 21 bytes
-    cfg = tiny(
-        data={"path": str(path), "val_fraction": 0.2},
-        train={"seq_len": 2, "global_batch": 8, "micro_batch": 8},
-    )
-    corpus = load_corpus(cfg)
-    assert len(corpus.train) == 8 and len(corpus.val) == 1  # the run itself would work
-    validate_config(cfg, check_data=True)
+    path = write_corpus(tmp_path, nbytes)
+    data = {"path": str(path), "val_fraction": fraction}
+    seq = {"seq_len": seq_len, "micro_batch": 1}
+    corpus = load_corpus(tiny(data=data, train=seq))
+    train, val = len(corpus.train), len(corpus.val)
+    assert train > 0 and val > 0
+    validate_config(tiny(data=data, train={**seq, "global_batch": train}), check_data=True)
+    cfg = tiny(data=data, train={**seq, "global_batch": train + 1})
+    msg = expect_error(cfg, f"has {nbytes} bytes", check_data=True)
+    assert f"{train} training and {val} validation sequences of seq_len {seq_len}" in msg
 
 
 # --- load_toml ----------------------------------------------------------------------------

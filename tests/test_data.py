@@ -20,7 +20,6 @@ from plait.data import (
     load_tokens,
     replica_share,
     split_micro,
-    split_tokens,
     unigram_entropy,
 )
 from plait.errors import ConfigError
@@ -112,18 +111,6 @@ def test_missing_and_empty_paths_are_named(tmp_path: Path) -> None:
         load_tokens(str(empty), 100)
     with pytest.raises(ConfigError, match=r"max_bytes.*0"):
         load_tokens(None, 0)
-
-
-def test_split_tokens_takes_the_tail() -> None:
-    tokens = np.arange(100, dtype=np.uint8)
-    train, val = split_tokens(tokens, 0.1)
-    assert len(train) == 90 and len(val) == 10
-    assert np.array_equal(np.concatenate([train, val]), tokens)
-    assert val[0] == 90
-    train, val = split_tokens(tokens, 0.0)
-    assert len(train) == 100 and len(val) == 0
-    with pytest.raises(ConfigError, match=r"1\.5"):
-        split_tokens(tokens, 1.5)
 
 
 def test_unigram_entropy_known_distributions() -> None:

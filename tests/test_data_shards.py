@@ -82,8 +82,15 @@ def test_training_from_shards_equals_training_in_memory(made) -> None:
     assert cfg.model.vocab_size == 300 and cfg.data.tokenizer_hash == made["spec"].identity
     mapped = ShardStream(cfg.data.path)
     memory = mapped.read(0, len(mapped)).astype(np.uint16)
-    losses_mapped = reference_run(cfg, corpus_from_tokens(mapped, cfg))[0]
-    losses_memory = reference_run(cfg, corpus_from_tokens(memory, cfg))[0]
+    corpus_mapped, corpus_memory = corpus_from_tokens(mapped, cfg), corpus_from_tokens(memory, cfg)
+    # The same split (evenly spaced blocks, from the length alone) and the same baseline.
+    assert corpus_mapped.unigram_baseline == corpus_memory.unigram_baseline
+    for side in ("train", "val"):
+        a, b = getattr(corpus_mapped, side), getattr(corpus_memory, side)
+        every = torch.arange(len(a))
+        assert len(a) == len(b) and torch.equal(a.draw(every)[0], b.draw(every)[0])
+    losses_mapped = reference_run(cfg, corpus_mapped)[0]
+    losses_memory = reference_run(cfg, corpus_memory)[0]
     assert losses_mapped == losses_memory
     assert len(set(losses_mapped)) == 4
 

@@ -57,7 +57,13 @@ def test_zero_with_pipeline_and_fp16_from_the_command_line(world2, tmp_path):
     assert code == 0, err[-3000:]
     rows = _rows(tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
-    assert all(r["loss_scale"] == 2.0**16 and not r["step_skipped"] for r in rows)
+    # The scaler starts at 2^16 and halves at each step whose gradients overflow (skipped);
+    # which steps overflow depends on the windows drawn, so the rule is checked, not a count.
+    scale = 2.0**16
+    for r in rows:
+        scale /= 2 if r["step_skipped"] else 1
+        assert r["loss_scale"] == scale, rows
+    assert sum(not r["step_skipped"] for r in rows) >= 3
     assert rows[-1]["loss"] < rows[0]["loss"]
 
 

@@ -20,7 +20,7 @@ from plait.composition import (
     check_tensor_parallel,
     check_zero,
 )
-from plait.data import data_tokenizer, stream_length
+from plait.data import data_tokenizer, split_windows, stream_length
 from plait.data.batches import check_loss_average
 from plait.data.examples import check_examples, is_examples_dir
 from plait.data.packing import LONG
@@ -139,7 +139,11 @@ class DataConfig:
         default=8_000_000, metadata={"domain": at_least(1), "help": "read at most this many bytes"}
     )
     val_fraction: float = field(
-        default=0.05, metadata={"domain": fraction(low_open=True), "help": "tail share held out"}
+        default=0.05,
+        metadata={
+            "domain": fraction(low_open=True),
+            "help": "share held out for validation, evenly spaced through the data",
+        },
     )
     tokenizer: str | None = field(
         default=None,
@@ -490,9 +494,8 @@ def _validate_corpus(cfg: Config) -> None:
     unit = "bytes" if cfg.data.tokenizer_hash is None else "tokens"
     if available == 0:
         raise ConfigError(f"corpus {source!r} holds no text (empty and binary files are skipped)")
-    val_tokens = int(available * cfg.data.val_fraction)  # the same arithmetic as split_tokens
-    train_windows = max(0, (available - val_tokens - 1) // t.seq_len)
-    val_windows = max(0, (val_tokens - 1) // t.seq_len)
+    split = split_windows(available, t.seq_len, d.val_fraction)  # the split a run makes
+    train_windows, val_windows = split.train.windows, split.val.windows
     if train_windows < t.global_batch or val_windows < 1:
         raise ConfigError(
             f"corpus {source!r} has {available} {unit}: {train_windows} training and "

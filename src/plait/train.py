@@ -23,7 +23,7 @@ from plait.checkpoint import io as ckpt_io
 from plait.checkpoint import store
 from plait.comm import Comm
 from plait.config import Config
-from plait.data import baseline_sample, load_stream, split_tokens, unigram_entropy
+from plait.data import baseline_sample, load_stream, split_windows, unigram_entropy
 from plait.data.batches import Corpus, StepBatches
 from plait.data.examples import example_corpus, is_examples_dir
 from plait.data.sampler import TokenWindows
@@ -106,10 +106,16 @@ def load_corpus(cfg: Config) -> Corpus:
 
 
 def corpus_from_tokens(tokens: np.ndarray | ShardStream, cfg: Config) -> Corpus:
-    train, val = split_tokens(tokens, cfg.data.val_fraction)
+    """Training and validation windows of one stream, split by `split_windows` (evenly
+    spaced blocks, data/split.py); both sides read the same tokens, nothing is copied."""
     seq = cfg.train.seq_len
-    baseline = unigram_entropy(baseline_sample(train))
-    return Corpus(TokenWindows(train, seq), TokenWindows(val, seq), baseline)
+    split = split_windows(len(tokens), seq, cfg.data.val_fraction)
+    if not isinstance(tokens, ShardStream) and not tokens.flags.writeable:
+        tokens = tokens.copy()  # TokenWindows would copy a read-only array once per side
+    baseline = unigram_entropy(baseline_sample(tokens, split.train))
+    return Corpus(
+        TokenWindows(tokens, seq, split.train), TokenWindows(tokens, seq, split.val), baseline
+    )
 
 
 def first_weights(cfg: Config) -> ValueSource:

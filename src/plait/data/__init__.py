@@ -1,5 +1,6 @@
 """Data: the corpus (corpus.py, sources.py), tokenizers (tokenizer.py), token shards
-(prepare.py, shards.py), the run's token stream (stream.py) and the sampler (sampler.py);
+(prepare.py, shards.py), the run's token stream (stream.py), its train/validation split
+(split.py) and the sampler (sampler.py);
 instruction data: templates (templates.py), rows of files (records.py), shards with targets
 (instruct.py) and their packed rows (packing.py, examples.py)."""
 
@@ -9,7 +10,6 @@ from plait.data.corpus import (
     corpus_files,
     default_corpus_dir,
     load_tokens,
-    split_tokens,
     unigram_entropy,
 )
 from plait.data.sampler import (
@@ -19,11 +19,14 @@ from plait.data.sampler import (
     replica_share,
     split_micro,
 )
+from plait.data.split import Side, Split, split_windows
 from plait.data.stream import baseline_sample, data_tokenizer, load_stream, stream_length
 
 __all__ = [
     "ByteTokenizer",
     "GlobalBatchSampler",
+    "Side",
+    "Split",
     "TokenWindows",
     "baseline_sample",
     "corpus_bytes_available",
@@ -35,7 +38,7 @@ __all__ = [
     "load_tokens",
     "replica_share",
     "split_micro",
-    "split_tokens",
+    "split_windows",
     "stream_length",
     "unigram_entropy",
 ]

@@ -11,14 +11,11 @@ import os
 import sysconfig
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TypeVar
 
 import numpy as np
 import torch
 
 from plait.errors import ConfigError
-
-TokensT = TypeVar("TokensT")  # an array, or a ShardStream (which slices like one)
 
 # Directory names never descended into: bytecode caches and third-party packages are
 # not "the text this machine has", and site-packages differs between machines.
@@ -199,20 +196,6 @@ def corpus_bytes_available(path: str | Path | None, max_bytes: int) -> int:
         if total >= max_bytes:
             return max_bytes
     return total
-
-
-def split_tokens(tokens: TokensT, val_fraction: float) -> tuple[TokensT, TokensT]:
-    """Split the stream into (train, val): validation is the last ``val_fraction``.
-
-    ``tokens`` is an array or a memory-mapped ``ShardStream``: both slice alike.
-    A contiguous tail (not a random sample of windows) keeps validation text unseen in
-    training and the split independent of any seed.
-    """
-    if not 0.0 <= val_fraction < 1.0:
-        raise ConfigError(f"val_fraction must lie in [0, 1), got {val_fraction}")
-    n_val = int(len(tokens) * val_fraction)
-    cut = len(tokens) - n_val
-    return tokens[:cut], tokens[cut:]
 
 
 def unigram_entropy(tokens: np.ndarray | torch.Tensor) -> float:

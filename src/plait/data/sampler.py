@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from plait.data.shards import ShardStream
+from plait.data.split import Side
 from plait.errors import ConfigError
 
 
@@ -47,12 +48,19 @@ class TokenWindows:
 
     Window ``i`` starts at ``i * seq_len``; its input is ``seq_len`` tokens and its
     target the same span shifted by one, so a window needs ``seq_len + 1`` tokens and
-    there are ``(len(tokens) - 1) // seq_len`` of them.
+    there are ``(len(tokens) - 1) // seq_len`` of them. Given a `side` of the stream's
+    train/validation split (data/split.py), the windows are that side's instead, each
+    starting where `side.starts` says; the stream itself is shared, not copied.
     """
 
-    def __init__(self, tokens: np.ndarray | ShardStream, seq_len: int) -> None:
+    def __init__(
+        self, tokens: np.ndarray | ShardStream, seq_len: int, side: Side | None = None
+    ) -> None:
         if seq_len < 1:
             raise ConfigError(f"seq_len must be at least 1, got {seq_len}")
+        if side is not None and side.seq_len != seq_len:
+            raise ConfigError(f"a split made for seq_len {side.seq_len} read at {seq_len}")
+        self._side = side
         if isinstance(tokens, ShardStream):  # memory-mapped: windows are read when drawn
             self._init_mapped(tokens, seq_len)
             return
@@ -69,8 +77,22 @@ class TokenWindows:
             arr = arr.copy()
         self.seq_len = seq_len
         self._tokens = torch.from_numpy(np.ascontiguousarray(arr))
-        self._num = (len(arr) - 1) // seq_len
+        self._num = self._count(len(arr), seq_len)
         self._offsets = torch.arange(seq_len + 1, dtype=torch.int64)
+
+    def _count(self, n_tokens: int, seq_len: int) -> int:
+        if self._side is None:
+            return (n_tokens - 1) // seq_len
+        if self._side.stream_tokens != n_tokens:
+            raise ConfigError(
+                f"a split of {self._side.stream_tokens} tokens was given a stream of {n_tokens}"
+            )
+        if self._side.windows < 1:
+            raise ConfigError(
+                f"{n_tokens} tokens give this side of the train/validation split no window "
+                f"of seq_len {seq_len}; use more data or a shorter seq_len"
+            )
+        return self._side.windows
 
     def _init_mapped(self, stream: ShardStream, seq_len: int) -> None:
         if len(stream) < seq_len + 1:
@@ -79,7 +101,7 @@ class TokenWindows:
                 f"(need at least {seq_len + 1})"
             )
         self.seq_len, self._stream = seq_len, stream
-        self._num = (len(stream) - 1) // seq_len
+        self._num = self._count(len(stream), seq_len)
 
     def __len__(self) -> int:
         return self._num
@@ -92,11 +114,14 @@ class TokenWindows:
                 f"window indices must lie in 0..{self._num - 1}, "
                 f"got min {int(idx.min())} and max {int(idx.max())}"
             )
-        if self._stream is not None:
-            starts = idx.numpy() * self.seq_len
-            spans = torch.from_numpy(self._stream.take(starts, self.seq_len + 1))  # (b, s+1)
+        if self._side is not None:
+            starts = torch.from_numpy(self._side.starts(idx.numpy()))
         else:
-            spans = self._tokens[idx[:, None] * self.seq_len + self._offsets].long()  # (b, s+1)
+            starts = idx * self.seq_len
+        if self._stream is not None:
+            spans = torch.from_numpy(self._stream.take(starts.numpy(), self.seq_len + 1))
+        else:
+            spans = self._tokens[starts[:, None] + self._offsets].long()  # (b, s+1)
         return spans[:, :-1].contiguous(), spans[:, 1:].contiguous()
 
     def draw(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:

@@ -2,8 +2,8 @@
 
 `--data` names either; a folder with `index.json` is shards (memory-mapped, no full read),
 anything else is raw text read up to `--max-bytes` and tokenized in memory (bytes by default,
-or `--tokenizer`). Both give a stream that `TokenWindows` cuts the same way, and `split_tokens`
-splits by the same rule, so shards and raw text of the same tokens train identically.
+or `--tokenizer`). Both give a stream that `split_windows` splits by its length alone and
+`TokenWindows` cuts the same way, so shards and raw text of the same tokens train identically.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import numpy as np
 
 from plait.data.corpus import corpus_bytes_available, load_tokens
 from plait.data.shards import ShardStream, is_shard_dir, read_index, shard_tokenizer
+from plait.data.split import Side
 from plait.data.tokenizer import BYTES, Encoder, TokenizerSpec, resolve_tokenizer
 
 # The unigram baseline of a mapped stream is counted on its first tokens only: a full pass
@@ -51,9 +52,16 @@ def stream_length(path: str | None, tokenizer: str | None, max_bytes: int) -> in
     return len(load_stream(path, tokenizer, max_bytes))
 
 
-def baseline_sample(tokens: np.ndarray | ShardStream) -> np.ndarray:
-    """The tokens the unigram baseline is counted on: all of an in-memory stream, the first
-    `BASELINE_TOKENS` of a mapped one."""
-    if isinstance(tokens, ShardStream):
-        return tokens.read(0, min(len(tokens), BASELINE_TOKENS))
-    return tokens
+def baseline_sample(tokens: np.ndarray | ShardStream, train: Side) -> np.ndarray:
+    """The tokens the unigram baseline is counted on: those of every training block of an
+    in-memory stream, of the first training blocks up to `BASELINE_TOKENS` of a mapped one
+    (validation tokens never count: the baseline is what a context-free model learns)."""
+    mapped = isinstance(tokens, ShardStream)
+    limit = BASELINE_TOKENS if mapped else len(tokens)
+    parts, total = [], 0
+    for a, b in train.spans():
+        if total >= limit:
+            break
+        parts.append(tokens.read(a, b) if mapped else tokens[a:b])
+        total += b - a
+    return np.concatenate(parts)[:limit] if parts else np.empty(0, np.int64)
