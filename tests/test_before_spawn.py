@@ -66,7 +66,7 @@ TRAIN = [
     (["--max-bytes", "0"], "--max-bytes must be >= 1, got 0"),  # load_tokens
     (["--micro-batch", "3"], "not a multiple of micro-batch 3"),  # the sampler
     (["--global-batch", "4096"], "one global batch needs 4096"),  # the sampler
-    (["--val-fraction", "0.9999"], "0 training"),  # the sampler
+    (["--val-fraction", "0.9999"], "one global batch needs 16 training"),  # the sampler
     (["--vocab-size", "100"], "smaller than the byte tokenizer's 256"),  # the embedding
     (["--zero", "3", "--pp", "2", "--model", "tiny-gpt"], "zero stage 3 with pipeline"),
     (["--precision", "fp8"], "precision must be one of"),
