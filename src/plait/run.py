@@ -27,6 +27,7 @@ from plait.device import peak_flops
 from plait.mesh import Mesh
 from plait.models.generate import complete, stop_ids
 from plait.models.transformer import Transformer, count_parameters, matmul_flops_per_token
+from plait.outdir import atomic_file
 from plait.schedule.measured import report
 from plait.signals import StopRequest, pause_at
 from plait.step import StepResult
@@ -76,7 +77,7 @@ class Run:
         keep = self.trainer.step if t.resume else None  # a resumed run continues its metrics
         self.log = MetricsLog(self.out, t.tensorboard, keep_before=keep) if self.lead else None
         if self.lead:
-            (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+            _write_json(self.out / "config.json", cfg.to_dict())
         self.flops_per_token = matmul_flops_per_token(cfg.model, t.seq_len)
         self.peak = t.peak_flops or peak_flops(mesh.device)
         self.summary = _summary(cfg, mesh, self.trainer, self.flops_per_token, self.peak)
@@ -185,12 +186,18 @@ class Run:
             pause_at("sample", "rank0")  # a test's signal comes here
             summary.sample = sample(Path(summary.checkpoint), self.trainer.corpus, self.cfg)
         if self.lead:
-            (self.out / "summary.json").write_text(json.dumps(summary.as_dict(), indent=2))
+            _write_json(self.out / "summary.json", summary.as_dict())
             self.console.print(summary_table(summary))
             if self.stop.requested and summary.stopped_by is None:  # after the last step
                 name = signal.Signals(self.stop.signum).name
                 self.console.print(f"plait: {name} came after the last step; the run is whole")
         return summary
+
+
+def _write_json(path: Path, value: dict) -> None:
+    """A run file whole or not at all: a signal or a full disk never leaves half of it."""
+    with atomic_file(path) as tmp:
+        tmp.write_text(json.dumps(value, indent=2))
 
 
 def _row(r: StepResult, trainer: Trainer, flops_per_token: int, peak: float | None) -> dict:
