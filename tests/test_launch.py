@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 
 import in_process
 from in_process import TINY
-from phases import pause_env, release, wait_for_phase
+from phases import pause_env, processes_with, release, wait_for_phase
 from plait.checkpoint import store
 from plait.launch import _first_failure, _say_restart
 
@@ -46,20 +46,6 @@ def _plait(args: list[str], env: dict | None = None, launcher: list[str] | None 
         out, err = proc.communicate()
         raise AssertionError(f"timed out after 120 s; stderr:\n{err[-3000:]}") from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-
-def _processes_with(marker: str) -> list[int]:
-    """PIDs whose environment carries `marker` (children inherit it; orphans would too)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            if marker.encode() in (entry / "environ").read_bytes():
-                found.append(int(entry.name))
-        except OSError:
-            continue
-    return found
 
 
 def _losses(out: Path) -> list[float]:
@@ -109,7 +95,7 @@ def test_failure_on_one_rank_stops_all_and_its_unfinished_save_is_skipped(world2
     assert "injected fault (PLAIT_FAULT=1:save-4) on rank 1 at step save-4" in proc.stderr
     assert "Traceback" in proc.stderr
     assert "Terminating process" not in proc.stderr  # torch's lines about ranks plait ends
-    assert _processes_with(marker) == []  # no orphan worker left behind
+    assert processes_with(marker) == []  # no orphan worker left behind
     left = [p.name for p in temp.iterdir() if p.name != "torchinductor_root"]  # torch's cache
     assert left == []  # no pytorch-errorfile-*, no plait-errors-* folder
     assert not (out / "checkpoints" / "step-4" / "COMMITTED").exists()
@@ -164,7 +150,7 @@ def test_a_signal_ends_the_step_saves_and_exits(signum, group, plain, world2, tm
     err = _signal_after_rows(proc, run / "metrics.jsonl", send)
     assert proc.returncode == 128 + signum, err
     assert "Traceback" not in err
-    assert _processes_with(marker) == []
+    assert processes_with(marker) == []
     done = len(_losses(run))
     assert done < PLAIN_STEPS
     name = signal.Signals(signum).name  # named also when the launcher alone received it
@@ -203,7 +189,7 @@ def test_a_second_signal_stops_at_once(tmp_path):
     ended = f"newest checkpoint {kept}; continue with --resume latest" if kept else "no checkpoint."
     assert f"plait: stopped at once; every rank ended, {ended}" in err
     assert "Traceback" not in err
-    assert _processes_with(marker) == []
+    assert processes_with(marker) == []
     _losses(tmp_path)  # every metrics line whole
     for folder in (tmp_path / "checkpoints").glob("step-*"):  # any committed one is whole
         if store.committed(folder):
@@ -221,7 +207,7 @@ def test_sigterm_to_torchrun_reaches_the_workers(tmp_path):
     done = len(_losses(tmp_path))
     assert f"plait: stopped by SIGTERM after step {done}; checkpoint " in err
     store.verify(store.complete(tmp_path / "checkpoints" / f"step-{done}"))
-    assert _processes_with(marker) == []
+    assert processes_with(marker) == []
 
 
 def test_torchrun_world_must_match_layout(tmp_path):

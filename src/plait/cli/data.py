@@ -22,7 +22,7 @@ from rich.progress import (
 )
 from rich.text import Text
 
-from plait.data.instruct import FORMATS, InstructJob, prepare_examples
+from plait.data.instruct import FORMATS, InstructJob, prepare_examples, refuse_text_flags
 from plait.data.packing import LONG, length_report
 from plait.data.prepare import SHARD_TOKENS, PrepareJob, prepare
 from plait.data.sources import check_sources, iter_texts, source_files, total_bytes
@@ -151,10 +151,7 @@ class _SpeedSinceStart(ProgressColumn):
 def _prepare(args: argparse.Namespace) -> int:
     if args.format != "text":
         return _prepare_examples(args)
-    for flag, given in (("--columns", args.columns), ("--chat-template", args.chat_template),
-                        ("--train-on-input", args.train_on_input)):  # fmt: skip
-        if given:
-            raise ConfigError(f"{flag} is for --format alpaca or chat, not text")
+    refuse_text_flags(args.columns, args.chat_template, args.train_on_input)
     job = PrepareJob(
         data=args.data,
         out=Path(args.out),

@@ -26,7 +26,7 @@ from plait.checkpoint import inspect, store
 from plait.cli.models import checkpoint_path, run_tokenizer
 from plait.cli.run_flags import add_run_flags, config_from_args
 from plait.config import Config
-from plait.data.instruct import FORMATS, InstructJob, prepare_examples
+from plait.data.instruct import FORMATS, InstructJob, prepare_examples, refuse_text_flags
 from plait.data.shards import is_shard_dir, shard_tokenizer
 from plait.data.tokenizer import TokenizerSpec, resolve_tokenizer
 from plait.errors import ConfigError, print_bad_input
@@ -128,10 +128,7 @@ def _prepare_raw(args: argparse.Namespace, checkpoint: Path | None) -> Path | No
     model = _model_tokenizer(args, checkpoint)
     tokenizer = _given(args, "data.tokenizer") or (model.path if model else None)
     if fmt == "text":
-        for flag, value in (("--columns", args.columns), ("--chat-template", args.chat_template),
-                            ("--train-on-input", args.train_on_input)):  # fmt: skip
-            if value:
-                raise ConfigError(f"{flag} is for --format alpaca or chat, not text")
+        refuse_text_flags(args.columns, args.chat_template, args.train_on_input)
         setattr(args, "data.tokenizer", tokenizer)
         return None
     if not data:

@@ -170,6 +170,14 @@ class Tokenized:
         return Example(tokens, mask, prompt)
 
 
+def refuse_text_flags(columns: str | None, chat_template: str | None, train_on_input: bool) -> None:
+    """The instruction-only flags make no sense with `--format text` (prepare and eval)."""
+    for flag, given in (("--columns", columns), ("--chat-template", chat_template),
+                        ("--train-on-input", train_on_input)):  # fmt: skip
+        if given:
+            raise ConfigError(f"{flag} is for --format alpaca or chat, not text")
+
+
 def check_instruct(job: InstructJob) -> tuple[Tokenized, list[list[Record]], list[Path]]:
     """Every check, in this process, before anything is written: the output folder, the
     tokenizer and template, and every row of every file."""

@@ -18,9 +18,10 @@ from torch import Tensor, nn
 IGNORE = -100
 
 
-def target_count(targets: Tensor) -> int:
-    """How many of `targets` count (are not IGNORE)."""
-    return int((targets != IGNORE).sum())
+def target_count(targets: Tensor) -> Tensor:
+    """How many of `targets` count (are not IGNORE), as a 0-d tensor on their device: summing
+    it into a running total costs no host synchronization."""
+    return (targets != IGNORE).sum()
 
 
 def reduce_losses(losses: Tensor, targets: Tensor, denom: float | None) -> Tensor:
