@@ -26,8 +26,8 @@ from plait.models.transformer import Transformer
 from plait.parallel.activation_recompute import apply_recompute
 from plait.parallel.grads import (
     SplitGradRules,
-    sequence_parallel_partial_params,
     tied_embedding_params,
+    tp_partial_params,
     tp_replicated_params,
 )
 from plait.parallel.pipeline.stage import prune_to_stages
@@ -119,7 +119,7 @@ def test_tensor_parallel_declares_the_shards_the_layers_hold(name, tied, sp) -> 
 
 
 def _partial(model: nn.Module) -> list[nn.Parameter]:
-    return sequence_parallel_partial_params(model)
+    return tp_partial_params(model)
 
 
 @pytest.mark.parametrize(("name", "tied"), MODELS)

@@ -28,7 +28,7 @@ from plait.parallel.grads import (
     SplitGradRules,
     clip_coef,
     param_grads,
-    sequence_parallel_partial_params,
+    tp_partial_params,
 )
 from plait.parallel.tp.apply import apply_tensor_parallel
 from plait.parallel.tp.sharding import full_tensor, param_shard_specs
@@ -157,7 +157,7 @@ def _traffic(tp: int, preset: str, sp: bool, over: dict) -> dict:
     bwd = {(r.op, r.tag): (r.calls, r.elements, r.bytes) for r in comm.stats.records.values()}
     comm.stats.begin_step(2)
     SplitGradRules.of(model, comm.mesh).sync(param_grads(model), comm)
-    synced = sum(p.numel() for p in sequence_parallel_partial_params(model))
+    synced = sum(p.numel() for p in tp_partial_params(model))
     sync = {(r.op, r.tag): (r.calls, r.elements) for r in comm.stats.records.values()}
     return {"fwd": fwd, "bwd": bwd, "sync": sync, "synced": synced, "layers": cfg.n_layers}
 

@@ -32,7 +32,14 @@ from plait.mesh import Mesh
 from plait.mixed_precision import parse_precision
 from plait.models.architecture import ModelConfig
 from plait.models.hf.load import hf_source
-from plait.models.init import ValueSource, fill_parameters, seeded, source_values, tie_all
+from plait.models.init import (
+    ValueSource,
+    fill_parameters,
+    seeded,
+    source_values,
+    tie_all,
+    with_adapters,
+)
 from plait.models.transformer import Transformer
 from plait.parallel.activation_recompute import apply_recompute
 from plait.parallel.adamw import AdamW
@@ -121,7 +128,8 @@ def corpus_from_tokens(tokens: np.ndarray | ShardStream, cfg: Config) -> Corpus:
 def first_weights(cfg: Config) -> ValueSource:
     """Where the run's first weights come from: `--init-from`'s folder, else the seed."""
     if cfg.train.init_from:
-        return hf_source(Path(cfg.train.init_from), cfg.model)
+        base = hf_source(Path(cfg.train.init_from), cfg.model)
+        return with_adapters(base, cfg.model, cfg.train.seed) if cfg.model.lora else base
     return seeded(cfg.model, cfg.train.seed)
 
 

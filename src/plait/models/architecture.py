@@ -7,6 +7,7 @@ from typing import Literal
 
 from plait.domain import above, at_least, check_fields, fraction
 from plait.errors import ConfigError
+from plait.models.lora import LoRASpec, check_rank, lora_spec
 
 
 @dataclass
@@ -68,6 +69,43 @@ class ModelConfig:
         default=0.02,
         metadata={"domain": at_least(0, float), "help": "std of the normal weight init"},
     )
+    lora_rank: int | None = field(
+        default=None,
+        metadata={
+            "domain": at_least(1),
+            "help": "LoRA rank r: freeze the base, train adapters (docs/lora.md); default off",
+        },
+    )
+    lora_alpha: float = field(
+        default=8.0,
+        metadata={"domain": above(0), "help": "LoRA alpha: the update is scaled by alpha / r"},
+    )
+    lora_dropout: float = field(
+        default=0.0, metadata={"domain": fraction(), "help": "dropout on the adapters' input"}
+    )
+    lora_targets: str = field(
+        default="",
+        metadata={
+            "help": "LoRA targets: q,k,v,o,gate,up,down or attn, mlp, all; default PEFT's "
+            "(LLaMA q,v; GPT-2 c_attn = q,k,v)"
+        },
+    )
+
+    @property
+    def lora(self) -> LoRASpec | None:
+        """The adapters this model carries (None: no LoRA, every parameter trains)."""
+        return lora_spec(
+            self.lora_rank, self.lora_alpha, self.lora_dropout, self.lora_targets, self.mlp
+        )
+
+    def linear_widths(self) -> dict[str, tuple[int, int]]:
+        """(out, in) features of each Linear of a block, by its path in the block."""
+        h, f = self.d_model, self.ffn_dim
+        q, kv = self.n_heads * self.head_dim, self.kv_heads * self.head_dim
+        out = {"attn.wq": (q, h), "attn.wk": (kv, h), "attn.wv": (kv, h), "attn.wo": (h, q)}
+        if self.mlp == "swiglu":
+            return out | {"mlp.w_gate": (f, h), "mlp.w_up": (f, h), "mlp.w_down": (h, f)}
+        return out | {"mlp.fc1": (f, h), "mlp.fc2": (h, f)}
 
     @property
     def kv_heads(self) -> int:
@@ -106,6 +144,9 @@ class ModelConfig:
             raise ConfigError(f"model.mlp must be 'gelu' or 'swiglu', got {self.mlp!r}")
         if self.pos not in ("learned", "rope"):
             raise ConfigError(f"model.pos must be 'learned' or 'rope', got {self.pos!r}")
+        spec = self.lora
+        if spec is not None:
+            check_rank(spec, self.linear_widths())
 
     def check_seq_len(self, seq_len: int) -> None:
         """Learned positions end at max_seq_len (a Hugging Face GPT-2's n_positions): a longer

@@ -101,6 +101,7 @@ class ParamDecl:
     split_dim: int | None = None  # the dimension tensor parallelism splits; None: replicated
     padded: bool = False  # the split pads to a multiple of tp (the vocabulary)
     sp_partial: bool = False  # replicated, applied per position: partial over tp under SP
+    tp_partial: bool = False  # replicated, feeding split outputs: partial over tp (LoRA's A)
     trainable: bool = True  # False: no gradient, bucket, optimizer state or master copy
     tied_to: str | None = None  # canonical name of the parameter whose values this one shares
     shard: ShardSpec | None = None  # this rank's tensor-parallel slice, once split

@@ -17,6 +17,8 @@ the model must then register exactly that parameter (`ModelContract.check` says 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from plait.models.architecture import ModelConfig
 from plait.models.contract import ModelContract, ParamDecl, Part
 
@@ -37,12 +39,38 @@ def _norm(cfg: ModelConfig, leaf: str) -> tuple[ParamDecl, ...]:
 
 def _linear(cfg: ModelConfig, leaf: str, out_f: int, in_f: int, row: bool) -> list[ParamDecl]:
     """A Linear (out, in): column-parallel splits dim 0 (its bias too); row-parallel splits
-    dim 1 and adds its replicated bias to every position of the summed output."""
+    dim 1 and adds its replicated bias to every position of the summed output. Then its
+    adapter, if LoRA targets it (`_adapter`)."""
     out = [ParamDecl(f"{leaf}.weight", (out_f, in_f), split_dim=1 if row else 0)]
     if cfg.bias:
         bias = ParamDecl(f"{leaf}.bias", (out_f,), split_dim=None if row else 0, sp_partial=row)
         out.append(bias)
+    return out + _adapter(cfg, leaf, out_f, in_f, row)
+
+
+def _adapter(cfg: ModelConfig, leaf: str, out_f: int, in_f: int, row: bool) -> list[ParamDecl]:
+    """LoRA's A (r, in) and B (out, r) beside a targeted Linear, split as its base is
+    (docs/lora.md): column-parallel, A is replicated and B split by output, so each rank's
+    B sees its output slice and A's gradient is partial over tp (`tp_partial`); row-parallel,
+    A is split by input (its product is summed with the base's) and B is replicated and
+    applied per position (partial under SP, like the row-parallel bias)."""
+    spec = cfg.lora
+    if spec is None or leaf not in spec.leaves:
+        return []
+    r = spec.rank
+    out = []
+    if spec.has_a(leaf):
+        a = ParamDecl(f"{leaf}.lora_a", (r, in_f), split_dim=1 if row else None, tp_partial=not row)
+        out.append(a)
+    out.append(
+        ParamDecl(f"{leaf}.lora_b", (out_f, r), split_dim=None if row else 0, sp_partial=row)
+    )
     return out
+
+
+def is_adapter(leaf: str) -> bool:
+    """Whether a parameter name is a LoRA adapter's (A or B)."""
+    return leaf.rpartition(".")[2] in ("lora_a", "lora_b")
 
 
 def block_params(cfg: ModelConfig) -> tuple[ParamDecl, ...]:
@@ -73,12 +101,20 @@ def describe(cfg: ModelConfig) -> ModelContract:
         embed.append(ParamDecl("pos.weight", (cfg.max_seq_len, cfg.d_model), sp_partial=True))
     tied = tied_names(cfg).get("head.weight")
     head = ParamDecl("weight", table, split_dim=0, padded=True, tied_to=tied)
-    block = block_params(cfg)  # one tuple shared by every block
+    block = _base_frozen(cfg, block_params(cfg))  # one tuple shared by every block
     return ModelContract(
         (
-            Part.end("embed", tuple(embed)),
+            Part.end("embed", _base_frozen(cfg, tuple(embed))),
             *(Part.block(i, block) for i in range(cfg.n_layers)),
-            Part.end("norm", _norm(cfg, "")),
-            Part.end("head", (head,)),
+            Part.end("norm", _base_frozen(cfg, _norm(cfg, ""))),
+            Part.end("head", _base_frozen(cfg, (head,))),
         )
     )
+
+
+def _base_frozen(cfg: ModelConfig, decls: tuple[ParamDecl, ...]) -> tuple[ParamDecl, ...]:
+    """Under LoRA only the adapters train: every other parameter is frozen (PEFT's
+    default, bias 'none'), declared so here, once per tuple (blocks keep sharing theirs)."""
+    if cfg.lora is None:
+        return decls
+    return tuple(replace(d, trainable=is_adapter(d.leaf)) for d in decls)

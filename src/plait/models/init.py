@@ -16,7 +16,8 @@ from torch import Tensor, nn
 
 from plait.models.architecture import ModelConfig
 from plait.models.contract import contract_of
-from plait.models.declare import tied_names
+from plait.models.declare import is_adapter, tied_names
+from plait.models.lora import lora_a_value
 
 RESIDUAL_OUTPUTS = frozenset({"wo", "fc2", "w_down"})
 NORMAL_WEIGHTS = frozenset({"tok", "pos", "head", "wq", "wk", "wv", "fc1", "w_gate", "w_up"})
@@ -50,8 +51,10 @@ def init_value(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int) -
     name = canonical_name(cfg, name)
     parts = name.split(".")
     owner, leaf = (parts[-2] if len(parts) > 1 else ""), parts[-1]
-    if leaf == "bias":
+    if leaf in ("bias", "lora_b"):  # LoRA's B starts at zero: the first step is the base's
         return torch.zeros(shape)
+    if leaf == "lora_a":
+        return lora_a_value(shape, torch.Generator().manual_seed(_seed_for(seed, name)))
     if owner.endswith("norm") and leaf == "weight":
         return torch.ones(shape)
     if leaf != "weight" or owner not in RESIDUAL_OUTPUTS | NORMAL_WEIGHTS:
@@ -109,6 +112,17 @@ def seeded(cfg: ModelConfig, seed: int) -> ValueSource:
         if shard is None:
             return init_value(cfg, name, shape, seed)
         return shard_value(cfg, name, shape, shard, seed)
+
+    return value
+
+
+def with_adapters(base: ValueSource, cfg: ModelConfig, seed: int) -> ValueSource:
+    """`base` for the base model's parameters, the seeded init for LoRA's adapters: a LoRA
+    run's first weights when its base comes from a folder (`--init-from`)."""
+    adapters = seeded(cfg, seed)
+
+    def value(name: str, shape: tuple[int, ...], shard: ShardLike | None) -> Tensor:
+        return (adapters if is_adapter(name) else base)(name, shape, shard)
 
     return value
 

@@ -30,6 +30,7 @@ from plait.models.contract import ModelContract
 from plait.models.declare import describe
 from plait.models.dropout import KeyedDropout
 from plait.models.kv_cache import KVCache, causal_mask
+from plait.models.lora import Linear, LoRASpec
 from plait.models.loss import LMLoss
 from plait.models.packing import Packing
 
@@ -129,11 +130,12 @@ class Attention(nn.Module):
         hd = cfg.head_dim
         self.head_dim, self.layer = hd, layer
         self.rope_theta = cfg.rope_theta if cfg.pos == "rope" else None
-        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * hd, bias=cfg.bias)
-        self.wk = nn.Linear(cfg.d_model, cfg.kv_heads * hd, bias=cfg.bias)
-        self.wv = nn.Linear(cfg.d_model, cfg.kv_heads * hd, bias=cfg.bias)
-        self.wo = nn.Linear(cfg.n_heads * hd, cfg.d_model, bias=cfg.bias)
+        self.wq = Linear(cfg.d_model, cfg.n_heads * hd, cfg.bias)
+        self.wk = Linear(cfg.d_model, cfg.kv_heads * hd, cfg.bias)
+        self.wv = Linear(cfg.d_model, cfg.kv_heads * hd, cfg.bias)
+        self.wo = Linear(cfg.n_heads * hd, cfg.d_model, cfg.bias)
         self.core = CoreAttention(cfg.dropout, 4 * layer + SITE_ATTN_PROBS)
+        self.shared_adapter = False  # GPT-2's LoRA: wk and wv use wq's A (models/lora.py)
 
     def forward(
         self,
@@ -146,9 +148,10 @@ class Attention(nn.Module):
         start = cache.length if cache is not None else 0
         hd = self.head_dim
         # -1 heads: under tensor parallelism this rank's Linear yields only its heads.
-        q = self.wq(x).view(b, s, -1, hd).transpose(1, 2)  # (b, a, s, hd)
-        k = self.wk(x).view(b, s, -1, hd).transpose(1, 2)  # (b, kv, s, hd)
-        v = self.wv(x).view(b, s, -1, hd).transpose(1, 2)  # (b, kv, s, hd)
+        u = self.wq.adapter_input(x, keys) if self.shared_adapter else None  # (b, s, r)
+        q = self.wq(x, keys, u).view(b, s, -1, hd).transpose(1, 2)  # (b, a, s, hd)
+        k = self.wk(x, keys, u).view(b, s, -1, hd).transpose(1, 2)  # (b, kv, s, hd)
+        v = self.wv(x, keys, u).view(b, s, -1, hd).transpose(1, 2)  # (b, kv, s, hd)
         if self.rope_theta is not None:
             positions = None if pack is None else pack.positions
             cos, sin = rope_cos_sin(s, hd, self.rope_theta, x.device, start, positions)
@@ -164,7 +167,7 @@ class Attention(nn.Module):
         else:  # decoding (no dropout): the new positions see every cached one
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(start, s, x.device))
         y = y.transpose(1, 2).reshape(b, s, -1)  # (b, s, a*hd)
-        return self.wo(y)  # (b, s, h)
+        return self.wo(y, keys)  # (b, s, h)
 
 
 class GeluMLP(nn.Module):
@@ -172,11 +175,11 @@ class GeluMLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.fc1 = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=cfg.bias)
-        self.fc2 = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=cfg.bias)
+        self.fc1 = Linear(cfg.d_model, cfg.ffn_dim, cfg.bias)
+        self.fc2 = Linear(cfg.ffn_dim, cfg.d_model, cfg.bias)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))  # (b, s, h)
+    def forward(self, x: Tensor, keys: Tensor | None = None) -> Tensor:
+        return self.fc2(F.gelu(self.fc1(x, keys), approximate="tanh"), keys)  # (b, s, h)
 
 
 class SwiGLU(nn.Module):
@@ -184,12 +187,13 @@ class SwiGLU(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.w_gate = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=cfg.bias)
-        self.w_up = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=cfg.bias)
-        self.w_down = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=cfg.bias)
+        self.w_gate = Linear(cfg.d_model, cfg.ffn_dim, cfg.bias)
+        self.w_up = Linear(cfg.d_model, cfg.ffn_dim, cfg.bias)
+        self.w_down = Linear(cfg.ffn_dim, cfg.d_model, cfg.bias)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))  # (b, s, h)
+    def forward(self, x: Tensor, keys: Tensor | None = None) -> Tensor:
+        gated = F.silu(self.w_gate(x, keys)) * self.w_up(x, keys)  # (b, s, f)
+        return self.w_down(gated, keys)  # (b, s, h)
 
 
 class Block(nn.Module):
@@ -212,7 +216,7 @@ class Block(nn.Module):
         pack: Packing | None = None,
     ) -> Tensor:
         x = x + self.attn_drop(self.attn(self.attn_norm(x), keys, cache, pack), keys)  # (b, s, h)
-        return x + self.mlp_drop(self.mlp(self.mlp_norm(x)), keys)  # (b, s, h)
+        return x + self.mlp_drop(self.mlp(self.mlp_norm(x), keys), keys)  # (b, s, h)
 
 
 class Embedding(nn.Module):
@@ -262,6 +266,7 @@ class Transformer(nn.Module):
         self.norm = make_norm(cfg)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.loss = LMLoss()
+        add_adapters(self.blocks, cfg.lora)
         self.set_contract(describe(cfg))
 
     def set_contract(self, contract: ModelContract) -> None:
@@ -318,6 +323,14 @@ class Transformer(nn.Module):
         if targets is None:
             return logits
         return self.loss(logits, targets, denom)
+
+
+def add_adapters(blocks: nn.ModuleList, spec: LoRASpec | None) -> None:
+    """Give each targeted Linear of every block its adapter (models/lora.py)."""
+    for i, block in enumerate(blocks if spec is not None else ()):
+        for leaf in spec.leaves:
+            block.get_submodule(leaf).add_adapter(spec, i, leaf)
+        block.attn.shared_adapter = spec.fused_qkv
 
 
 # ---------------------------------------------------------------- counting

@@ -9,7 +9,8 @@ model's contract (models/contract.py), never from the model's attributes:
 
 1. Sequence parallelism: a parameter replicated over tp (norm gains, row-parallel biases)
    sees on each tp rank only its sequence shard's gradient; the true gradient is the sum
-   over tp (Korthikanti et al., 2022). The contract declares them (`sp_partial`).
+   over tp (Korthikanti et al., 2022). The contract declares them (`sp_partial`), and LoRA's
+   A beside a column-parallel weight, partial with or without SP (`tp_partial`).
 2. Tied embeddings under pipeline parallelism: the first and last stage each hold a copy of
    the embedding matrix; their gradients are summed over the pipeline ends ('pp_ends').
 3. The global norm counts every parameter once: tp shards (the contract's `shard`) are
@@ -47,13 +48,18 @@ NORM_CHUNK = 1024
 """Elements per float32 partial norm; the partial squares are summed in float64."""
 
 
-def sequence_parallel_partial_params(model: nn.Module) -> list[nn.Parameter]:
-    """Replicated parameters whose gradient each tp rank sees only for its sequence shard
-    (empty without sequence parallelism), in registration order: the same on every tp rank."""
+def tp_partial_params(model: nn.Module) -> list[nn.Parameter]:
+    """Replicated parameters whose gradient each tp rank sees only in part, in registration
+    order (the same on every tp rank): under sequence parallelism those applied per position
+    (`sp_partial`: each rank has its sequence shard's), and LoRA's A beside a column-parallel
+    weight (`tp_partial`: each rank's B slice contributes its share)."""
     contract = contract_of(model)
-    if not contract.sequence_parallel:
-        return []
-    return [p for e, p in contract.bind(model) if e.decl.sp_partial]
+    sp = contract.sequence_parallel
+    return [
+        p
+        for e, p in contract.bind(model)
+        if e.decl.trainable and (e.decl.tp_partial or (sp and e.decl.sp_partial))
+    ]
 
 
 def tp_replicated_params(model: nn.Module) -> list[nn.Parameter]:
@@ -93,7 +99,7 @@ class SplitGradRules:
             uncounted |= {id(p) for p in tp_replicated_params(model)}
         if tied and mesh.axis_rank("pp") == pp - 1 and mesh.size("pp_ends") > 1:
             uncounted.add(id(tied[-1]))  # the last stage's copy: the first stage counts it
-        partial = sequence_parallel_partial_params(model) if tp > 1 else []
+        partial = tp_partial_params(model) if tp > 1 else []
         return cls(
             frozenset(id(p) for p in partial),
             frozenset(id(p) for p in tied),

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from plait.comm import Comm
 from plait.models.dropout import KeyedDropout
+from plait.models.lora import adapter_input
 from plait.parallel.tp.mappings import (
     enter_region,
     exit_region,
@@ -109,12 +110,29 @@ class ColumnParallelLinear(nn.Module):
         copy_from_full(layer.weight, linear.weight, layer.weight_spec)
         if linear.bias is not None:
             copy_from_full(layer.bias, linear.bias, layer.bias_spec)
+        if "lora_b" in linear._parameters:
+            layer.scaling, layer.lora_drop = linear.scaling, linear.lora_drop
+            if "lora_a" in linear._parameters:  # replicated: every rank needs all of A x
+                layer.lora_a = nn.Parameter(torch.empty_like(linear.lora_a))
+                copy_from_full(layer.lora_a, linear.lora_a, None)
+            layer.lora_b_spec = _split_like(layer.weight_spec, linear.lora_b.shape)
+            layer.lora_b = new_shard(layer.lora_b_spec, linear.lora_b)
+            copy_from_full(layer.lora_b, linear.lora_b, layer.lora_b_spec)
         return layer
 
-    def forward(self, x: Tensor) -> Tensor:
+    def adapter_input(self, x: Tensor, keys: Tensor | None) -> Tensor | None:
+        """A dropout(x) on the whole input (models/lora.py), when this layer holds an A."""
+        if "lora_a" not in self._parameters:
+            return None
+        return adapter_input(x, self.lora_a, self.lora_drop, keys)
+
+    def forward(self, x: Tensor, keys: Tensor | None = None, u: Tensor | None = None) -> Tensor:
         if self.enter:
             x = enter_region(x, self.comm, self.sequence_parallel, self.tag)  # (b, s, in)
         y = F.linear(x, self.weight, self.bias)  # (b, s, out/tp)
+        if "lora_b" in self._parameters:  # this rank's output slice of B (A x)
+            u = self.adapter_input(x, keys) if u is None else u  # (b, s, r)
+            y = y + self.scaling * F.linear(u, self.lora_b)
         if self.gather_output:
             y = gather_from_tp(y, self.comm, tag=self.tag).narrow(-1, 0, self.out_features)
         return y
@@ -177,12 +195,32 @@ class RowParallelLinear(nn.Module):
         copy_from_full(layer.weight, linear.weight, layer.weight_spec)
         if linear.bias is not None:
             copy_from_full(layer.bias, linear.bias, None)  # replicated
+        if "lora_b" in linear._parameters:
+            layer._add_adapter(linear, comm)
         return layer
 
-    def forward(self, x: Tensor) -> Tensor:
+    def _add_adapter(self, linear: nn.Module, comm: Comm) -> None:
+        """A split by input like the weight (its partial product is summed with the base's),
+        B replicated; the dropout mask is this rank's slice of the input's."""
+        self.scaling = linear.scaling
+        self.lora_a_spec = _split_like(self.weight_spec, linear.lora_a.shape)
+        self.lora_a = new_shard(self.lora_a_spec, linear.lora_a)
+        copy_from_full(self.lora_a, linear.lora_a, self.lora_a_spec)
+        self.lora_b = nn.Parameter(torch.empty_like(linear.lora_b))
+        copy_from_full(self.lora_b, linear.lora_b, None)
+        self.lora_drop = ShardedDropout.from_dropout(linear.lora_drop, 2, comm)
+
+    def forward(self, x: Tensor, keys: Tensor | None = None) -> Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.comm, tag=self.tag)  # (b, s, in/tp)
-        y = exit_region(F.linear(x, self.weight), self.comm, self.sequence_parallel, self.tag)
+        y = F.linear(x, self.weight)  # (b, s, out), partial over tp
+        lora = "lora_b" in self._parameters
+        if lora:  # A's partial product rides in the same collective: r more features
+            y = torch.cat((y, adapter_input(x, self.lora_a, self.lora_drop, keys)), dim=-1)
+        y = exit_region(y, self.comm, self.sequence_parallel, self.tag)
+        if lora:
+            y, u = y.split((self.out_features, self.lora_a.shape[0]), dim=-1)
+            y = y + self.scaling * F.linear(u, self.lora_b)
         return y if self.bias is None else y + self.bias  # (b, s, out) or (b, s/tp, out)
 
     def extra_repr(self) -> str:
@@ -191,6 +229,17 @@ class RowParallelLinear(nn.Module):
             f"in={self.in_features} (local {spec.shape[1]}), out={self.out_features}, "
             f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}"
         )
+
+
+def _split_like(base: ShardSpec, shape: tuple[int, ...]) -> ShardSpec:
+    """An adapter matrix split along the dimension it shares with its base weight: B (out, r)
+    by output like a column-parallel weight, A (r, in) by input like a row-parallel one."""
+    return ShardSpec(
+        tuple(shape),
+        tuple(o if d == base.dim else 0 for d, o in enumerate(base.offsets)),
+        tuple(n if d == base.dim else shape[d] for d, n in enumerate(base.local_shape)),
+        base.dim,
+    )
 
 
 class ShardedDropout(KeyedDropout):

@@ -1,0 +1,186 @@
+"""LoRA (Hu et al., 2021): a frozen Linear W plus a trainable low-rank update, as PEFT does it.
+
+    y = W x + b + (alpha / r) * B (A dropout(x)),    A: (r, in) random,  B: (out, r) zero
+
+so the first step starts exactly at the base model. PEFT's conventions, kept so that its
+adapters load here and ours there: A ~ U(-1/sqrt(in), 1/sqrt(in)) (kaiming-uniform with
+a = sqrt(5)), B = 0, scaling alpha / r, dropout on the adapter's input only, no bias.
+
+Targets are named as in the issue and PEFT's LLaMA names: q, k, v, o, gate, up, down, or the
+groups attn, mlp, all. GPT-2 fuses q, k and v in one projection (Hugging Face's `c_attn`),
+which PEFT adapts with one A over the shared input and one B over the three outputs; plait
+keeps q, k, v separate Linears, so on GPT-2 the A lives on `wq` and `wk`, `wv` hold only their
+rows of B (the attention computes A x once and hands it to all three): the same function
+and the same gradients as PEFT's fused adapter, and the three are targeted together or not
+at all. The MLP's `up` and `down` are GPT-2's c_fc and c_proj.
+
+The base is frozen by the model's contract (models/declare.py): no gradient, no bucket, no
+optimizer state, no master copy. This module holds the rules (`LoRASpec`) and the layer; the
+tensor-parallel forms are in parallel/tp/layers.py and call `adapter_input`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from plait.errors import ConfigError
+from plait.models.dropout import KeyedDropout
+
+TARGET_LEAVES = {
+    "swiglu": {
+        "q": "attn.wq",
+        "k": "attn.wk",
+        "v": "attn.wv",
+        "o": "attn.wo",
+        "gate": "mlp.w_gate",
+        "up": "mlp.w_up",
+        "down": "mlp.w_down",
+    },
+    "gelu": {
+        "q": "attn.wq",
+        "k": "attn.wk",
+        "v": "attn.wv",
+        "o": "attn.wo",
+        "up": "mlp.fc1",
+        "down": "mlp.fc2",
+    },
+}
+"""Target name -> the Linear's path inside a block, per MLP kind (GPT-2 has no gate)."""
+
+GROUPS = {"attn": ("q", "k", "v", "o"), "mlp": ("gate", "up", "down")}
+DEFAULT_TARGETS = {"swiglu": ("q", "v"), "gelu": ("q", "k", "v")}
+"""PEFT's defaults: LLaMA's q_proj and v_proj, GPT-2's c_attn."""
+
+ROW_PARALLEL = frozenset({"attn.wo", "mlp.w_down", "mlp.fc2"})
+"""Targets whose base Linear tensor parallelism splits by input features."""
+
+LORA_SITE = 1 << 24
+"""Dropout sites of adapters: LORA_SITE + 16 * layer + the target's index (models/dropout.py)."""
+
+
+@dataclass(frozen=True)
+class LoRASpec:
+    """One run's adapters: rank r, alpha (scaling alpha / r), dropout, and the targeted
+    Linears by their path in a block (in registration order)."""
+
+    rank: int
+    alpha: float
+    dropout: float
+    leaves: tuple[str, ...]
+    fused_qkv: bool  # GPT-2: wq holds the A that wk and wv share
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+    def has_a(self, leaf: str) -> bool:
+        """Whether the Linear at `leaf` holds its own A (GPT-2's wk and wv use wq's)."""
+        return not (self.fused_qkv and leaf in ("attn.wk", "attn.wv"))
+
+    def site(self, layer: int, leaf: str) -> int:
+        """The adapter's dropout site; GPT-2's q, k, v share one input and one mask."""
+        if self.fused_qkv and leaf in ("attn.wk", "attn.wv"):
+            leaf = "attn.wq"
+        return LORA_SITE + 16 * layer + sorted(_all_leaves()).index(leaf)
+
+
+def _all_leaves() -> set[str]:
+    return {leaf for table in TARGET_LEAVES.values() for leaf in table.values()}
+
+
+def parse_targets(text: str, mlp: str) -> tuple[str, ...]:
+    """'q,v', 'attn', 'mlp', 'all' (or '' for PEFT's default) -> target names, in the order
+    of TARGET_LEAVES; an unknown or absent name is refused, naming the known ones."""
+    table = TARGET_LEAVES[mlp]
+    names: list[str] = []
+    for word in (w.strip() for w in text.split(",")) if text.strip() else DEFAULT_TARGETS[mlp]:
+        expanded = table if word == "all" else GROUPS.get(word, (word,))
+        for name in expanded:
+            if name not in table and word in GROUPS:
+                continue  # a group names what the architecture has
+            if name not in table:
+                arch = "LLaMA" if mlp == "swiglu" else "GPT-2"
+                raise ConfigError(
+                    f"--lora-targets {text!r}: unknown target {name!r} for this {arch} model; "
+                    f"known: {', '.join(table)}, attn, mlp, all"
+                )
+            names.append(name)
+    return tuple(n for n in table if n in names)
+
+
+def lora_spec(
+    rank: int | None, alpha: float, dropout: float, targets: str, mlp: str
+) -> LoRASpec | None:
+    """The adapters a model config asks for (None without a rank), checked."""
+    if rank is None:
+        return None
+    names = parse_targets(targets, mlp)
+    qkv = {"q", "k", "v"} & set(names)
+    if mlp == "gelu" and qkv and qkv != {"q", "k", "v"}:
+        raise ConfigError(
+            f"--lora-targets {targets!r}: GPT-2 computes q, k and v in one projection (c_attn); "
+            "target all three (or 'attn') or none of them"
+        )
+    leaves = tuple(TARGET_LEAVES[mlp][n] for n in names)
+    return LoRASpec(rank, alpha, dropout, leaves, mlp == "gelu" and bool(qkv))
+
+
+def check_rank(spec: LoRASpec, widths: dict[str, tuple[int, int]]) -> None:
+    """A rank above a target's smaller side is no low-rank update; refused, naming it."""
+    for leaf in spec.leaves:
+        out_f, in_f = widths[leaf]
+        if spec.rank > min(out_f, in_f):
+            raise ConfigError(
+                f"--lora-rank {spec.rank} exceeds the width of {leaf} ({in_f} -> {out_f}): "
+                f"give at most {min(out_f, in_f)}"
+            )
+
+
+def lora_a_value(shape: tuple[int, ...], generator: torch.Generator) -> Tensor:
+    """A's initial value: PEFT's kaiming_uniform_(a=sqrt(5)), i.e. U(-1/sqrt(in), 1/sqrt(in))."""
+    bound = 1.0 / math.sqrt(shape[1])
+    return torch.empty(shape).uniform_(-bound, bound, generator=generator)
+
+
+def adapter_input(x: Tensor, a: Tensor, drop: nn.Module, keys: Tensor | None) -> Tensor:
+    """A dropout(x): the rank-r input of B, (b, s, r)."""
+    return F.linear(drop(x, keys), a)
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose forward takes the sample keys, with an optional adapter.
+
+    Every Linear of a block is one of these, so a block calls each the same way with or
+    without LoRA; `u` is an adapter input computed elsewhere (GPT-2's shared A)."""
+
+    def __init__(self, in_f: int, out_f: int, bias: bool) -> None:
+        super().__init__(in_f, out_f, bias=bias)
+        self.scaling = 0.0
+        self.lora_drop: KeyedDropout | None = None
+
+    def add_adapter(self, spec: LoRASpec, layer: int, leaf: str) -> None:
+        """Register A (unless shared) and B after the base parameters, on the same device."""
+        like = self.weight
+        if spec.has_a(leaf):
+            self.lora_a = nn.Parameter(like.new_empty(spec.rank, self.in_features))
+        self.lora_b = nn.Parameter(like.new_empty(self.out_features, spec.rank))
+        self.scaling = spec.scaling
+        self.lora_drop = KeyedDropout(spec.dropout, spec.site(layer, leaf))
+
+    def adapter_input(self, x: Tensor, keys: Tensor | None) -> Tensor | None:
+        """A dropout(x) when this layer holds an A, else None."""
+        if "lora_a" not in self._parameters:
+            return None
+        return adapter_input(x, self.lora_a, self.lora_drop, keys)
+
+    def forward(self, x: Tensor, keys: Tensor | None = None, u: Tensor | None = None) -> Tensor:
+        y = F.linear(x, self.weight, self.bias)  # (b, s, out)
+        if "lora_b" not in self._parameters:
+            return y
+        u = self.adapter_input(x, keys) if u is None else u  # (b, s, r)
+        return y + self.scaling * F.linear(u, self.lora_b)
