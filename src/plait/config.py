@@ -89,6 +89,13 @@ class ParallelConfig:
     reduce_dtype: str | None = field(
         default=None, metadata={"help": "gradient reduction dtype: fp32 or the precision's"}
     )
+    base_dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "how a LoRA run holds its frozen base: auto (the precision's parameter "
+            "dtype), bf16, fp16 or fp32; adapters keep fp32 masters under every precision"
+        },
+    )
     offload: str = field(
         default="none", metadata={"help": "optimizer states and master weights: none, cpu, nvme"}
     )
