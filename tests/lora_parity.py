@@ -81,7 +81,15 @@ def _frozen_facts(trainer: Trainer) -> dict:
         "states": memory.current("optimizer_states"),
         "grads": memory.current("gradients"),
         "masters": memory.current("master_weights"),
+        "bytes": trainer.comm.stats.bytes_by_op(),
+        "dp_grad_bytes": sum(r["bytes"] for r in _dp_grad_rows(trainer)),
+        "dp_grad_calls": sum(r["calls"] for r in _dp_grad_rows(trainer)),
     }
+
+
+def _dp_grad_rows(trainer: Trainer) -> list[dict]:
+    """The comm layer's records of gradients sent over dp (this step's)."""
+    return [r for r in trainer.comm.stats.as_rows() if r["axis"] == "dp" and r["tag"] == "grad"]
 
 
 def _storages(models: list) -> dict[str, tuple[int, int]]:

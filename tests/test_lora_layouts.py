@@ -58,6 +58,8 @@ DP2 = [
 def test_data_parallel_lora_equals_one_process(world2, case):
     for rank in world2.run(lora_parity, **case):
         _holds_adapters_only(rank)
+        # One default-sized bucket of adapter gradients per step; the base is never reduced.
+        assert (rank["dp_grad_bytes"], rank["dp_grad_calls"]) == (rank["adapter_bytes"], 1)
 
 
 def test_naive_data_parallel_lora_equals_one_process(world2):
@@ -67,3 +69,7 @@ def test_naive_data_parallel_lora_equals_one_process(world2):
     assert worker["states"] == 0
     for rank in out:
         assert rank["grads"] == rank["adapter_bytes"] and rank["masters"] == 0, rank
+        # The frozen base never crosses the wire: the adapters' gradients go to rank 0 and
+        # their new values come back (plus the grad norm, fp64, and the loss).
+        assert rank["bytes"]["reduce"] == rank["adapter_bytes"], rank["bytes"]
+        assert rank["bytes"]["broadcast"] == rank["adapter_bytes"] + 8 + 4, rank["bytes"]
