@@ -172,15 +172,25 @@ class Linear(nn.Linear):
         self.scaling = spec.scaling
         self.lora_drop = KeyedDropout(spec.dropout, spec.site(layer, leaf))
 
+    @property
+    def adapted(self) -> bool:
+        """Whether this Linear has an adapter (its B; its A too unless shared)."""
+        return "lora_b" in self._parameters
+
+    @property
+    def holds_a(self) -> bool:
+        """Whether this Linear holds its own A (GPT-2's wk and wv use wq's)."""
+        return "lora_a" in self._parameters
+
     def adapter_input(self, x: Tensor, keys: Tensor | None) -> Tensor | None:
         """A dropout(x) when this layer holds an A, else None."""
-        if "lora_a" not in self._parameters:
+        if not self.holds_a:
             return None
         return adapter_input(x, self.lora_a, self.lora_drop, keys)
 
     def forward(self, x: Tensor, keys: Tensor | None = None, u: Tensor | None = None) -> Tensor:
         y = F.linear(x, self.weight, self.bias)  # (b, s, out)
-        if "lora_b" not in self._parameters:
+        if not self.adapted:
             return y
         u = self.adapter_input(x, keys) if u is None else u  # (b, s, r)
         return y + self.scaling * F.linear(u, self.lora_b)

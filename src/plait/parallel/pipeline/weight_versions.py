@@ -13,7 +13,8 @@ parameters). Its moments carry over from step to step while its target alternate
 two copies: the copy to update is handed to it each step. The target copy has no live graph
 (checked), so the in-place step can never corrupt a saved tensor of an in-flight micro-batch.
 Two copies plus moments: the paper's 2W + optimizer state, no third weight copy. Frozen
-parameters are the same in both copies and are never copied, stepped or given moments.
+parameters (LoRA's base) are shared by both copies: held once, never copied, stepped or
+given moments, so 2BW's second version costs only the trainable parameters.
 
 Under tensor parallelism each copy holds this rank's shards; the copy shares the original's
 `Comm` (deep-copying it would copy process groups).
@@ -59,8 +60,11 @@ class WeightVersions:
     def __init__(self, model: Transformer, train: TrainConfig, comm: Comm, recompute: str) -> None:
         self.comm = comm
         # Copy before recompute: its wrappers close over the module they wrap. The copy's tp
-        # layers keep using the same Comm (memo), not a copy of its process groups.
-        self.copies = [model, copy.deepcopy(model, memo={id(comm): comm})]
+        # layers keep using the same Comm (memo), not a copy of its process groups, and the
+        # same frozen parameters (LoRA's base): they never change, so one is held, not two.
+        memo: dict[int, Any] = {id(comm): comm}
+        memo.update((id(p), p) for p in model.parameters() if not p.requires_grad)
+        self.copies = [model, copy.deepcopy(model, memo=memo)]
         for c in self.copies:
             apply_recompute(c, recompute)
             c.train()

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from plait.comm import Comm
 from plait.models.dropout import KeyedDropout
+from plait.models.lora import Linear as LoRALinear
 from plait.models.lora import adapter_input
 from plait.parallel.tp.mappings import (
     enter_region,
@@ -110,9 +111,9 @@ class ColumnParallelLinear(nn.Module):
         copy_from_full(layer.weight, linear.weight, layer.weight_spec)
         if linear.bias is not None:
             copy_from_full(layer.bias, linear.bias, layer.bias_spec)
-        if "lora_b" in linear._parameters:
+        if isinstance(linear, LoRALinear) and linear.adapted:
             layer.scaling, layer.lora_drop = linear.scaling, linear.lora_drop
-            if "lora_a" in linear._parameters:  # replicated: every rank needs all of A x
+            if linear.holds_a:  # replicated: every rank needs all of A x
                 layer.lora_a = nn.Parameter(torch.empty_like(linear.lora_a))
                 copy_from_full(layer.lora_a, linear.lora_a, None)
             layer.lora_b_spec = _split_like(layer.weight_spec, linear.lora_b.shape)
@@ -195,11 +196,11 @@ class RowParallelLinear(nn.Module):
         copy_from_full(layer.weight, linear.weight, layer.weight_spec)
         if linear.bias is not None:
             copy_from_full(layer.bias, linear.bias, None)  # replicated
-        if "lora_b" in linear._parameters:
-            layer._add_adapter(linear, comm)
+        if isinstance(linear, LoRALinear) and linear.adapted:
+            layer.add_adapter(linear, comm)
         return layer
 
-    def _add_adapter(self, linear: nn.Module, comm: Comm) -> None:
+    def add_adapter(self, linear: LoRALinear, comm: Comm) -> None:
         """A split by input like the weight (its partial product is summed with the base's),
         B replicated; the dropout mask is this rank's slice of the input's."""
         self.scaling = linear.scaling
