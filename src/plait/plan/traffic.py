@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from plait.config import Config
 from plait.estimate.formulas import tp_comm_per_microbatch, zero_comm_elements
 from plait.estimate.model_states import Precision, flat_groups
-from plait.estimate.rank_params import rank_params, sequence_partial_elements, tp_contract
+from plait.estimate.rank_params import rank_params, tp_contract, tp_partial_elements
 from plait.plan.hardware import Hardware, Link
 from plait.schedule.stages import StagePlan
 
@@ -132,9 +132,11 @@ def step_collectives(
                    (the pipeline runner: only the last stage holds it), fp32 scalars;
       grad_norm    the squared global norm summed over the axes its pieces are split on:
                    dp under ZeRO >= 1 (shards), tp, pp (parallel/grads.py), one float64;
-      tied_embedding  a tied embedding's two copies summed over the pipeline's ends;
+      tied_embedding  a tied embedding's two copies summed over the pipeline's ends (not
+                   under LoRA: the embedding is frozen);
       tp-sp-grads  under sequence parallelism the partial gradients (norms, row-parallel
-                   biases, a learned position table) summed over tp.
+                   biases, a learned position table) summed over tp, and LoRA's A beside a
+                   column-parallel weight (at any tp; under LoRA only adapters count).
 
     Under ZeRO >= 1 a rank sums only the pieces in its shard; the elements are then the
     whole pieces' / dp (exact for the calls, the latency; near for the bytes)."""
@@ -150,11 +152,11 @@ def step_collectives(
         if n > 1:
             out[(axis, "grad_norm")] = (1, 1, 8)
     first, last = any(p.first for p in plans), any(p.last for p in plans)
-    if par.pp > 1 and m.tie_embeddings and (first or last):
+    if par.pp > 1 and m.tie_embeddings and m.lora is None and (first or last):
         table = -(-m.vocab_size // par.tp) * m.d_model  # the padded vocabulary's tp slice
         out[("pp_ends", "tied_embedding")] = (1, table // shard, prec.reduce)
-    if par.tp > 1 and par.sequence_parallel:
-        partial = sequence_partial_elements(m, plans)
+    partial = tp_partial_elements(m, plans, par.sequence_parallel) if par.tp > 1 else 0
+    if partial:
         out[("tp", "tp-sp-grads")] = (1, partial // shard, prec.reduce)
     return out
 

@@ -1,0 +1,115 @@
+"""LoRA's memory, estimated against measured: the frozen base at its dtype, the adapters'
+states, and the activations autograd saves once the base is frozen (estimate/adapters.py).
+
+Layouts run for real in one 2-rank world (the memory tracker's categories, its activation
+meter, and the frozen parameters counted off the model), within the limits of
+test_estimate_measured.py; the block-0 rules (nothing needs a gradient before the first
+adapter) on bare single-process models for several target sets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memory_runs import Case, compare, error, measure
+from plait.config import build_config
+from plait.estimate import estimate
+from plait.estimate.core import chunk_activation_bytes
+from plait.memory_tracker import MemoryTracker
+from plait.models.declare import is_adapter
+from plait.models.transformer import Transformer
+from plait.parallel.activation_recompute import apply_recompute
+from plait.schedule.stages import rank_plans
+from test_estimate_measured import LIMITS, _planned, _small_collectives
+
+ALL = {"lora_rank": 4, "lora_targets": "all"}
+LAYOUTS = [
+    Case("lora dp2 zero0", "small-llama", parallel={"dp": 2}, model=ALL),
+    Case("lora dp2 zero1", "small-llama", parallel={"dp": 2, "zero": 1}, model=ALL),
+    Case("lora dp2 zero2", "small-llama", parallel={"dp": 2, "zero": 2}, model=ALL),
+    Case("lora dp2 zero3 q,v", "small-llama", parallel={"dp": 2, "zero": 3},
+         model={"lora_rank": 8, "lora_targets": "q,v"}),
+    Case("lora tp2 sp", "small-llama", parallel={"tp": 2, "sequence_parallel": True}, model=ALL),
+    Case("lora tp2 gpt2 dropout", parallel={"tp": 2},
+         model={"lora_rank": 4, "lora_targets": "all", "lora_dropout": 0.1, "dropout": 0.1}),
+    Case("lora pp2 1f1b", "small-llama", parallel={"pp": 2, "schedule": "1f1b"}, model=ALL,
+         accum=4),
+    Case("lora dp2 recompute full", "small-llama", parallel={"dp": 2, "recompute": "full"},
+         model={"lora_rank": 4, "lora_targets": "mlp"}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[x.name for x in LAYOUTS])
+def test_lora_estimate_matches_measurement(world2, layout):
+    est = estimate(layout.config())
+    for measured in world2.run(measure, layout):
+        pairs = compare(est, measured)
+        assert pairs["frozen_base"][1] > 0
+        for term, pair in pairs.items():
+            limit = LIMITS.get(term, 0.02)
+            assert abs(error(pair)) <= limit, (layout.name, measured["pp_rank"], term, pair)
+        assert _small_collectives(measured) == _planned(layout, measured["pp_rank"])
+
+
+def _saved_peak(cfg, mode: str) -> int:
+    """The activation meter's peak over one forward and backward of a bare model whose
+    base is frozen, as the contract declares it."""
+    torch.manual_seed(0)
+    model = Transformer(cfg.model)
+    for name, p in model.named_parameters():
+        p.requires_grad_(is_adapter(name))
+    apply_recompute(model, mode)
+    model.train()
+    t = cfg.train
+    tokens = torch.randint(0, cfg.model.vocab_size, (t.micro_batch, t.seq_len))
+    targets = torch.randint(0, cfg.model.vocab_size, (t.micro_batch, t.seq_len))
+    tracker = MemoryTracker()
+    with tracker.activations():
+        loss = model(tokens, targets)
+        peak = tracker.peak("activations")
+        loss.backward()
+    return peak
+
+
+BARE = [
+    ("small-llama", {"lora_targets": "q,v"}, "none"),
+    ("small-llama", {"lora_targets": "mlp"}, "none"),
+    ("small-llama", {"lora_targets": "o,down"}, "none"),
+    ("small-llama", {"lora_targets": "up", "lora_dropout": 0.2}, "none"),
+    ("small-llama", {"lora_targets": "gate,down", "dropout": 0.1}, "selective"),
+    ("small-gpt", {"lora_targets": "attn", "lora_dropout": 0.1}, "none"),
+    ("small-gpt", {"lora_targets": "up", "lora_dropout": 0.1}, "none"),
+    ("small-gpt", {"lora_targets": "down"}, "full"),
+]
+
+
+@pytest.mark.parametrize(("preset", "lora", "mode"), BARE)
+def test_lora_activations_exact_per_target_set(preset, lora, mode):
+    over = {"model": {"lora_rank": 4, "n_layers": 2, **lora}, "parallel": {"recompute": mode}}
+    over["train"] = {"micro_batch": 2, "global_batch": 2, "seq_len": 32}
+    cfg = build_config(preset, over)
+    plan = rank_plans(cfg.model.n_layers, 1, 1, 0, cfg.parallel.stage_layer_counts())[0]
+    assert chunk_activation_bytes(cfg, plan) == pytest.approx(_saved_peak(cfg, mode), abs=64)
+
+
+def test_frozen_base_at_base_dtype_and_adapter_states():
+    """bf16: the base at 2 bytes (auto) or 4 (fp32), adapters 16 bytes each; ZeRO shards
+    only the adapters' states, never the base."""
+    cfgs = {}
+    for name, par in {
+        "auto": {"precision": "bf16"},
+        "fp32 base": {"precision": "bf16", "base_dtype": "fp32"},
+        "zero2": {"precision": "bf16", "dp": 4, "zero": 2},
+    }.items():
+        over = {"model": {"lora_rank": 8, "lora_targets": "q,v"}, "parallel": par}
+        over["train"] = {"micro_batch": 1, "global_batch": par.get("dp", 1), "seq_len": 64}
+        cfgs[name] = estimate(build_config("small-llama", over)).ranks[0]
+    m = build_config("small-llama", {"model": {"lora_rank": 8, "lora_targets": "q,v"}}).model
+    adapters = m.n_layers * 2 * 8 * (m.d_model + m.d_model)  # q: (8,128)+(128,8); v: kv 64
+    adapters -= m.n_layers * 8 * (m.d_model - m.kv_heads * m.head_dim)
+    auto = cfgs["auto"]
+    assert auto.model_states() - auto.frozen() == 16 * adapters
+    assert cfgs["fp32 base"].frozen() == 2 * auto.frozen() == 4 * (auto.frozen() // 2)
+    zero2 = cfgs["zero2"]
+    assert zero2.frozen() == auto.frozen()  # replicated
+    assert zero2.line("optimizer_states").device == auto.line("optimizer_states").device // 4
