@@ -65,7 +65,8 @@ def estimate(cfg: Config, schedule: Schedule | None = None) -> Estimate:
         _rank(cfg, split, r, rank_plans(m.n_layers, par.pp, par.virtual_stages, r, sizes), schedule)
         for r in range(par.pp)
     )
-    return Estimate(total_parameters(m), ranks, _reference(cfg))
+    psi = total_parameters(m) if m.lora is None else total_parameters(m, trainable=False)
+    return Estimate(psi, ranks, _reference(cfg))
 
 
 def _schedule(cfg: Config) -> Schedule | None:
@@ -183,7 +184,9 @@ def _frozen_line(params: list[ParamSpec], cfg: Config, prec: Precision) -> Line:
     when stage 3 shards it), at the base dtype."""
     n = sum(p.numel for p in params if not p.trainable)
     e = base_bytes(cfg.parallel.base_dtype, prec)
-    why = f"{n:,} el x {e} B (base {cfg.parallel.base_dtype}), replicated over dp"
+    name = cfg.parallel.base_dtype
+    name = f"{cfg.parallel.precision} = auto" if name == "auto" else name
+    why = f"{n:,} el x {e} B (base {name}), replicated over dp (every ZeRO stage)"
     return Line(FROZEN, n * e, formula=why)
 
 
@@ -200,17 +203,28 @@ def _activation_line(
 
 
 def _reference(cfg: Config) -> dict[str, float]:
-    """Single-GPU and ZeRO closed forms for this model at this dp (no tp, no pp)."""
-    psi, par = total_parameters(cfg.model), cfg.parallel
+    """Single-GPU and ZeRO closed forms for this model at this dp (no tp, no pp); under
+    LoRA Ψ is the base's, Φ the adapters', and one GPU holds base·Ψ + (p+g+k)Φ."""
+    m, par = cfg.model, cfg.parallel
     prec = Precision.of(par.precision, par.reduce_dtype)
+    psi = total_parameters(m) if m.lora is None else total_parameters(m, trainable=False)
     optim = ADAM_STATES * FP32 + (FP32 if prec.param != FP32 else 0)
     zero = {
         f"zero{s}_per_rank": zero_model_state_bytes(s, psi, par.dp, prec.param, prec.reduce, optim)
         for s in range(4)
     }
-    return {
+    out = {
         "psi": psi,
         "mixed_precision_adam_16psi": mixed_precision_adam_bytes(psi),
         "bf16_finetune_12psi": sixteen_bit_finetune_bytes(psi),
         **zero,
     }
+    if m.lora is not None:
+        phi = total_parameters(m, trainable=True)
+        per = prec.param + prec.reduce + optim
+        out |= {
+            "lora_phi": phi,
+            "lora_bytes_per_adapter_param": per,
+            "lora_one_gpu": base_bytes(par.base_dtype, prec) * psi + per * phi,
+        }
+    return out

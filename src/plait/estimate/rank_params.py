@@ -85,17 +85,20 @@ def tp_partial_elements(cfg: ModelConfig, plans: list[StagePlan], sp: bool) -> i
     return total
 
 
-def total_parameters(cfg: ModelConfig) -> int:
-    """Ψ: the single-process model's unique parameters (`count_parameters` without torch).
-    Blocks share one tuple of declarations, so each is counted once and multiplied (a
-    planner calls this for thousands of layouts)."""
+def total_parameters(cfg: ModelConfig, trainable: bool | None = None) -> int:
+    """Ψ: the single-process model's unique parameters (`count_parameters` without torch),
+    or only those that train (`trainable` True: under LoRA the adapters, Φ) or that do not
+    (False: the frozen base). Blocks share one tuple of declarations, so each is counted
+    once and multiplied (a planner calls this for thousands of layouts)."""
     contract = describe(cfg)
     sums: dict[int, int] = {}  # id(part.params) -> its elements (a tied copy: none)
     total = 0
     for part in contract.parts:
         if id(part.params) not in sums:
             sums[id(part.params)] = sum(
-                math.prod(d.shape) for d in part.params if d.tied_to is None
+                math.prod(d.shape)
+                for d in part.params
+                if d.tied_to is None and trainable in (None, d.trainable)
             )
         total += sums[id(part.params)]
     return total
