@@ -12,12 +12,16 @@ import pytest
 import torch
 
 from memory_runs import Case, compare, error, measure
+from plait.cli import main
 from plait.config import build_config
 from plait.estimate import estimate
 from plait.estimate.core import chunk_activation_bytes
 from plait.memory_tracker import MemoryTracker
 from plait.models.declare import is_adapter
-from plait.models.transformer import Transformer
+from plait.models.transformer import Transformer, matmul_flops_per_token
+from plait.plan.hardware import load_hardware
+from plait.plan.step_time import Memo, step_time
+from plait.plan.traffic import Links, dp_traffic
 from plait.parallel.activation_recompute import apply_recompute
 from plait.schedule.stages import rank_plans
 from test_estimate_measured import LIMITS, _planned, _small_collectives
@@ -113,3 +117,38 @@ def test_frozen_base_at_base_dtype_and_adapter_states():
     zero2 = cfgs["zero2"]
     assert zero2.frozen() == auto.frozen()  # replicated
     assert zero2.line("optimizer_states").device == auto.line("optimizer_states").device // 4
+
+
+def test_plan_prices_no_weight_gradients_for_a_frozen_base():
+    """Under LoRA the backward computes input gradients and the adapters' weight gradients
+    only: compute = (2 + adapter share) forwards, not 3; the dp traffic is the adapters'."""
+
+    over = {"parallel": {"dp": 2}, "train": {"global_batch": 4, "micro_batch": 2, "seq_len": 64}}
+    full = build_config("small-llama", over)
+    lora = build_config("small-llama", over | {"model": {"lora_rank": 4, "lora_targets": "q,v"}})
+    hw = load_hardware("h100")
+    times = {n: step_time(c, hw, 8, Memo()) for n, c in (("full", full), ("lora", lora))}
+    forward = matmul_flops_per_token(full.model, 64) / 3 * 2 * 64 / hw.flop_rate
+    phi = lora.model.n_layers * 4 * (128 + 128 + 128 + 64)  # q: A + B; v: A + B (kv 64)
+    share = 2 * phi / (matmul_flops_per_token(full.model, 64) / 3)
+    overhead = times["full"].compute - 3 * forward
+    assert times["lora"].compute == pytest.approx((2 + share) * (forward + overhead / 3))
+    plans = rank_plans(4, 1, 1, 0, [4])
+    links = Links.of(full, hw, 8)
+    assert dp_traffic(lora, links.dp, plans, {}).shard == phi  # ZeRO-0: all of it
+    assert dp_traffic(full, links.dp, plans, {}).shard > 100 * phi
+
+
+def test_plan_lora_flags(tmp_path, capsys):
+    argv = ["plan", "--model", "small-llama", "--gpus", "2", "--global-batch", "4"]
+    argv += ["--seq-len", "64", "--hardware", "cpu", "--top", "2"]
+    out = tmp_path / "plan.toml"
+    assert main([*argv, "--lora-rank", "4", "--lora-targets", "all", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert 'lora_rank = 4' in text and 'lora_targets = "all"' in text
+    assert main(["estimate", "--config", str(out), "--json"]) == 0
+    assert '"frozen_base"' in capsys.readouterr().out
+    assert main([*argv, "--lora-targets", "q"]) == 2
+    assert "--lora-targets given without --lora-rank" in capsys.readouterr().err
+    assert main([*argv, "--lora-rank", "200"]) == 2
+    assert "--lora-rank 200 exceeds the width of attn.wq" in capsys.readouterr().err
