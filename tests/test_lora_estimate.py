@@ -22,9 +22,9 @@ from plait.models.transformer import Transformer, matmul_flops_per_token
 from plait.parallel.activation_recompute import apply_recompute
 from plait.plan.hardware import load_hardware
 from plait.plan.step_time import Memo, step_time
-from plait.plan.traffic import Links, dp_traffic
+from plait.plan.traffic import Links, dp_traffic, tp_tables
 from plait.schedule.stages import rank_plans
-from test_estimate_measured import LIMITS, _planned, _small_collectives
+from test_estimate_measured import LIMITS, STEP_TAGS, _planned, _small_collectives
 
 ALL = {"lora_rank": 4, "lora_targets": "all"}
 LAYOUTS = [
@@ -53,6 +53,27 @@ def test_lora_estimate_matches_measurement(world2, layout):
             limit = LIMITS.get(term, 0.02)
             assert abs(error(pair)) <= limit, (layout.name, measured["pp_rank"], term, pair)
         assert _small_collectives(measured) == _planned(layout, measured["pp_rank"])
+        if layout.parallel.get("tp", 1) > 1:
+            assert _tp_rows(measured) == _tp_planned(layout), layout.name
+
+
+def _tp_rows(measured: dict) -> dict:
+    """{(op, tag): (calls, elements)} of the step's activation collectives over tp."""
+    rows = [r for r in measured["comm"] if r["axis"] == "tp" and r["tag"] not in STEP_TAGS]
+    return {(r["op"], r["tag"]): (r["calls"], r["elements"]) for r in rows}
+
+
+def _tp_planned(layout: Case) -> dict:
+    """What `plait plan` prices (plan/traffic.py `tp_tables`) over the step's micro-batches:
+    r more features per row-parallel target, block 0's first column backward skipped."""
+    cfg = layout.config()
+    plan = rank_plans(cfg.model.n_layers, 1, 1, 0, cfg.parallel.stage_layer_counts())[0]
+    out: dict = {}
+    for table in tp_tables(cfg, plan, cfg.parallel.recompute == "full"):
+        for key, (calls, n) in table.items():
+            was = out.get(key, (0, 0))
+            out[key] = (was[0] + layout.accum * calls, was[1] + layout.accum * n)
+    return out
 
 
 def _saved_peak(cfg, mode: str) -> int:
