@@ -70,9 +70,18 @@ def measure(case: Case, offload_dir: str | None = None) -> dict[str, Any]:
         "total": tracker.peak(),
         "allocator_peak": peak_allocated_bytes(mesh.device),
         "comm": trainer.comm.stats.as_rows(),  # the second step's collectives
+        "frozen_base": frozen_bytes(trainer.model),
     }
     trainer.close()
     return out
+
+
+def frozen_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the parameters that do not train (a LoRA run's base), each storage once: the
+    memory tracker registers only what the engines allocate."""
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+                for p in model.parameters() if not p.requires_grad}  # fmt: skip
+    return sum(storages.values())
 
 
 def compare(est: Estimate, measured: dict[str, Any]) -> dict[str, tuple[int, int]]:
@@ -86,13 +95,15 @@ def compare(est: Estimate, measured: dict[str, Any]) -> dict[str, tuple[int, int
         line = rank.line(c)
         out[c] = (line.device + line.host + line.disk, sum(measured["states"][c].values()))
     out["activations"] = (rank.line("activations").device, measured["activations"])
+    if rank.frozen() or measured["frozen_base"]:
+        out["frozen_base"] = (rank.frozen(), measured["frozen_base"])
     out["total"] = (rank.total() - untracked(rank), measured["total"])
     return out
 
 
 def untracked(rank: RankEstimate) -> int:
-    """Estimated bytes the tracker cannot see (pipeline receive buffers)."""
-    return rank.line("pipeline_buffers").device
+    """Estimated bytes the tracker cannot see (pipeline receive buffers, a frozen base)."""
+    return rank.line("pipeline_buffers").device + rank.frozen()
 
 
 def error(pair: tuple[int, int]) -> float:

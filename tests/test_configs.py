@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.toml"))
 ALPACA = ROOT / "configs" / "alpaca-llama-7b.toml"
 ALPACA_EXAMPLES = 52_002  # alpaca_data.json
+LORA = ROOT / "configs" / "lora-llama-7b.toml"
 
 
 def estimate_config(*argv: str) -> Config:
@@ -27,6 +28,7 @@ def estimate_config(*argv: str) -> Config:
 def test_the_configs_folder_holds_the_recipes() -> None:
     names = {p.name for p in CONFIGS}
     assert {"alpaca-llama-7b.toml", "finetune-stdlib.toml", "small-gpt-dp2.toml"} <= names
+    assert "lora-llama-7b.toml" in names
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
@@ -59,6 +61,39 @@ def test_alpaca_recipe_fits_stanfords_80_gib_gpus(capsys) -> None:
     argv = ["estimate", "--config", str(ALPACA), "--device-memory", "24"]
     assert main(argv) == 2  # a 24 GiB card: refused, naming the need
     assert "nothing fits: pipeline stage 0 needs" in capsys.readouterr().err
+
+
+def test_lora_recipe_is_alpaca_loras() -> None:
+    """LLaMA-7B with Alpaca-LoRA's adapters (r 8, alpha 16, dropout 0.05, q and v), its
+    batch (128 of micro-batches 4, 256 tokens) and schedule (lr 3e-4, 100 warmup steps, 3
+    epochs of the 50,002 examples it trains on), on 4 GPUs under ZeRO-2 in bf16."""
+    cfg = estimate_config("--config", str(LORA))
+    m, par, t = cfg.model, cfg.parallel, cfg.train
+    assert (m.n_layers, m.d_model, m.n_heads, m.vocab_size) == (32, 4096, 32, 32000)
+    assert m.lora is not None and m.lora.leaves == ("attn.wq", "attn.wv")
+    assert (m.lora_rank, m.lora.scaling, m.lora_dropout) == (8, 2.0, 0.05)
+    assert (par.dp, par.zero, par.precision, par.base_dtype) == (4, 2, "bf16", "auto")
+    assert (t.micro_batch, cfg.accumulation, t.global_batch, t.seq_len) == (4, 8, 128, 256)
+    assert t.steps == 3 * ((ALPACA_EXAMPLES - 2000) // t.global_batch) == 1170
+    assert (t.lr, t.warmup_steps, t.min_lr) == (3e-4, 100, 0.0)
+
+
+def test_lora_recipe_fits_24_gib_and_its_base_dominates_the_states(capsys) -> None:
+    """The frozen bf16 base is 2 bytes per parameter on every rank (replicated under ZeRO-2);
+    the adapters' states are 16 bytes per adapter parameter, sharded; all under 24 GiB."""
+    assert main(["estimate", "--config", str(LORA), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    rank = report["ranks"][0]
+    lines = {line["name"]: line["device"] for line in rank["lines"]}
+    assert lines["frozen_base"] == 2 * report["psi"]
+    phi = report["reference"]["lora_phi"]
+    assert phi == 32 * 8 * (4096 + 4096) * 2  # q and v: A (8, 4096) + B (4096, 8) each
+    assert report["reference"]["lora_one_gpu"] == 2 * report["psi"] + 16 * phi
+    assert lines["optimizer_states"] == pytest.approx(8 * phi / 4, rel=1e-3)  # ZeRO-2: 1/4
+    assert lines["activations"] > 100 * lines["optimizer_states"]  # activations dominate
+    assert rank["total"]["device"] < 24 * 2**30
+    assert main(["estimate", "--config", str(LORA), "--device-memory", "16"]) == 2
+    assert "nothing fits" in capsys.readouterr().err
 
 
 def _recipe(tmp_path: Path, preset: str) -> Path:

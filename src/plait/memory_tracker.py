@@ -148,7 +148,8 @@ class MemoryTracker:
         saves it until autograd drops it (after its node's backward), so `peak` is the most
         ever held at once, e.g. the micro-batches a pipeline schedule keeps in flight.
 
-        Parameters and views of them (a Linear saves `weight.t()`) are not activations and
+        Parameters and views of them (a Linear saves `weight.t()`), frozen ones included (a
+        LoRA adapter's input gradient needs the frozen base weight), are not activations and
         are skipped, and so are other leaves that require grad (a pipeline stage's received
         input: a receive buffer, not something this stage's forward made). Each storage
         counts once, however many views of it are saved. Whatever activation recomputation
@@ -171,7 +172,7 @@ class MemoryTracker:
         def pack(t: torch.Tensor) -> torch.Tensor | _Saved:
             nonlocal live
             base = view_base(t)  # a view's base (Tensor._base: torch_private says why)
-            if base.is_leaf and base.requires_grad:
+            if isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad):
                 return t
             storage = t.untyped_storage()
             ptr = storage.data_ptr()

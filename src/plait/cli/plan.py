@@ -8,9 +8,10 @@ from pathlib import Path
 from rich.console import Console
 
 from plait.composition import check_tensor_parallel
-from plait.domain import at_least
+from plait.domain import at_least, fraction
 from plait.errors import ConfigError, print_bad_input
 from plait.mixed_precision import parse_precision
+from plait.models.architecture import ModelConfig
 from plait.models.presets import get_preset
 from plait.outdir import check_out_file
 from plait.plan.enumerate import Request, divisors, shapes
@@ -36,6 +37,10 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
         "--max-micro-batch", type=at_least(1), default=8, help="largest micro-batch tried"
     )
     p.add_argument("--offload-dir", help="also consider NVMe offload, to this folder")
+    p.add_argument("--lora-rank", type=at_least(1), help="plan a LoRA run of this rank")
+    p.add_argument("--lora-targets", help="LoRA targets (default PEFT's; docs/lora.md)")
+    p.add_argument("--lora-dropout", type=fraction(), help="dropout on the adapters' input")
+    p.add_argument("--base-dtype", default="auto", help="LoRA's frozen base: auto, bf16, fp32")
     for axis in ("dp", "tp", "pp"):
         p.add_argument(f"--{axis}", type=at_least(1), help=f"only layouts with this {axis}")
     p.add_argument("--top", type=at_least(1), default=8, help="layouts shown")
@@ -44,7 +49,7 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
 
 def request_of(args: argparse.Namespace, precision: str) -> Request:
     """The request, after the checks that need no enumeration (each names its numbers)."""
-    model = get_preset(args.model)
+    model = lora_model(args, get_preset(args.model))
     parse_precision(precision)
     per_node = args.gpus_per_node or args.gpus  # each >= 1: their flags' domains
     if args.gpus % per_node:
@@ -64,9 +69,29 @@ def request_of(args: argparse.Namespace, precision: str) -> Request:
         args.max_micro_batch,
         args.offload_dir,
         fixed,
+        args.base_dtype,
     )
     check_pins(req)
     return req
+
+
+def lora_model(args: argparse.Namespace, model: ModelConfig) -> ModelConfig:
+    """The preset with the LoRA flags applied and checked (flags that need a rank refused
+    without one, as `plait train` refuses them)."""
+    given = [f for f in ("lora_targets", "lora_dropout") if getattr(args, f) is not None]
+    if args.lora_rank is None:
+        if given or args.base_dtype != "auto":
+            flags = ", ".join("--" + f.replace("_", "-") for f in given or ["base_dtype"])
+            raise ConfigError(f"{flags} given without --lora-rank: plan a LoRA run with both")
+        return model
+    model.lora_rank = args.lora_rank
+    model.lora_targets = args.lora_targets or ""
+    if args.lora_dropout is not None:
+        model.lora_dropout = args.lora_dropout
+    model.validate()
+    if args.base_dtype not in ("auto", "bf16", "fp16", "fp32"):
+        raise ConfigError(f"--base-dtype {args.base_dtype!r}: give auto, bf16, fp16 or fp32")
+    return model
 
 
 def _nearest(value: int, valid: list[int]) -> str:

@@ -27,6 +27,10 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 
+LORA_OPTIONS = ("lora_alpha", "lora_dropout", "lora_targets")
+"""[model] fields that mean something only beside lora_rank (a flag or a TOML key)."""
+
+
 def _value_type(f: dataclasses.Field) -> Any:
     text = str(f.type)
     if "bool" in text:
@@ -79,6 +83,7 @@ def config_from_args(
         if "." in dest:
             section, name = dest.split(".", 1)
             overrides.setdefault(section, {})[name] = value
+    lora_given = [k for k in LORA_OPTIONS if k in overrides.get("model", {})]
     folder = overrides.get("train", {}).get("init_from")
     if folder and toml_preset and not args.preset and hasattr(args, "train.init_from"):
         preset = None  # a recipe's preset (for `estimate`) yields to the flag's folder ...
@@ -91,6 +96,12 @@ def config_from_args(
         cfg = build_config(preset or "small-gpt", overrides)
     if adjust is not None:
         adjust(cfg)
+    if lora_given and cfg.model.lora_rank is None:
+        flags = ", ".join("--" + k.replace("_", "-") for k in lora_given)
+        raise ConfigError(
+            f"{flags} given without --lora-rank: LoRA is off, so nothing would use "
+            f"{'it' if len(lora_given) == 1 else 'them'}; add --lora-rank R (or drop {flags})"
+        )
     cfg.validate(check_data)
     if check_data and under_torchrun():  # every rank would otherwise fail alone, with a traceback
         cfg.parallel.layout.check_world(int(os.environ["WORLD_SIZE"]))

@@ -16,15 +16,29 @@ from __future__ import annotations
 from plait.config import Config
 from plait.errors import ConfigError
 from plait.estimate import activations as act
+from plait.estimate.adapters import lora_head_bytes, lora_layer_bytes
 from plait.estimate.buffers import buffer_lines, zero_buffers
 from plait.estimate.formulas import (
     mixed_precision_adam_bytes,
     sixteen_bit_finetune_bytes,
     zero_model_state_bytes,
 )
-from plait.estimate.lines import LESSON_ORDER, PLACES, Estimate, Line, RankEstimate
-from plait.estimate.model_states import ADAM_STATES, FP32, Precision, States, model_states
-from plait.estimate.rank_params import padded_vocab, rank_params, total_parameters, tp_contract
+from plait.estimate.lines import FROZEN, LESSON_ORDER, PLACES, Estimate, Line, RankEstimate
+from plait.estimate.model_states import (
+    ADAM_STATES,
+    DTYPE_BYTES,
+    FP32,
+    Precision,
+    States,
+    model_states,
+)
+from plait.estimate.rank_params import (
+    ParamSpec,
+    padded_vocab,
+    rank_params,
+    total_parameters,
+    tp_contract,
+)
 from plait.models.contract import ModelContract
 from plait.schedule.actions import Schedule
 from plait.schedule.schedules import build_schedule
@@ -51,7 +65,8 @@ def estimate(cfg: Config, schedule: Schedule | None = None) -> Estimate:
         _rank(cfg, split, r, rank_plans(m.n_layers, par.pp, par.virtual_stages, r, sizes), schedule)
         for r in range(par.pp)
     )
-    return Estimate(total_parameters(m), ranks, _reference(cfg))
+    psi = total_parameters(m) if m.lora is None else total_parameters(m, trainable=False)
+    return Estimate(psi, ranks, _reference(cfg))
 
 
 def _schedule(cfg: Config) -> Schedule | None:
@@ -71,14 +86,24 @@ def _shape(cfg: Config) -> act.Shape:
 def chunk_activation_bytes(cfg: Config, plan: StagePlan) -> int:
     """One micro-batch's saved bytes on one chunk (a pipeline stage's layers and ends)."""
     m, x, mode = cfg.model, _shape(cfg), cfg.parallel.recompute
-    total = len(plan.layers) * act.layer_bytes(m, x, mode)
+    total = sum(_layer_bytes(cfg, x, i > 0) for i in plan.layers)
     if plan.first:
-        total += act.embedding_bytes(m, x)
+        total += act.embedding_bytes(m, x) if m.lora is None else 0  # a frozen embedding
     else:
         total -= act.received_input_bytes(m, x, mode)
     if plan.last:
-        total += act.head_bytes(m, x, padded_vocab(m, x.t) // x.t)
+        head = act.head_bytes if m.lora is None else lora_head_bytes
+        total += head(m, x, padded_vocab(m, x.t) // x.t)
     return total
+
+
+def _layer_bytes(cfg: Config, x: act.Shape, grad_in: bool = True) -> int:
+    """One block's saved bytes; under LoRA block 0's input (`grad_in` False) needs no
+    gradient (estimate/adapters.py)."""
+    m, mode = cfg.model, cfg.parallel.recompute
+    if m.lora is None:
+        return act.layer_bytes(m, x, mode)
+    return lora_layer_bytes(m, x, mode, grad_in)
 
 
 def _rank(
@@ -101,7 +126,10 @@ def _rank(
         actions = schedule.ranks[r]
         held = int(peak_held(actions, lambda c: chunk[c], schedule.split_backward))
         in_flight = int(peak_held(actions))
-    lines = [*_state_lines(states, cfg, prec), _activation_line(cfg, plans, chunk, held, in_flight)]
+    lines = _state_lines(states, cfg, prec)
+    if cfg.model.lora is not None:
+        lines.append(_frozen_line(params, cfg, prec))
+    lines.append(_activation_line(cfg, plans, chunk, held, in_flight))
     lines += buffer_lines(cfg, states, plans, schedule, r, prec)
     layers = tuple(i for plan in plans for i in plan.layers)
     at_peak = zero_buffers(par.zero, states.groups, prec)[2]
@@ -132,18 +160,41 @@ def _state_lines(states: States, cfg: Config, prec: Precision) -> list[Line]:
         + (", 1/N)" if stage >= 1 else ")"),
     }
     lines = []
+    who = "adapters: " if cfg.model.lora is not None else ""  # only they train
     for name in LESSON_ORDER[:4]:
         per = states.bytes.get(name, {})
         places = {p: per.get(p, 0) for p in PLACES}
-        lines.append(Line(name, **places, formula=why[name]))
+        lines.append(Line(name, **places, formula=who + why[name]))
     return lines
+
+
+def base_bytes(base_dtype: str, prec: Precision) -> int:
+    """Bytes per element of a LoRA run's frozen base: `--base-dtype`, auto = the
+    precision's parameter dtype (2 under bf16/fp16, 4 under fp32)."""
+    if base_dtype == "auto":
+        return prec.param
+    if base_dtype not in DTYPE_BYTES:
+        raise ConfigError(f"--base-dtype {base_dtype!r}: give auto, bf16, fp16 or fp32")
+    return DTYPE_BYTES[base_dtype]
+
+
+def _frozen_line(params: list[ParamSpec], cfg: Config, prec: Precision) -> Line:
+    """The frozen base this rank holds: its tp shard of its stages, replicated over dp under
+    every ZeRO stage (no group: nothing sharded, gathered or reduced; the one place to change
+    when stage 3 shards it), at the base dtype."""
+    n = sum(p.numel for p in params if not p.trainable)
+    e = base_bytes(cfg.parallel.base_dtype, prec)
+    name = cfg.parallel.base_dtype
+    name = f"{cfg.parallel.precision} = auto" if name == "auto" else name
+    why = f"{n:,} el x {e} B (base {name}), replicated over dp (every ZeRO stage)"
+    return Line(FROZEN, n * e, formula=why)
 
 
 def _activation_line(
     cfg: Config, plans: list[StagePlan], chunk: list[int], held: int, in_flight: int
 ) -> Line:
     x, mode = _shape(cfg), cfg.parallel.recompute
-    layer = act.layer_bytes(cfg.model, x, mode)
+    layer = _layer_bytes(cfg, x)
     layers = sum(len(p.layers) for p in plans)
     what = f"{layers} layers x {layer:,} B/layer (recompute {mode}) + ends"
     if len(plans) > 1 or in_flight > 1:
@@ -152,17 +203,28 @@ def _activation_line(
 
 
 def _reference(cfg: Config) -> dict[str, float]:
-    """Single-GPU and ZeRO closed forms for this model at this dp (no tp, no pp)."""
-    psi, par = total_parameters(cfg.model), cfg.parallel
+    """Single-GPU and ZeRO closed forms for this model at this dp (no tp, no pp); under
+    LoRA Ψ is the base's, Φ the adapters', and one GPU holds base·Ψ + (p+g+k)Φ."""
+    m, par = cfg.model, cfg.parallel
     prec = Precision.of(par.precision, par.reduce_dtype)
+    psi = total_parameters(m) if m.lora is None else total_parameters(m, trainable=False)
     optim = ADAM_STATES * FP32 + (FP32 if prec.param != FP32 else 0)
     zero = {
         f"zero{s}_per_rank": zero_model_state_bytes(s, psi, par.dp, prec.param, prec.reduce, optim)
         for s in range(4)
     }
-    return {
+    out = {
         "psi": psi,
         "mixed_precision_adam_16psi": mixed_precision_adam_bytes(psi),
         "bf16_finetune_12psi": sixteen_bit_finetune_bytes(psi),
         **zero,
     }
+    if m.lora is not None:
+        phi = total_parameters(m, trainable=True)
+        per = prec.param + prec.reduce + optim
+        out |= {
+            "lora_phi": phi,
+            "lora_bytes_per_adapter_param": per,
+            "lora_one_gpu": base_bytes(par.base_dtype, prec) * psi + per * phi,
+        }
+    return out

@@ -14,6 +14,10 @@ LESSON_ORDER = (
     "comm_buffers",
     "pipeline_buffers",
 )
+FROZEN = "frozen_base"
+"""A LoRA run's frozen base weights: a line of their own, after the adapters' states (the
+four above count only what trains), present only under LoRA; the memory tracker does not
+register them (they are the model's, not an engine's)."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,10 @@ class RankEstimate:
     def line(self, name: str) -> Line:
         return next(x for x in self.lines if x.name == name)
 
+    def frozen(self, place: str = "device") -> int:
+        """The frozen base's bytes (0 without LoRA)."""
+        return sum(x.at(place) for x in self.lines if x.name == FROZEN)
+
     def total(self, place: str = "device") -> int:
         """The peak of the sum, not the sum of the peaks: activations peak at the end of the
         forward, the gradient buckets later, in a backward that frees activations; the
@@ -55,7 +63,8 @@ class RankEstimate:
         return self.model_states() + moments + self.line("pipeline_buffers").device
 
     def model_states(self, place: str = "device") -> int:
-        return sum(self.line(n).at(place) for n in LESSON_ORDER[:4])
+        """Parameters, gradients, masters and moments, and a LoRA run's frozen base."""
+        return sum(self.line(n).at(place) for n in LESSON_ORDER[:4]) + self.frozen(place)
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,9 @@ class States:
 def flat_groups(
     params: list[ParamSpec], stage: int, bucket_mb: float, world: int
 ) -> list[tuple[int, int]]:
-    """(numel, padded) of every flat group, as `zero/layout.build_groups` forms them."""
+    """(numel, padded) of every flat group, as `zero/layout.build_groups` forms them: of the
+    trainable parameters only (a LoRA run's frozen base is in no group)."""
+    params = [p for p in params if p.trainable]
     alone = [p for p in params if p.isolated]
     rest = [p for p in params if not p.isolated]
     if stage == 3:

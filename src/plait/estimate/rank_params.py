@@ -32,6 +32,7 @@ class ParamSpec(NamedTuple):
     block: int | None
     isolated: bool = False  # a tied embedding copy on a pipeline end: a flat group alone
     tp_partial: bool = False  # under sequence parallelism its gradient is summed over tp
+    trainable: bool = True  # False: a LoRA run's frozen base (no group, gradient or state)
 
 
 def padded_vocab(cfg: ModelConfig, tp: int) -> int:
@@ -58,35 +59,46 @@ def rank_params(split: ModelContract, plans: list[StagePlan]) -> list[ParamSpec]
     for name, part, d in contract.params():
         if id(d) not in numel:
             numel[id(d)] = math.prod(d.local_shape)
-        out.append(ParamSpec(name, numel[id(d)], part.index, name in alone, d.sp_partial))
+        out.append(
+            ParamSpec(name, numel[id(d)], part.index, name in alone, d.sp_partial, d.trainable)
+        )
     return out
 
 
-def sequence_partial_elements(cfg: ModelConfig, plans: list[StagePlan]) -> int:
-    """Elements of the parameters of `plans`' parts whose gradient is partial under sequence
-    parallelism (replicated, so the same at any tp): what SP sums over tp each step."""
+def tp_partial_elements(cfg: ModelConfig, plans: list[StagePlan], sp: bool) -> int:
+    """Elements of the trainable parameters of `plans`' parts whose gradient each tp rank
+    holds only in part (replicated, so the same at any tp): under sequence parallelism those
+    applied per position, and LoRA's A beside a column-parallel weight at any tp
+    (parallel/grads.py `tp_partial_params`): what the 'tp-sp-grads' all-reduce sums."""
     whole = describe(cfg)
     sums: dict[int, int] = {}  # id(part.params) -> its partial elements (blocks share one)
     total = 0
     for plan in plans:
         for part in whole.stage_parts(plan.layers, plan.first, plan.last):
             if id(part.params) not in sums:
-                sums[id(part.params)] = sum(math.prod(d.shape) for d in part.params if d.sp_partial)
+                sums[id(part.params)] = sum(
+                    math.prod(d.shape)
+                    for d in part.params
+                    if d.trainable and (d.tp_partial or (sp and d.sp_partial))
+                )
             total += sums[id(part.params)]
     return total
 
 
-def total_parameters(cfg: ModelConfig) -> int:
-    """Ψ: the single-process model's unique parameters (`count_parameters` without torch).
-    Blocks share one tuple of declarations, so each is counted once and multiplied (a
-    planner calls this for thousands of layouts)."""
+def total_parameters(cfg: ModelConfig, trainable: bool | None = None) -> int:
+    """Ψ: the single-process model's unique parameters (`count_parameters` without torch),
+    or only those that train (`trainable` True: under LoRA the adapters, Φ) or that do not
+    (False: the frozen base). Blocks share one tuple of declarations, so each is counted
+    once and multiplied (a planner calls this for thousands of layouts)."""
     contract = describe(cfg)
     sums: dict[int, int] = {}  # id(part.params) -> its elements (a tied copy: none)
     total = 0
     for part in contract.parts:
         if id(part.params) not in sums:
             sums[id(part.params)] = sum(
-                math.prod(d.shape) for d in part.params if d.tied_to is None
+                math.prod(d.shape)
+                for d in part.params
+                if d.tied_to is None and trainable in (None, d.trainable)
             )
         total += sums[id(part.params)]
     return total

@@ -41,6 +41,14 @@ def print_estimate(est: Estimate, console: Console) -> None:
     )
     zero = ", ".join(f"stage {s} {gib(ref[f'zero{s}_per_rank'])}" for s in range(4))
     console.print(f"ZeRO closed forms per rank at this dp and precision (no tp/pp): {zero}.")
+    if "lora_phi" in ref:
+        frozen = ref["lora_one_gpu"] - ref["lora_bytes_per_adapter_param"] * ref["lora_phi"]
+        console.print(
+            f"LoRA: Φ = {ref['lora_phi']:,} adapter parameters ({ref['lora_phi'] / est.psi:.3%}"
+            f" of Ψ, the base above) at {ref['lora_bytes_per_adapter_param']} B each; one GPU "
+            f"holds the frozen base {gib(frozen)} + adapter states "
+            f"{gib(ref['lora_one_gpu'] - frozen)} = {gib(ref['lora_one_gpu'])} before activations."
+        )
     worst = est.most_loaded
     console.print(f"Most loaded: stage {worst.pp_rank}, {gib(worst.total())} on the device.")
 

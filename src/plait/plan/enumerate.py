@@ -38,6 +38,7 @@ class Request:
     max_micro_batch: int = 8
     offload_dir: str | None = None
     fixed: tuple[tuple[str, int], ...] = ()  # ("tp", 2): axes the user pinned
+    base_dtype: str = "auto"  # how a LoRA run (model.lora_rank set) holds its frozen base
 
     def pinned(self, axis: str) -> int | None:
         return dict(self.fixed).get(axis)
@@ -74,6 +75,8 @@ class Candidate:
             "offload": self.offload,
             "recompute": self.recompute,
         }
+        if req.model.lora is not None:
+            par["base_dtype"] = req.base_dtype
         if self.pp > 1:
             par |= {"schedule": self.schedule, "virtual_stages": self.virtual_stages}
         if self.offload == "nvme":

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from plait.config import Config, build_config
 from plait.estimate import Estimate, estimate
+from plait.estimate.rank_params import total_parameters
 from plait.models.transformer import matmul_flops_per_token
 from plait.plan.enumerate import FRUGAL, Candidate, Request, knobs, most_frugal, shapes
 from plait.plan.hardware import Hardware
@@ -38,7 +39,13 @@ class Ranked:
         return t.global_batch * t.seq_len / self.time.total
 
     def mfu(self, hw: Hardware, gpus: int) -> float:
-        flops = matmul_flops_per_token(self.config.model, self.config.train.seq_len)
+        """Model FLOPs per second over the peak. Under LoRA the frozen base's weight
+        gradients are never computed: forward and input gradients (2/3 of 6N + attention)
+        plus the adapters' 6 FLOPs per element per token."""
+        m = self.config.model
+        flops = matmul_flops_per_token(m, self.config.train.seq_len)
+        if m.lora is not None:
+            flops = flops * 2 / 3 + 6 * total_parameters(m, trainable=True)
         return self.tokens_per_s() * flops / (hw.peak_flops * gpus)
 
 

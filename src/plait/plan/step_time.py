@@ -9,7 +9,8 @@ launches, Python; calibrate measures it, it matters for small models only):
   F = forward FLOPs / tp / R + o·units + tp forward collectives + a
   B = F's compute + tp backward collectives + recompute (full: F's FLOPs, overhead and
       collectives again; selective: attention's q k^T and probs v again) + a
-  W = F's compute (the weight gradients: backward = 2 x forward) (+ a where W is an action)
+  W = F's compute (the weight gradients: backward = 2 x forward) (+ a where W is an action);
+      under LoRA only the adapters' weight gradients, 2 FLOPs per adapter element per token
 where a is the pipeline runtime's own time per action (`action_overhead_s`, calibrated:
 posting and matching messages, Python; pipelines only).
 The pipeline's simulator (`schedule/simulate.py`) runs the schedule under these
@@ -38,6 +39,8 @@ from dataclasses import dataclass, field, fields, replace
 
 from plait.config import Config
 from plait.estimate.model_states import ADAM_STATES, Precision
+from plait.estimate.rank_params import total_parameters
+from plait.models.architecture import ModelConfig
 from plait.models.transformer import head_forward_flops_per_token, layer_forward_flops_per_token
 from plait.plan.hardware import Hardware
 from plait.plan.shared import shared_makespan
@@ -112,6 +115,7 @@ class ChunkCost:
     send_b: float = 0.0  # sending the input gradient back
     action: float = 0.0  # the pipeline runtime's own time per compute action
     split: bool = False  # W is an action of its own (zb-h1), not part of B
+    w_share: float = 1.0  # W's compute over F's: 1, or under LoRA the adapters' share
 
     @property
     def f(self) -> float:
@@ -123,7 +127,7 @@ class ChunkCost:
 
     @property
     def w(self) -> float:
-        return self.flops + (self.action if self.split else 0.0)
+        return self.flops * self.w_share + (self.action if self.split else 0.0)
 
     @property
     def actions(self) -> int:
@@ -148,7 +152,18 @@ def chunk_cost(cfg: Config, hw: Hardware, links: Links, plan: StagePlan) -> Chun
         extra += hw.pass_overhead_s * len(plan.layers)
     action = hw.action_overhead_s if par.pp > 1 else 0.0
     flops = tokens * per_token / rate + overhead
-    return ChunkCost(flops, extra, tp_f, tp_b, action=action, split=par.schedule == "zb-h1")
+    split = par.schedule == "zb-h1"
+    return ChunkCost(flops, extra, tp_f, tp_b, action=action, split=split,
+                     w_share=_weight_gradient_share(m, len(plan.layers), per_token))  # fmt: skip
+
+
+def _weight_gradient_share(m: ModelConfig, layers: int, per_token: int) -> float:
+    """W's FLOPs over F's: 1 when every weight trains (a weight gradient costs what its
+    forward did); under LoRA only the adapters' (2 FLOPs per adapter element per token),
+    the frozen base's weight gradients are never computed."""
+    if m.lora is None or not per_token:
+        return 1.0
+    return 2 * layers * total_parameters(m, trainable=True) / m.n_layers / per_token
 
 
 def _sending(cost: ChunkCost, plan: StagePlan, busy: float) -> ChunkCost:
@@ -243,7 +258,7 @@ def step_time(
     else:
         span = makespan(cfg, costs, p2p, memo, simulate)
         counted = [max(busy, key=lambda cs: sum(c.f + c.b + c.w for c in cs))]
-    compute = m * sum(3 * c.flops for cs in counted for c in cs) / len(counted)
+    compute = m * sum((2 + c.w_share) * c.flops for cs in counted for c in cs) / len(counted)
     recompute = m * sum(c.recompute for cs in counted for c in cs) / len(counted)
     tp = m * sum(c.tp_f + c.tp_b for cs in counted for c in cs) / len(counted)
     runtime = m * sum(c.action * c.actions for cs in counted for c in cs) / len(counted)

@@ -15,7 +15,12 @@ def plan_sections(r: Ranked) -> dict[str, dict[str, Any]]:
     cfg = r.config
     par = {k: v for k, v in vars(cfg.parallel).items() if v is not None}  # TOML has no null
     train = {k: getattr(cfg.train, k) for k in ("global_batch", "micro_batch", "seq_len")}
-    return {"model": {"preset": cfg.preset}, "parallel": par, "train": train}
+    model: dict[str, Any] = {"preset": cfg.preset}
+    if cfg.model.lora_rank is not None:  # a LoRA plan: the adapters it was sized for
+        m = cfg.model
+        model |= {"lora_rank": m.lora_rank, "lora_alpha": m.lora_alpha}
+        model |= {"lora_dropout": m.lora_dropout, "lora_targets": m.lora_targets}
+    return {"model": model, "parallel": par, "train": train}
 
 
 def write_plan(out: Plan, path: str | Path) -> None:

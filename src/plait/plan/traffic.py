@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from plait.config import Config
 from plait.estimate.formulas import tp_comm_per_microbatch, zero_comm_elements
 from plait.estimate.model_states import Precision, flat_groups
-from plait.estimate.rank_params import rank_params, sequence_partial_elements, tp_contract
+from plait.estimate.rank_params import rank_params, tp_contract, tp_partial_elements
+from plait.models.architecture import ModelConfig
+from plait.models.lora import ROW_PARALLEL
 from plait.plan.hardware import Hardware, Link
 from plait.schedule.stages import StagePlan
 
@@ -41,26 +43,56 @@ class Links:
         )
 
 
+def tp_tables(cfg: Config, plan: StagePlan, recompute_full: bool) -> tuple[dict, dict]:
+    """{(op, tag): (calls, elements)} of one micro-batch's tp collectives on one chunk,
+    forward and backward (`formulas.tp_comm_per_microbatch`, then LoRA's changes). Full
+    recomputation runs each block's forward again inside the backward, collectives included."""
+    par, t = cfg.parallel, cfg.train
+    bs = t.micro_batch * t.seq_len
+    bsh, sp = bs * cfg.model.d_model, par.sequence_parallel
+    fwd, bwd = tp_comm_per_microbatch(len(plan.layers), bsh, bs, sp, plan.first, plan.last)
+    if recompute_full:
+        for key, (calls, n) in tp_comm_per_microbatch(len(plan.layers), bsh, bs, sp)[0].items():
+            if key[1] == "tp":
+                bwd[key] = (bwd[key][0] + calls, bwd[key][1] + n)
+    if cfg.model.lora is not None and plan.layers:
+        _lora_tp(cfg, plan, fwd, bwd, bs, recompute_full)
+    return fwd, bwd
+
+
+def _lora_tp(cfg: Config, plan: StagePlan, fwd: dict, bwd: dict, bs: int, again: bool) -> None:
+    """LoRA: each row-parallel target's A x rides in the base's collective, r more features
+    per token (forward; backward too under SP, whose backward all-gathers it), and block 0's
+    input needs no gradient, so its first column layer's backward reduction and the
+    embedding's are skipped (exact when block 0's attention holds an adapter; fewer still
+    are run when it holds none)."""
+    sp, n = cfg.parallel.sequence_parallel, len(plan.layers)
+    extra = bs * n * lora_row_features(cfg.model)
+    out_op = "reduce_scatter" if sp else "all_reduce"
+    key = (out_op, "tp")
+    fwd[key] = (fwd[key][0], fwd[key][1] + extra)
+    if again:  # the recomputed forward's row collectives
+        bwd[key] = (bwd[key][0], bwd[key][1] + extra)
+    if sp:  # the backward of a reduce-scatter all-gathers the same features
+        back = ("all_gather", "tp")
+        bwd[back] = (bwd[back][0], bwd[back][1] + extra)
+    if plan.first:  # the frozen embedding's output needs no gradient (SP: no all-gather)
+        bwd.pop(("all_gather", "tp-embed"), None)
+    if plan.first and 0 in plan.layers:
+        column = ("reduce_scatter" if sp else "all_reduce", "tp")
+        bsh = bs * cfg.model.d_model
+        bwd[column] = (bwd[column][0] - 1, bwd[column][1] - bsh)
+
+
 def tp_seconds(
     cfg: Config, link: Link, plan: StagePlan, recompute_full: bool
 ) -> tuple[float, float]:
-    """(forward, backward) seconds of one micro-batch's tp collectives on one chunk. Full
-    recomputation runs each block's forward again inside the backward, collectives included."""
-    par, t = cfg.parallel, cfg.train
+    """(forward, backward) seconds of one micro-batch's tp collectives on one chunk."""
+    par = cfg.parallel
     if par.tp == 1:
         return 0.0, 0.0
     e = Precision.of(par.precision, par.reduce_dtype).param
-    bs = t.micro_batch * t.seq_len
-    fwd, bwd = tp_comm_per_microbatch(
-        len(plan.layers), bs * cfg.model.d_model, bs, par.sequence_parallel, plan.first, plan.last
-    )
-    again = (
-        tp_comm_per_microbatch(
-            len(plan.layers), bs * cfg.model.d_model, bs, par.sequence_parallel, False, False
-        )[0]
-        if recompute_full
-        else {}
-    )
+    fwd, bwd = tp_tables(cfg, plan, recompute_full)
 
     def seconds(table: dict) -> float:
         total = 0.0
@@ -69,7 +101,15 @@ def tp_seconds(
             total += link.time(op, par.tp, elements * width, calls)
         return total
 
-    return seconds(fwd), seconds(bwd) + seconds(again)
+    return seconds(fwd), seconds(bwd)
+
+
+def lora_row_features(m: ModelConfig) -> int:
+    """Features a layer's row-parallel LoRA targets add to their collectives per token: r
+    each (A's partial product, summed with the base output in one all-reduce or
+    reduce-scatter, and all-gathered back in the backward under SP)."""
+    spec = m.lora
+    return 0 if spec is None else spec.rank * sum(leaf in ROW_PARALLEL for leaf in spec.leaves)
 
 
 def p2p_seconds(cfg: Config, link: Link) -> float:
@@ -132,9 +172,11 @@ def step_collectives(
                    (the pipeline runner: only the last stage holds it), fp32 scalars;
       grad_norm    the squared global norm summed over the axes its pieces are split on:
                    dp under ZeRO >= 1 (shards), tp, pp (parallel/grads.py), one float64;
-      tied_embedding  a tied embedding's two copies summed over the pipeline's ends;
+      tied_embedding  a tied embedding's two copies summed over the pipeline's ends (not
+                   under LoRA: the embedding is frozen);
       tp-sp-grads  under sequence parallelism the partial gradients (norms, row-parallel
-                   biases, a learned position table) summed over tp.
+                   biases, a learned position table) summed over tp, and LoRA's A beside a
+                   column-parallel weight (at any tp; under LoRA only adapters count).
 
     Under ZeRO >= 1 a rank sums only the pieces in its shard; the elements are then the
     whole pieces' / dp (exact for the calls, the latency; near for the bytes)."""
@@ -150,11 +192,11 @@ def step_collectives(
         if n > 1:
             out[(axis, "grad_norm")] = (1, 1, 8)
     first, last = any(p.first for p in plans), any(p.last for p in plans)
-    if par.pp > 1 and m.tie_embeddings and (first or last):
+    if par.pp > 1 and m.tie_embeddings and m.lora is None and (first or last):
         table = -(-m.vocab_size // par.tp) * m.d_model  # the padded vocabulary's tp slice
         out[("pp_ends", "tied_embedding")] = (1, table // shard, prec.reduce)
-    if par.tp > 1 and par.sequence_parallel:
-        partial = sequence_partial_elements(m, plans)
+    partial = tp_partial_elements(m, plans, par.sequence_parallel) if par.tp > 1 else 0
+    if partial:
         out[("tp", "tp-sp-grads")] = (1, partial // shard, prec.reduce)
     return out
 

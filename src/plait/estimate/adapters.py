@@ -1,0 +1,114 @@
+"""What a LoRA run saves for backward, block by block (docs/lora.md, docs/memory.md).
+
+A frozen base changes what autograd keeps, not only what the optimizer holds: a frozen
+Linear needs its weight (a parameter, not an activation) for the input's gradient but not
+its input, since no weight gradient is computed; a frozen norm keeps no normalized copy for
+its gain's gradient; and nothing before the first adapter needs a gradient at all, so the
+frozen embedding and block 0 up to its first adapter save nothing. What the adapters add:
+each A saves its input (the base Linear's input, or dropout(x) and the mask under
+`lora_dropout`) and each B saves u = A x, r features per token (GPT-2's q, k, v share one
+A and one u). A row-parallel target under tp sends u in the base's collective, so B saves a
+view of that output: the whole (out + r)-feature storage. Symbols as in activations.py;
+every rule below was read off the memory tracker's activation meter and is tested against
+it (tests/test_lora_estimate.py).
+"""
+
+from __future__ import annotations
+
+from plait.estimate.activations import INDEX, Shape, core_bytes
+from plait.models.architecture import ModelConfig
+from plait.models.lora import ROW_PARALLEL, LoRASpec
+
+QKV = ("attn.wq", "attn.wk", "attn.wv")
+IN_MLP = ("mlp.w_gate", "mlp.w_up", "mlp.fc1")  # the Linears that read the MLP norm
+DOWN = ("mlp.w_down", "mlp.fc2")
+
+
+def frozen_norm_bytes(cfg: ModelConfig, x: Shape) -> int:
+    """A norm with a frozen gain whose input needs a gradient: LayerNorm keeps input, mean
+    and rstd as before; RMSNorm its fp32 input and 1/rms, no normalized copy."""
+    if cfg.norm == "layernorm":
+        return x.res(cfg) * x.e + 2 * x.rows() * x.e
+    return x.res(cfg) * 4 + x.rows() * 4
+
+
+def _read_by_a(spec: LoRASpec, leaves: list[str], n: int, x: Shape, grad: bool, kept: bool) -> int:
+    """What the A's of `leaves` (those holding one) save of their shared input of n
+    elements: without adapter dropout the input itself, once, unless already `kept`;
+    with it, each A its dropped copy and, when the input needs a gradient, the mask."""
+    owners = [leaf for leaf in leaves if spec.has_a(leaf)]
+    if not owners:
+        return 0
+    if spec.dropout == 0.0:
+        return 0 if kept else n * x.e
+    return len(owners) * (n * x.e + (n if grad else 0))
+
+
+def _u_bytes(cfg: ModelConfig, spec: LoRASpec, leaves: list[str], x: Shape) -> int:
+    """The u = A x each B saves: (b, s, r); a row-parallel target under tp saves its view of
+    the collective's (out + r)-feature output (sequence-sharded under SP)."""
+    total = 0
+    for leaf in leaves:
+        if not spec.has_a(leaf):
+            continue  # GPT-2's k and v reuse q's u
+        if leaf in ROW_PARALLEL and x.t > 1:
+            total += x.rows() * (cfg.d_model + spec.rank) * x.e
+        else:
+            total += x.b * x.s * spec.rank * x.e
+    return total
+
+
+def lora_layer_bytes(cfg: ModelConfig, x: Shape, recompute: str, grad_in: bool) -> int:
+    """Saved bytes of one block under LoRA; `grad_in`: whether its input needs a gradient
+    (False only for the model's block 0, fed by the frozen embedding)."""
+    if recompute == "full":
+        return x.res(cfg) * x.e  # the checkpoint keeps the block's input either way
+    spec = cfg.lora
+    assert spec is not None
+    mine = list(spec.leaves)
+    full, col = x.b * x.s * cfg.d_model, x.b * x.s * cfg.d_model // x.t
+    mlp = x.b * x.s * cfg.ffn_dim // x.t
+    # attention: norm, q/k/v (and their A), the core, the output projection
+    qkv = [leaf for leaf in mine if leaf in QKV]
+    total = frozen_norm_bytes(cfg, x) if grad_in else 0
+    total += _read_by_a(spec, qkv, full, x, grad_in, kept=False)
+    attn_grad = grad_in or bool(qkv)
+    # the fused kernel keeps its output, the output projection's input (a view of it)
+    kept_out = attn_grad and recompute != "selective" and cfg.dropout == 0.0
+    if attn_grad:
+        total += 3 * col * x.e + core_bytes(cfg, x, recompute)
+        total += 2 * x.s * cfg.head_dim * 4 if cfg.pos == "rope" else 0
+    total += col * x.e if kept_out else 0
+    if "attn.wo" in mine:
+        total += _read_by_a(spec, ["attn.wo"], col, x, attn_grad, kept=kept_out)
+    out_grad = attn_grad or "attn.wo" in mine
+    total += x.res(cfg) if cfg.dropout > 0.0 and out_grad else 0  # its dropout mask
+    # MLP: norm, the input projections (and their A), the activation, the down projection
+    ins = [leaf for leaf in mine if leaf in IN_MLP]
+    total += frozen_norm_bytes(cfg, x) if out_grad else 0
+    total += _read_by_a(spec, ins, full, x, out_grad, kept=False)
+    total += _mlp_bytes(cfg, mine, mlp, x, out_grad)
+    down = [leaf for leaf in mine if leaf in DOWN]
+    mlp_grad = out_grad or bool(ins) or bool(down)
+    total += _read_by_a(spec, down, mlp, x, out_grad or bool(ins), kept=False)
+    total += x.res(cfg) if cfg.dropout > 0.0 and mlp_grad else 0  # its dropout mask
+    return total + _u_bytes(cfg, spec, mine, x)
+
+
+def _mlp_bytes(cfg: ModelConfig, mine: list[str], f: int, x: Shape, grad: bool) -> int:
+    """The MLP's own saved tensors between its projections (F = f elements each): SwiGLU's
+    gate output (for silu), silu(gate) and up (for the product) when each needs a gradient;
+    GELU's input when fc1's output needs one."""
+    if cfg.mlp == "gelu":
+        return f * x.e if grad or "mlp.fc1" in mine else 0
+    gate, up = grad or "mlp.w_gate" in mine, grad or "mlp.w_up" in mine
+    return f * x.e * ((2 if gate else 0) + (1 if up else 0))
+
+
+def lora_head_bytes(cfg: ModelConfig, x: Shape, vocab_local: int) -> int:
+    """The last stage under LoRA: the frozen final norm, the fp32 (log-)softmax of the
+    logits and the targets; the frozen head keeps no input. (The frozen embedding of the
+    first stage saves nothing: nothing before the first adapter needs a gradient.)"""
+    bs = x.b * x.s
+    total = frozen_norm_bytes(cfg, x) + bs * vocab_local * 4 + bs * INDEX
+    return total + (bs if x.t > 1 else 4)  # tp: the 'mine' mask; else NLL's total weight
