@@ -198,3 +198,36 @@ def test_a_changed_base_folder_is_named_when_read(runs, bases, tmp_path) -> None
     save(gpt2_config(), folder, seed=3)  # retrained in place
     with pytest.raises(ConfigError, match="that folder now holds other weights"):
         inspect.load_model(path)
+
+
+def test_train_refuses_another_base_before_any_worker(runs, bases, tmp_path, capsys) -> None:
+    lora = ["--lora-rank", "4", "--lora-targets", "all"]
+    argv = ["train", "--init-from", str(bases["llama-other"]), *lora,
+            "--resume", str(runs["dp2"]), "--out", str(tmp_path / "o")]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "holds adapters trained on --init-from" in err and str(bases["llama-other"]) in err
+    assert not (tmp_path / "o").exists()
+
+
+def _eval(argv: list[str], tmp: Path) -> float:
+    from plait.cli import build_parser
+    from plait.cli.evaluate import check_request
+    from plait.evaluate import eval_worker
+
+    request = check_request(build_parser().parse_args(["eval", *argv]))
+    mesh = build_mesh(request.cfg.parallel.layout, torch.device("cpu"), 60)
+    return eval_worker(request.cfg, mesh, request.checkpoint, str(tmp / "eval.json"))["loss"]
+
+
+def test_eval_of_a_lora_checkpoint_is_the_merged_models(runs, tmp_path) -> None:
+    """`eval --checkpoint` builds the recorded base and loads the adapters: the loss of the
+    merged export, evaluated as a plain Hugging Face folder."""
+    text = tmp_path / "text.txt"
+    text.write_text("The adapters live beside a frozen base; the base is named. " * 40)
+    merged = tmp_path / "merged"
+    assert main(["export", "--checkpoint", str(runs["gpt2"]), "--merge", "--out", str(merged)]) == 0
+    flags = ["--data", str(text), "--seq-len", "32", "--no-progress"]
+    lora = _eval(["--checkpoint", str(runs["gpt2"]), *flags], tmp_path)
+    plain = _eval(["--init-from", str(merged), *flags], tmp_path)
+    assert lora == pytest.approx(plain, rel=1e-5)

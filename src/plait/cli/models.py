@@ -29,8 +29,10 @@ from plait.models.init import fill_parameters
 from plait.models.lora import merge_adapters
 from plait.models.transformer import Transformer
 
-# A training choice, not an architecture: an explicit value never conflicts with a folder.
-FREE_MODEL_FIELDS = frozenset({"dropout"})
+# Training choices, not the architecture: an explicit value never conflicts with a folder
+# (LoRA's adapters are added to the folder's model, which stays their frozen base).
+FREE_MODEL_FIELDS = frozenset({"dropout", "lora_rank", "lora_alpha", "lora_dropout",
+                               "lora_targets"})  # fmt: skip
 
 
 def add_model_commands(sub: argparse._SubParsersAction) -> None:
