@@ -12,9 +12,10 @@ the trainer state:
 The hash covers the full bytes of `config.json`, `model.safetensors.index.json` (if any)
 and every `*.safetensors` file, in name order, each with its name and size: about 1.7 GB/s
 on one core, so some 8 s for llama-7b in bf16 (13.5 GB), computed once per run start by the
-command before any worker starts (`train.init_from_sha256`), about what reading the weights
-costs anyway. Headers alone would be cheaper but would miss a retrained folder of the same
-shapes, which is exactly the mistake the record is there to catch.
+command before any worker starts (`train.init_from_sha256`; under torchrun, each rank's
+command), about what reading the weights costs anyway. Headers alone would be cheaper but
+would miss a retrained folder of the same shapes, which is exactly the mistake the record is
+there to catch.
 
 Reading a LoRA checkpoint's model (`inspect.read_params`: sampling at the end of a run,
 `generate`, `export`; `plait eval --checkpoint` builds its base the same way) takes the base
