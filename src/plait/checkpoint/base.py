@@ -94,12 +94,16 @@ def same_base(saved: dict[str, Any], now: dict[str, Any]) -> bool:
     return Path(saved["init_from"]).resolve() == Path(now["init_from"]).resolve()
 
 
+def targets_text(model: dict[str, Any]) -> str:
+    """`'q,v'` as given, or `PEFT's default` for '' (a config's `model` section)."""
+    return repr(model["lora_targets"]) if model.get("lora_targets") else "PEFT's default"
+
+
 def _adapters(model: dict[str, Any]) -> str:
     if model.get("lora_rank") is None:
         return "no adapters (full fine-tuning)"
-    targets = model.get("lora_targets") or "default"
     return (
-        f"LoRA adapters of rank {model['lora_rank']}, targets {targets!r}, "
+        f"LoRA adapters of rank {model['lora_rank']}, targets {targets_text(model)}, "
         f"alpha {model.get('lora_alpha')}"
     )
 

@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
 from plait.checkpoint import store
-from plait.checkpoint.base import check_available, describe, saved_base
+from plait.checkpoint.base import check_available, describe, saved_base, targets_text
 from plait.checkpoint.io import one_process_is_fine, saved_shapes
 from plait.models.architecture import ModelConfig
 from plait.models.declare import is_adapter
@@ -58,9 +58,7 @@ def info(path: Path) -> dict[str, Any]:
         m = cfg["model"]
         adapters = [s for k, s in masters.items() if is_adapter(k)]
         count = sum(torch.Size(s).numel() for s in adapters)
-        facts["lora"] = f"rank {m['lora_rank']}, alpha {m['lora_alpha']}, targets " + (
-            f"{m['lora_targets']!r}" if m["lora_targets"] else "PEFT's default"
-        )
+        facts["lora"] = f"rank {m['lora_rank']}, alpha {m['lora_alpha']}, targets {targets_text(m)}"
         facts["adapter_parameters"] = count
         facts["adapter_bytes"] = 4 * count  # fp32 masters; the states add 4 bytes each
         facts["base"] = describe(base).removeprefix("--init-from ")
