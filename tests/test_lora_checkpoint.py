@@ -5,7 +5,7 @@ trainer state names the folder and its SHA-256. Resumed in the same layout it co
 bitwise; in another layout within rtol 1e-5 (fp32). Resuming on another base or with other
 adapters is refused naming both; `checkpoint info` shows the adapters and the base; `plait
 export --format hf --merge` writes a folder whose transformers logits are the LoRA model's,
-from a single-process and a tp=2 checkpoint.
+from a single-process, a tp=2 and a pp=2 checkpoint.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def bases(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def runs(world2, bases, tmp_path_factory) -> dict:
     """dp=2 on the LLaMA folder: 6 steps uninterrupted, 3 saved, resumed at dp=2 and pp=2;
-    tp=2 saved; GPT-2 in this process saved."""
+    tp=2 and pp=2 saved; GPT-2 in this process saved."""
     root, llama = tmp_path_factory.mktemp("runs"), str(bases["llama"])
     dp2, pp2, tp2 = dict(dp=2), dict(pp=2, accum=2), dict(tp=2, accum=2)
     full = world2.run(_phase, llama, dp2, STEPS)[0]
@@ -81,8 +81,9 @@ def runs(world2, bases, tmp_path_factory) -> dict:
     same = world2.run(_phase, llama, dp2, STEPS - AT, load=ckpt)[0]
     piped = world2.run(_phase, llama, pp2, STEPS - AT, load=ckpt)[0]
     world2.run(_phase, llama, tp2, AT, save_to=str(root / "tp2"))
+    world2.run(_phase, llama, pp2, AT, save_to=str(root / "pp2"))
     _phase(str(bases["gpt2"]), dict(accum=2), AT, save_to=str(root / "gpt2"))
-    found = {k: store.step_dir(root / k, AT) for k in ("dp2", "tp2", "gpt2")}
+    found = {k: store.step_dir(root / k, AT) for k in ("dp2", "tp2", "pp2", "gpt2")}
     return dict(full=full, first=first, same=same, piped=piped, **found)
 
 
@@ -93,7 +94,7 @@ def test_resume_is_bitwise_in_the_same_layout_and_close_in_another(runs) -> None
 
 
 def test_the_checkpoint_holds_the_adapters_and_names_its_base(runs, bases) -> None:
-    for saved in ("dp2", "tp2", "gpt2"):  # never a frozen tensor, whatever layout saved
+    for saved in ("dp2", "tp2", "pp2", "gpt2"):  # never a frozen tensor, whatever layout saved
         keys = saved_shapes(runs[saved])
         assert keys and all(is_adapter(k.split("/", 1)[1]) for k in keys), sorted(keys)[:4]
         assert {k.split("/", 1)[0] for k in keys} == {"master", "exp_avg", "exp_avg_sq"}
@@ -157,7 +158,7 @@ def test_a_seeded_base_is_named_by_its_seed(tmp_path) -> None:
     trained.close()
 
 
-@pytest.mark.parametrize("saved", ["gpt2", "tp2"])
+@pytest.mark.parametrize("saved", ["gpt2", "tp2", "pp2"])
 def test_merged_export_gives_the_lora_models_logits(runs, bases, saved, tmp_path) -> None:
     from transformers import AutoModelForCausalLM
 
