@@ -75,7 +75,7 @@ def wrong_values() -> list[Case]:
         ["--max-new-tokens", "0"], ["--temperature", "-1"], ["--temperature", "nan"],
         ["--top-k", "-1"])]  # fmt: skip
     cases += [_c(v, "export", "--checkpoint", "{S}/run", "--out", "{S}/hf", *args)
-              for args in (["--max-shard-mb", "0"], ["--format", "onnx"])]  # fmt: skip
+              for args in (["--max-shard-mb", "0"], ["--format", "onnx"], ["--merge"])]  # fmt: skip
     cases += [
         _c(v, "data", "prepare", "--data", "{S}/text.txt", "--out", "{S}/shards", *args)
         for args in (["--workers", "0"], ["--shard-tokens", "0"], ["--shard-tokens", "nan"])

@@ -263,6 +263,14 @@ class TrainConfig:
         default="",
         metadata={"help": "start from a Hugging Face Llama/GPT-2 folder (its config and weights)"},
     )
+    init_from_sha256: str | None = field(
+        default=None,
+        metadata={
+            "help": "SHA-256 of --init-from's config and weights, a LoRA run's base "
+            "(checkpoint/base.py); derived",
+            "derived": True,
+        },
+    )
     peak_flops: float = field(
         default=0.0,
         metadata={

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from plait.checkpoint import base as ckpt_base
 from plait.checkpoint import io as ckpt_io
 from plait.checkpoint import store
 from plait.comm import Comm
@@ -188,6 +189,7 @@ class Trainer:
         self.engine, runner = self._engine_and_runner(model)
         self._step = Step(self.engine, runner, self.grad_rules, self.comm, t)
         self.step = 0
+        self.base = ckpt_base.base_record(cfg.to_dict())  # a LoRA run's frozen base, named
 
     def _parallelize(self, model: Transformer) -> None:
         """On the meta model, in DESIGN's order: tensor parallel, then the pipeline split."""
@@ -244,16 +246,22 @@ class Trainer:
 
     # -- checkpoints ---------------------------------------------------------------------
     def trainer_state(self) -> dict[str, Any]:
-        """What continues the run besides the tensors (the same on every rank). Dropout is
-        keyed by (seed, step, sample), so no random-generator state is needed."""
+        """What continues the run besides the tensors (the same on every rank). Dropout,
+        LoRA's adapter dropout included, is keyed by (seed, step, sample)
+        (models/dropout.py), so no random-generator state is needed. A LoRA run's tensors
+        are its adapters alone (the engines save only trainable parameters) and "base" names
+        the frozen base they need instead of copying it (checkpoint/base.py)."""
         scaler = self.engine.scaler.state_dict() if self.engine.scaler else None
-        return {
+        state = {
             "step": self.step,
             "sampler": self.batches.position(self.step),
             "engine_step": self.engine.step_count,
             "loss_scaler": scaler,
             "config": self.cfg.to_dict(),
         }
+        if self.base is not None:
+            state["base"] = self.base
+        return state
 
     def save(self, out: Path, before_commit: Callable[[], None] | None = None) -> dict[str, float]:
         """Write `out/checkpoints/step-N` (collective) and keep the newest ones."""
@@ -266,6 +274,8 @@ class Trainer:
 
     def load(self, path: Path) -> None:
         """Continue from a checkpoint written under any layout (collective)."""
+        state = store.read_trainer(path)
+        ckpt_base.check_same_adapters_and_base(path, state, self.cfg.to_dict())
         state = self.load_weights(path)
         self.batches.sampler.load_state_dict(state["sampler"])
         self.step = state["step"]

@@ -16,9 +16,12 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
 from plait.checkpoint import store
+from plait.checkpoint.base import check_available, describe, saved_base, targets_text
 from plait.checkpoint.io import one_process_is_fine, saved_shapes
 from plait.models.architecture import ModelConfig
-from plait.models.init import canonical_name, fill_parameters
+from plait.models.declare import is_adapter
+from plait.models.hf.load import hf_source
+from plait.models.init import ValueSource, canonical_name, fill_parameters, seeded
 from plait.models.transformer import Transformer
 from plait.outdir import atomic_file
 
@@ -38,7 +41,7 @@ def info(path: Path) -> dict[str, Any]:
     par = cfg["parallel"]
     shapes = saved_shapes(path)
     masters = {k: s for k, s in shapes.items() if k.startswith("master/")}
-    return {
+    facts = {
         "path": str(path),
         "step": state["step"],
         "layout": f"dp={par['dp']} pp={par['pp']} tp={par['tp']}",
@@ -50,6 +53,16 @@ def info(path: Path) -> dict[str, Any]:
         "states": sorted({k.split("/", 1)[0] for k in shapes}),
         "bytes": sum(p.stat().st_size for p in path.rglob("*") if p.is_file()),
     }
+    base = saved_base(state)
+    if base is not None:  # the checkpoint holds the adapters; the base is named, not held
+        m = cfg["model"]
+        adapters = [s for k, s in masters.items() if is_adapter(k)]
+        count = sum(torch.Size(s).numel() for s in adapters)
+        facts["lora"] = f"rank {m['lora_rank']}, alpha {m['lora_alpha']}, targets {targets_text(m)}"
+        facts["adapter_parameters"] = count
+        facts["adapter_bytes"] = 4 * count  # fp32 masters; the states add 4 bytes each
+        facts["base"] = describe(base).removeprefix("--init-from ")
+    return facts
 
 
 def read_masters(path: Path) -> dict[str, torch.Tensor]:
@@ -62,6 +75,32 @@ def read_masters(path: Path) -> dict[str, torch.Tensor]:
     return {k.removeprefix("master/"): t.contiguous() for k, t in request.items()}
 
 
+def read_params(path: Path) -> dict[str, torch.Tensor]:
+    """Every parameter of the trained model, full fp32 under single-process names: the
+    masters, and for a LoRA checkpoint (which holds only its adapters) the frozen base from
+    the source its trainer state records (checked against its hash first)."""
+    path = _checked(path)
+    masters = read_masters(path)
+    cfg, state = model_config(path), store.read_trainer(path)
+    base = saved_base(state)
+    if base is None:
+        return masters
+    check_available(path, base)
+    source = _base_source(base, cfg)
+    with torch.device("meta"):
+        shapes = {canonical_name(cfg, n): tuple(p.shape)
+                  for n, p in Transformer(cfg).named_parameters()}  # fmt: skip
+    values = {n: source(n, s, None) for n, s in shapes.items() if not is_adapter(n)}
+    return values | masters
+
+
+def _base_source(base: dict[str, Any], cfg: ModelConfig) -> ValueSource:
+    """Where a LoRA checkpoint's base comes from: its folder or its seed."""
+    if base["init_from"] is None:
+        return seeded(cfg, base["seed"])
+    return hf_source(Path(base["init_from"]), cfg)
+
+
 def model_config(path: Path) -> ModelConfig:
     """The model config the checkpoint was trained with."""
     return ModelConfig(**store.read_trainer(_checked(path))["config"]["model"])
@@ -70,16 +109,17 @@ def model_config(path: Path) -> ModelConfig:
 def load_model(path: Path) -> Transformer:
     """The whole trained model in one process (CPU, fp32), from any layout's checkpoint."""
     cfg = model_config(path)
-    masters = read_masters(path)
+    params = read_params(path)
     model = Transformer(cfg)
-    fill_parameters(model, lambda name, shape, shard: masters[canonical_name(cfg, name)])
+    fill_parameters(model, lambda name, shape, shard: params[canonical_name(cfg, name)])
     return model
 
 
 def consolidate(path: Path, out: Path) -> dict[str, Any]:
-    """Write the full fp32 model (the master weights, single-process names) to safetensors."""
+    """Write the full fp32 model (the master weights, single-process names; a LoRA
+    checkpoint's base beside its adapters) to safetensors."""
     path = store.complete(path)
-    tensors = read_masters(path)
+    tensors = read_params(path)
     with atomic_file(out) as tmp:  # never a half-written file under the name
         save_file(tensors, str(tmp), metadata={"step": str(store.read_trainer(path)["step"])})
     return {"tensors": len(tensors), "parameters": sum(t.numel() for t in tensors.values())}

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from plait.checkpoint.base import check_same_adapters_and_base
 from plait.errors import ConfigError
 
 MARKER = "COMMITTED"
@@ -184,6 +185,7 @@ def check_resumable(path: Path, config: dict[str, Any]) -> dict[str, Any]:
             f"asks for {describe_model(config)} (a resumed run keeps the model; use --init-from "
             "or a fresh --out to train another)"
         )
+    check_same_adapters_and_base(path, state, config)  # a LoRA run keeps its adapters' base
     pairs = [("model", k) for k in saved["model"] if k not in ARCHITECTURE] + list(KEPT)
     for section, key in pairs:
         was, now = saved[section].get(key), config[section].get(key)

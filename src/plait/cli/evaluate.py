@@ -23,6 +23,7 @@ from pathlib import Path
 from rich.console import Console
 
 from plait.checkpoint import inspect, store
+from plait.checkpoint.base import check_available, saved_base
 from plait.cli.models import checkpoint_path, run_tokenizer
 from plait.cli.run_flags import add_run_flags, config_from_args
 from plait.config import Config
@@ -153,11 +154,18 @@ def _prepare_raw(args: argparse.Namespace, checkpoint: Path | None) -> Path | No
 
 def _adjust(checkpoint: Path | None) -> Callable[[Config], None]:
     """What eval derives rather than takes: the checkpoint's model (before validation, which
-    checks --seq-len against it) and one micro-batch per replica as the global batch."""
+    checks --seq-len against it), a LoRA checkpoint's base (the folder it names, checked
+    against its hash, or its seed: the workers build it, then load the adapters), and one
+    micro-batch per replica as the global batch."""
 
     def adjust(cfg: Config) -> None:
         if checkpoint is not None:
             cfg.model = inspect.model_config(checkpoint)
+            base = saved_base(store.read_trainer(checkpoint))
+            if base is not None:
+                check_available(checkpoint, base)
+                cfg.train.init_from = base["init_from"] or ""
+                cfg.train.init_from_sha256, cfg.train.seed = base["sha256"], base["seed"]
         cfg.train.global_batch = cfg.train.micro_batch * cfg.parallel.layout.dp
 
     return adjust

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +26,13 @@ from plait.models.generate import Sampling, complete, stop_ids
 from plait.models.hf.export import check_out, write_folder
 from plait.models.hf.load import hf_source, load_config
 from plait.models.init import fill_parameters
+from plait.models.lora import merge_adapters
 from plait.models.transformer import Transformer
 
-# A training choice, not an architecture: an explicit value never conflicts with a folder.
-FREE_MODEL_FIELDS = frozenset({"dropout"})
+# Training choices, not the architecture: an explicit value never conflicts with a folder
+# (LoRA's adapters are added to the folder's model, which stays their frozen base).
+FREE_MODEL_FIELDS = frozenset({"dropout", "lora_rank", "lora_alpha", "lora_dropout",
+                               "lora_targets"})  # fmt: skip
 
 
 def add_model_commands(sub: argparse._SubParsersAction) -> None:
@@ -36,6 +40,10 @@ def add_model_commands(sub: argparse._SubParsersAction) -> None:
     exp.add_argument("--checkpoint", required=True, help="a checkpoint folder, or a run's OUT")
     exp.add_argument("--format", choices=("hf",), default="hf", help="config.json + safetensors")
     exp.add_argument("--out", required=True, help="the folder to write (must not exist)")
+    exp.add_argument(
+        "--merge", action="store_true",
+        help="a LoRA checkpoint: write the base with its adapters merged (W + alpha/r B A)",
+    )  # fmt: skip
     exp.add_argument(
         "--max-shard-mb", type=above(0), default=2048.0, help="largest safetensors file"
     )
@@ -107,12 +115,33 @@ def export_main(args: argparse.Namespace, console: Console) -> None:
     if args.max_shard_mb <= 0:
         raise ConfigError(f"--max-shard-mb must be > 0, got {args.max_shard_mb}")
     path = checkpoint_path(args.checkpoint)
-    cfg, spec = inspect.model_config(path), run_tokenizer(path)
+    export_hf(path, out, args, console)
+
+
+def export_hf(path: Path, out: Path, args: argparse.Namespace, console: Console) -> None:
+    """`--format hf`: the model as a Hugging Face folder; a LoRA checkpoint only merged
+    (`--merge`: base names only, each targeted W + scaling B A; the base read from the
+    source the checkpoint names), since transformers' folder has no place for adapters."""
+    cfg = inspect.model_config(path)
+    if cfg.lora is not None and not args.merge:
+        raise ConfigError(
+            f"checkpoint {path} holds LoRA adapters (rank {cfg.lora_rank}): add --merge to "
+            "write the merged model, or use --format peft for the adapters alone"
+        )
+    if args.merge and cfg.lora is None:
+        raise ConfigError(
+            f"--merge: checkpoint {path} has no LoRA adapters to merge (trained without "
+            "--lora-rank); leave out --merge"
+        )
+    spec = run_tokenizer(path)
     tokenizer = (Path(spec.path), spec.eos_id) if spec.path else None
-    masters, limit = inspect.read_masters(path), int(args.max_shard_mb * 2**20)
-    done = write_folder(cfg, masters, out, limit, tokenizer)
+    params, limit = inspect.read_params(path), int(args.max_shard_mb * 2**20)
+    if args.merge:
+        params, cfg = merge_adapters(cfg, params), replace(cfg, lora_rank=None)
+    done = write_folder(cfg, params, out, limit, tokenizer)
+    merged = " (adapters merged)" if args.merge else ""
     console.print(
-        f"wrote {out}: {done['architecture']}, {done['tensors']} tensors in "
+        f"wrote {out}: {done['architecture']}{merged}, {done['tensors']} tensors in "
         f"{done['files']} safetensors file(s)"
     )
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from plait.checkpoint.base import folder_sha256
 from plait.checkpoint.store import check_resumable, latest, resolve
 from plait.cli.run_flags import add_run_flags, config_from_args
 from plait.config import config_warnings
@@ -32,6 +33,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace, err: Console) -> int:
     try:
         cfg = config_from_args(args)
+        if cfg.model.lora and cfg.train.init_from:  # once, here: the checkpoints name the base
+            cfg.train.init_from_sha256 = folder_sha256(Path(cfg.train.init_from))
         out = Path(cfg.train.out)
         start = resolve(cfg.train.resume, out) if cfg.train.resume else None
         if start is not None:

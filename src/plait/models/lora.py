@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +59,9 @@ DEFAULT_TARGETS = {"swiglu": ("q", "v"), "gelu": ("q", "k", "v")}
 
 ROW_PARALLEL = frozenset({"attn.wo", "mlp.w_down", "mlp.fc2"})
 """Targets whose base Linear tensor parallelism splits by input features."""
+
+ADAPTER_LEAVES = ("lora_a", "lora_b")
+"""The last component of an adapter parameter's name."""
 
 LORA_SITE = 1 << 24
 """Dropout sites of adapters: LORA_SITE + 16 * layer + the target's index (models/dropout.py)."""
@@ -194,3 +198,33 @@ class Linear(nn.Linear):
             return y
         u = self.adapter_input(x, keys) if u is None else u  # (b, s, r)
         return y + self.scaling * F.linear(u, self.lora_b)
+
+
+class Adapted(Protocol):
+    """What merging needs of a ModelConfig (architecture.py imports this module, so it is
+    named by what it offers)."""
+
+    @property
+    def lora(self) -> LoRASpec | None: ...
+    @property
+    def n_layers(self) -> int: ...
+
+
+def merge_adapters(cfg: Adapted, params: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Full single-process tensors (plait names), base and adapters -> the base names only,
+    each targeted weight W + scaling * B @ A: the plain model that computes what the adapted
+    one does (`plait export --format hf --merge`). GPT-2's wk and wv use wq's shared A.
+    The product is formed in float64 and rounded once, so the merged weight is the nearest
+    fp32 to the exact sum."""
+    spec = cfg.lora
+    out = {n: t for n, t in params.items() if n.rpartition(".")[2] not in ADAPTER_LEAVES}
+    if spec is None:
+        return out
+    for layer in range(cfg.n_layers):
+        for leaf in spec.leaves:
+            site = f"blocks.{layer}.{leaf}"
+            a = params[f"blocks.{layer}.{leaf if spec.has_a(leaf) else 'attn.wq'}.lora_a"]
+            delta = spec.scaling * (params[f"{site}.lora_b"].double() @ a.double())  # (out, in)
+            weight = params[f"{site}.weight"]
+            out[f"{site}.weight"] = (weight.double() + delta).to(weight.dtype)
+    return out
