@@ -27,6 +27,7 @@ from plait.data.packing import LONG
 from plait.device import cuda_available, device_kind
 from plait.domain import Domain, above, at_least, check_fields, fraction
 from plait.errors import ConfigError
+from plait.mixed_precision import parse_base_dtype
 from plait.models.architecture import ModelConfig
 from plait.models.presets import get_preset
 from plait.topology import Layout
@@ -452,6 +453,7 @@ def validate_config(cfg: Config, check_data: bool = True) -> None:
         par.reduce_dtype,
         par.schedule,
     )
+    parse_base_dtype(par.base_dtype, par.precision, cfg.model.lora is not None)
     check_loss_average(t.loss_average)
     if t.nan_policy not in ("stop", "skip"):
         raise ConfigError(f"nan_policy must be stop or skip; got {t.nan_policy!r}")

@@ -43,6 +43,7 @@ from plait.models.contract import contract_of
 from plait.parallel.adamw import ElementwiseOptimizer, clip_segments
 from plait.parallel.grads import SplitGradRules
 from plait.parallel.zero.flat_params import Gatherer, ParamStore, flatten_values
+from plait.parallel.zero.frozen import hold_frozen
 from plait.parallel.zero.layout import NVME_SUB_GROUP_MB, FlatGroup, build_groups, nvme_sub_group
 from plait.parallel.zero.master_states import ResidentStates
 from plait.parallel.zero.nvme import NvmeStates
@@ -69,11 +70,14 @@ class ZeroEngine:
         scaler: DynamicLossScaler | None = None,
         isolate: Sequence[nn.Parameter] = (),
         initial_value: Callable[..., Tensor] | None = None,
+        base_dtype: torch.dtype | None = None,
     ) -> None:
         """`isolate`: parameters that get a flat group each (see `layout.build_groups`).
         `initial_value(p, rows=None)`: p's fp32 initial value (or its dim-0 rows [r0, r1)),
         for a model whose parameters are not materialized (stage 3 asks for its shard's rows
-        only, and never holds more than one group's shard at a time)."""
+        only, and never holds more than one group's shard at a time). `base_dtype`: what
+        the frozen parameters (a LoRA run's base) are held in; default the precision's
+        parameter dtype (zero/frozen.py)."""
         check_zero(stage, offload, str(offload_dir) if offload_dir else None)
         self.precision = parse_precision(precision) if isinstance(precision, str) else precision
         contract_of(model)  # groups, gathers and names come from the model's contract
@@ -85,6 +89,10 @@ class ZeroEngine:
         self.memory = tracker or MemoryTracker(self.device)
         n, rank = comm.mesh.size(axis), comm.mesh.axis_rank(axis)
         self.groups = build_groups(model, stage, int(bucket_mb * 2**20), rank, n, isolate)
+        compute = self.precision.param_dtype
+        self.frozen = hold_frozen(
+            model, base_dtype or compute, compute, self.device, self.memory, initial_value
+        )
         values = [self._initial_values(g, initial_value) for g in self.groups]
         self.params = ParamStore(
             self.groups, values, stage, self.precision.param_dtype, comm, axis, self.memory

@@ -94,12 +94,14 @@ class Gatherer:
     Groups come in backward order: blocks last-to-first, then the root (embedding, final
     norm, head). Forward runs root, block 0, 1, ...; backward runs root, block L-1, ..., 0.
     Every rank runs the same forward and backward, so all issue the same gathers in order.
+    A LoRA run trains nothing at the root (its adapters are in the blocks): no root group.
     """
 
     def __init__(self, model: torch.nn.Module, store: ParamStore) -> None:
         self.store = store
         self.blocks = [model.get_submodule(part.path) for part in contract_of(model).blocks()]
-        self.root = len(store.groups) - 1
+        has_root = len(store.groups) > len(self.blocks)
+        self.root: int | None = len(store.groups) - 1 if has_root else None
         self.handles: dict[int, Handle | None] = {}  # gathered groups -> in-flight handle
         self.backward = False
         self._hooks = [
@@ -146,12 +148,14 @@ class Gatherer:
     # -- hooks -----------------------------------------------------------------------
     def _root_pre(self, module, args) -> None:
         self.backward = False
-        self.ensure(self.root)
+        if self.root is not None:
+            self.ensure(self.root)
         if self.blocks:
             self.prefetch(self.group_of(0))
 
     def _root_post(self, module, args, output) -> None:
-        self.release(self.root)
+        if self.root is not None:
+            self.release(self.root)
         if isinstance(output, Tensor) and output.requires_grad:
             output.register_hook(self._pre_backward(None))
 
@@ -180,7 +184,8 @@ class Gatherer:
         def hook(grad: Tensor) -> None:
             self.backward = True
             if block is None:
-                self.ensure(self.root)
+                if self.root is not None:
+                    self.ensure(self.root)
                 nxt = len(self.blocks) - 1
             else:
                 self.ensure(self.group_of(block))
