@@ -85,6 +85,10 @@ def _run(cfg: Config, corpus) -> tuple[list[float], dict[str, torch.Tensor]]:
         losses = [trainer.train_step().loss for _ in range(STEPS)]
         for p in trainer.engine.frozen.values():
             assert not p.requires_grad and p.grad is None
+        memory = {
+            "parameters": trainer.engine.memory.persistent("parameters"),
+            "frozen_gathered": trainer.comm.stats.total("all_gather", "frozen")[1],
+        }
         specs = param_shard_specs(trainer.model)  # tp shards, gathered whole
         with trainer.engine.unsharded():
             params = {
@@ -95,7 +99,30 @@ def _run(cfg: Config, corpus) -> tuple[list[float], dict[str, torch.Tensor]]:
             }
     finally:
         trainer.close()
-    return losses, params
+    return losses, params, memory
+
+
+def _stage3_figures(start: dict[str, torch.Tensor], n_layers: int, dp: int) -> dict[str, int]:
+    """What stage 3 should hold and gather in fp32 at tp 1, from the single-process sizes:
+    each unit (a block; the root: embedding, final norm, tied head) is padded to a multiple
+    of dp and split; the base's units are gathered twice a step (forward and backward)."""
+
+    def padded(block: int | None, adapters: bool) -> int:
+        """Elements of one unit, frozen or adapters, padded to a multiple of dp."""
+        prefix = "blocks." if block is None else f"blocks.{block}."
+        count = sum(
+            t.numel()
+            for n, t in start.items()
+            if n.startswith(prefix) != (block is None) and is_adapter(n) == adapters
+        )
+        return -(-count // dp) * dp
+
+    frozen = [padded(b, False) for b in [*range(n_layers), None]]
+    adapters = [padded(b, True) for b in range(n_layers)]
+    return {
+        "parameters": 4 * (sum(frozen) + sum(adapters)) // dp,
+        "frozen_gathered": 2 * sum(frozen),
+    }
 
 
 def _parity(tp: int, cases: list[tuple[int, str, str]], folder: str) -> int:
@@ -111,8 +138,14 @@ def _parity(tp: int, cases: list[tuple[int, str, str]], folder: str) -> int:
         par.zero, par.offload, par.recompute = stage, offload, recompute
         par.offload_dir = f"{folder}/zero{stage}" if offload == "nvme" else None
         cfg.validate(check_data=False)
-        losses, got = _run(cfg, corpus)
+        losses, got, memory = _run(cfg, corpus)
         where = f"zero {stage} offload {offload} recompute {recompute} tp {tp}"
+        if stage < 3:  # the base whole on every rank: never gathered
+            assert memory["frozen_gathered"] == 0, where
+        elif tp == 1:  # sharded over dp, gathered per unit
+            assert memory == _stage3_figures(start, base.model.n_layers, 2), where
+        else:  # tp shards, sharded further over dp
+            assert memory["frozen_gathered"] > 0, where
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL,
                                    atol=0.0, msg=lambda m, w=where: f"{w}: {m}")  # fmt: skip
         adapters = [n for n in got if is_adapter(n)]

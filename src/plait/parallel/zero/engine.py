@@ -27,7 +27,7 @@ What each stage keeps per rank (Ψ parameters, N ranks; see docs/zero.md):
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -38,13 +38,25 @@ from plait.comm import Comm
 from plait.composition import check_zero
 from plait.errors import ConfigError
 from plait.memory_tracker import MemoryTracker
-from plait.mixed_precision import DynamicLossScaler, Precision, has_inf_or_nan, parse_precision
+from plait.mixed_precision import (
+    DynamicLossScaler,
+    Precision,
+    compute_frozen_in,
+    has_inf_or_nan,
+    parse_precision,
+)
 from plait.models.contract import contract_of
 from plait.parallel.adamw import ElementwiseOptimizer, clip_segments
 from plait.parallel.grads import SplitGradRules
 from plait.parallel.zero.flat_params import Gatherer, ParamStore, flatten_values
-from plait.parallel.zero.frozen import hold_frozen
-from plait.parallel.zero.layout import NVME_SUB_GROUP_MB, FlatGroup, build_groups, nvme_sub_group
+from plait.parallel.zero.frozen import FrozenGatherer, frozen_params, hold_frozen
+from plait.parallel.zero.layout import (
+    NVME_SUB_GROUP_MB,
+    FlatGroup,
+    build_groups,
+    frozen_groups,
+    nvme_sub_group,
+)
 from plait.parallel.zero.master_states import ResidentStates
 from plait.parallel.zero.nvme import NvmeStates
 from plait.parallel.zero.reducer import GradReducer
@@ -89,10 +101,16 @@ class ZeroEngine:
         self.memory = tracker or MemoryTracker(self.device)
         n, rank = comm.mesh.size(axis), comm.mesh.axis_rank(axis)
         self.groups = build_groups(model, stage, int(bucket_mb * 2**20), rank, n, isolate)
-        compute = self.precision.param_dtype
-        self.frozen = hold_frozen(
-            model, base_dtype or compute, compute, self.device, self.memory, initial_value
-        )
+        self.frozen = frozen_params(model)  # a LoRA run's base (zero/frozen.py)
+        base, compute = base_dtype or self.precision.param_dtype, self.precision.param_dtype
+        frozen_store = None
+        if stage == 3 and self.frozen:  # sharded and gathered per unit, as the trainable
+            fgroups = frozen_groups(model, rank, n)
+            fvalues = [self._initial_values(g, initial_value) for g in fgroups]
+            frozen_store = ParamStore(fgroups, fvalues, 3, base, comm, axis, self.memory, "frozen")
+        else:
+            hold_frozen(self.frozen, base, self.device, self.memory, initial_value)
+        compute_frozen_in(model, list(self.frozen.values()), compute)
         values = [self._initial_values(g, initial_value) for g in self.groups]
         self.params = ParamStore(
             self.groups, values, stage, self.precision.param_dtype, comm, axis, self.memory
@@ -102,6 +120,7 @@ class ZeroEngine:
         self.states = self._make_states(values, offload, offload_dir, sub_group_mb)
         del values
         self.gatherer = Gatherer(model, self.params) if stage == 3 else None
+        self.frozen_gatherer = FrozenGatherer(model, frozen_store) if frozen_store else None
         self.grads = GradReducer(
             self.groups,
             comm,
@@ -173,6 +192,8 @@ class ZeroEngine:
     def finish(self) -> None:
         """Complete every gradient reduction: the shards hold the averaged (scaled) gradient."""
         self.grads.finish()
+        if self.frozen_gatherer:  # backward is over: no unit of the base is needed
+            self.frozen_gatherer.release_all()
         self._found_inf = None
         self._coef = 1.0
         if self.stage == 0 and self.precision.reduce_dtype == self.precision.param_dtype:
@@ -251,7 +272,11 @@ class ZeroEngine:
 
     def unsharded(self) -> AbstractContextManager:
         """Context in which every parameter holds its full value (stage 3 gathers)."""
-        return self.gatherer.gathered() if self.gatherer else nullcontext()
+        stack = ExitStack()
+        for gatherer in (self.gatherer, self.frozen_gatherer):
+            if gatherer:
+                stack.enter_context(gatherer.gathered())
+        return stack
 
     # -- checkpoints -----------------------------------------------------------------------
     @property
@@ -295,6 +320,7 @@ class ZeroEngine:
     def close(self) -> None:
         """Remove hooks and offload files."""
         self.grads.remove_hooks()
-        if self.gatherer:
-            self.gatherer.remove_hooks()
+        for gatherer in (self.gatherer, self.frozen_gatherer):
+            if gatherer:
+                gatherer.remove_hooks()
         self.states.close()

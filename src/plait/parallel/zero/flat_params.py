@@ -51,20 +51,24 @@ class ParamStore:
         comm: Comm,
         axis: str,
         tracker: MemoryTracker,
+        name: str = "params",
     ) -> None:
+        """`name`: its memory-tracker keys and its all-gathers' tag ("frozen": a LoRA base,
+        counted apart from the trainable parameters' gathers)."""
         self.groups, self.stage, self.comm, self.axis = groups, stage, comm, axis
-        self.tracker = tracker
+        self.tracker, self.name = tracker, name
+        self.gathered_key = "gathered:" if name == "params" else f"gathered-{name}:"
         self.full: list[Tensor] = []
         self.shards: list[Tensor] = []
         for g, flat in zip(groups, values, strict=True):
             if stage < 3:
                 full = flat.to(dtype)  # the fp32 values themselves when dtype is fp32
                 shard = full[g.lo : g.hi]
-                tracker.track(f"params:{g.index}", "parameters", full)
+                tracker.track(f"{name}:{g.index}", "parameters", full)
             else:  # `flat` is only this rank's shard
                 shard = flat.to(dtype, copy=True)
                 full = torch.empty(g.padded, dtype=dtype, device=flat.device)
-                tracker.track(f"params:{g.index}", "parameters", shard)
+                tracker.track(f"{name}:{g.index}", "parameters", shard)
             self.full.append(full)
             self.shards.append(shard)
             self._bind(g, full)
@@ -80,7 +84,7 @@ class ParamStore:
     def all_gather(self) -> None:
         """Stages 1-2, after the step: every rank's updated shard into every full buffer."""
         handles = [
-            self.comm.all_gather(full, shard, self.axis, tag="params", async_op=True)
+            self.comm.all_gather(full, shard, self.axis, tag=self.name, async_op=True)
             for full, shard in zip(self.full, self.shards, strict=True)
         ]
         for h in handles:
@@ -122,10 +126,12 @@ class Gatherer:
             return
         full, shard = self.store.full[gi], self.store.shards[gi]
         full.untyped_storage().resize_(full.numel() * full.element_size())
-        self.store.tracker.track(f"gathered:{gi}", "parameters", full, transient=True)
+        self.store.tracker.track(
+            f"{self.store.gathered_key}{gi}", "parameters", full, transient=True
+        )
         comm = self.store.comm
         self.handles[gi] = comm.all_gather(
-            full, shard, self.store.axis, tag="params", async_op=True
+            full, shard, self.store.axis, tag=self.store.name, async_op=True
         )
 
     def ensure(self, gi: int) -> None:
@@ -142,7 +148,7 @@ class Gatherer:
             return
         self.ensure(gi)  # never free memory a collective is still writing
         self.store.full[gi].untyped_storage().resize_(0)
-        self.store.tracker.release(f"gathered:{gi}")
+        self.store.tracker.release(f"{self.store.gathered_key}{gi}")
         del self.handles[gi]
 
     # -- hooks -----------------------------------------------------------------------

@@ -1,19 +1,22 @@
 """The frozen parameters of a LoRA run: held by the engine, never trained.
 
 The contract declares every base parameter of a LoRA run frozen (models/declare.py): it is
-in no flat group, so it gets no gradient, no master copy and no optimizer state. The engine
-still decides how it is held:
+in no trainable flat group, so it gets no gradient, no master copy and no optimizer state.
+The engine still decides how it is held:
 
 - in `--base-dtype` (auto: the precision's parameter dtype), so a bf16 run's base takes 2
   bytes per element whatever precision the adapters' masters keep;
-- replicated on every data-parallel rank under every stage. Under stage 3 the trainer
-  builds the model without storage (its trainable parameters are filled shard by shard),
-  so the frozen ones are filled here, whole, from the run's initial values;
+- stages 0-2: whole on every data-parallel rank (`hold_frozen`);
+- stage 3: sharded over dp like the trainable parameters, in flat groups of its own, one per
+  block and the root (`layout.frozen_groups`), gathered per unit just in time
+  (`FrozenGatherer`, tag "frozen" in the communication counts) and freed after: the base,
+  usually almost all of the model, then costs 1/N per rank. The trainer builds a stage-3
+  model without storage, so the shards are filled from the run's initial values;
 - used in the compute dtype: when the base is held in another dtype, each module owning a
   frozen parameter casts it per forward (`mixed_precision.compute_frozen_in`).
 
-Their bytes count as `parameters` in the memory tracker (one `frozen:NAME` allocation each),
-beside the flat groups' compute copies of the adapters.
+Their bytes count as `parameters` in the memory tracker (`frozen:NAME` whole, `frozen:I`
+a stage-3 shard, `gathered-frozen:I` a gathered unit, transient).
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ import torch
 from torch import Tensor, nn
 
 from plait.memory_tracker import MemoryTracker, tensor_bytes
-from plait.mixed_precision import compute_frozen_in
 from plait.models.contract import contract_of
+from plait.parallel.zero.flat_params import Gatherer
 
 
 def frozen_params(model: nn.Module) -> dict[str, nn.Parameter]:
@@ -42,17 +45,14 @@ def frozen_params(model: nn.Module) -> dict[str, nn.Parameter]:
 
 @torch.no_grad()
 def hold_frozen(
-    model: nn.Module,
+    frozen: dict[str, nn.Parameter],
     dtype: torch.dtype,
-    compute: torch.dtype,
     device: torch.device,
     tracker: MemoryTracker,
     initial_value: Callable[[nn.Parameter], Tensor] | None = None,
-) -> dict[str, nn.Parameter]:
-    """Give every frozen parameter its storage in `dtype` on `device` (filled from
-    `initial_value` where it has none yet: stage 3's streamed start), track its bytes, and
-    make the model use it in `compute`. Returns the frozen parameters by name."""
-    frozen = frozen_params(model)
+) -> None:
+    """Stages 0-2: every frozen parameter whole in `dtype` on `device` (filled from
+    `initial_value` where it has no storage yet), its bytes tracked."""
     for name, p in frozen.items():
         if p.numel() and tensor_bytes(p) == 0:
             if initial_value is None:
@@ -61,5 +61,29 @@ def hold_frozen(
         elif p.dtype != dtype or p.device != device:
             p.data = p.data.to(device, dtype)
         tracker.track(f"frozen:{name}", "parameters", p)
-    compute_frozen_in(model, list(frozen.values()), compute)
-    return frozen
+
+
+class FrozenGatherer(Gatherer):
+    """Stage 3's gathers of the frozen groups: as the trainable ones (`Gatherer`), except
+    for when a unit is freed in backward. A trainable unit is freed once its gradients are
+    reduced; a frozen one has no gradient, so it is freed when the next unit's backward
+    starts (the root when the last block's does: its backward needs the head and the final
+    norm), and the first block's by `release_all` once the step's backward is over."""
+
+    def _pre_backward(self, block: int | None):
+        gather = super()._pre_backward(block)
+        if block is None:
+            return gather
+        last = len(self.blocks) - 1
+        done = self.root if block == last else self.group_of(block + 1)
+
+        def hook(grad: Tensor) -> None:
+            if done is not None:
+                self.release(done)
+            gather(grad)
+
+        return hook
+
+    def release_all(self) -> None:
+        for gi in list(self.handles):
+            self.release(gi)
