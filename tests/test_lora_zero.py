@@ -165,6 +165,35 @@ def test_zero_stages_offload_and_recompute_equal_one_process(world2, tmp_path):
     assert counts == [10, 10]  # per block: q A+B, k B, v B (A shared), wo, fc1, fc2 A+B each
 
 
+def _mixed(cases: list[tuple[int, str, str]]) -> None:
+    """dp 2 in 16-bit precisions, the base held in `--base-dtype`: the run of one process
+    up to 16-bit rounding, the base held in its dtype, sharded under stage 3."""
+    base = lora_config(dp=2)
+    corpus = corpus_for(base)
+    ref_losses, _, _, _ = reference_run_named(base, corpus)
+    for stage, precision, base_dtype in cases:
+        cfg = copy.deepcopy(base)
+        cfg.parallel.zero, cfg.parallel.precision = stage, precision
+        cfg.parallel.base_dtype, cfg.parallel.offload = base_dtype, "cpu"
+        cfg.validate(check_data=False)
+        trainer = _single(cfg, corpus)
+        try:
+            losses = [trainer.train_step().loss for _ in range(STEPS)]
+            held = parse_base_dtype(base_dtype, precision, lora=True)
+            assert {p.dtype for p in trainer.engine.frozen.values()} == {held}
+            gathered = trainer.comm.stats.total("all_gather", "frozen")[1]
+            assert (gathered > 0) == (stage == 3), (stage, gathered)
+        finally:
+            trainer.close()
+        torch.testing.assert_close(
+            torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-2, atol=0
+        )
+
+
+def test_mixed_precision_base_dtypes_under_zero(world2):
+    world2.run(_mixed, [(3, "bf16", "fp32"), (3, "fp16", "auto"), (2, "bf16", "auto")])
+
+
 def test_tensor_parallel_zero_equals_one_process(world4, tmp_path):
     """tp2 x dp2: A and B split as their base (docs/lora.md), the shards over dp."""
     cases = [(3, "none", "full"), (1, "none", "none")]
@@ -184,10 +213,8 @@ def _single(cfg: Config, corpus) -> Trainer:
     ("precision", "base", "held"),
     [
         ("bf16", "auto", torch.bfloat16),
-        ("bf16", "fp32", torch.float32),  # a wider base than the compute: cast per use
-        ("fp32", "bf16", torch.bfloat16),  # a narrower one
-        ("fp16", "auto", torch.float16),
-    ],
+        ("fp32", "bf16", torch.bfloat16),  # a narrower base than the compute: cast per use
+    ],  # a wider one, and fp16: test_mixed_precision_base_dtypes_under_zero
 )
 def test_base_held_in_base_dtype_adapters_keep_fp32_masters(precision, base, held):
     cfg = lora_config(dp=1, precision=precision, base_dtype=base)
@@ -203,6 +230,8 @@ def test_base_held_in_base_dtype_adapters_keep_fp32_masters(precision, base, hel
         masters = [c.tensors["master"] for c in engine.states.chunks()]
         assert masters and {m.dtype for m in masters} == {torch.float32}
         losses = [trainer.train_step().loss for _ in range(STEPS)]
+        with torch.no_grad():  # the model computes in the precision's dtype, whatever the base
+            assert trainer.model(torch.zeros(1, 8, dtype=torch.long)).dtype == compute
     finally:
         trainer.close()
     # 16-bit rounding of the base or the compute only: the same run, not another one

@@ -22,6 +22,8 @@ What each stage keeps per rank (Ψ parameters, N ranks; see docs/zero.md):
   stage 1: full parameters and gradients; 1/N of master weights and moments;
   stage 2: full parameters; 1/N of gradients, master weights and moments;
   stage 3: 1/N of everything; blocks gathered just in time (params.Gatherer).
+A LoRA run's frozen base has parameters only (in --base-dtype): whole under stages 0-2,
+1/N under stage 3, gathered per block beside the adapters (zero/frozen.py).
 """
 
 from __future__ import annotations
@@ -41,20 +43,17 @@ from plait.memory_tracker import MemoryTracker
 from plait.mixed_precision import (
     DynamicLossScaler,
     Precision,
-    compute_frozen_in,
     has_inf_or_nan,
     parse_precision,
 )
 from plait.models.contract import contract_of
 from plait.parallel.adamw import ElementwiseOptimizer, clip_segments
 from plait.parallel.grads import SplitGradRules
-from plait.parallel.zero.flat_params import Gatherer, ParamStore, flatten_values
-from plait.parallel.zero.frozen import FrozenGatherer, frozen_params, hold_frozen
+from plait.parallel.zero.flat_params import Gatherer, ParamStore, initial_flat
+from plait.parallel.zero.frozen import hold_base
 from plait.parallel.zero.layout import (
     NVME_SUB_GROUP_MB,
-    FlatGroup,
     build_groups,
-    frozen_groups,
     nvme_sub_group,
 )
 from plait.parallel.zero.master_states import ResidentStates
@@ -101,17 +100,11 @@ class ZeroEngine:
         self.memory = tracker or MemoryTracker(self.device)
         n, rank = comm.mesh.size(axis), comm.mesh.axis_rank(axis)
         self.groups = build_groups(model, stage, int(bucket_mb * 2**20), rank, n, isolate)
-        self.frozen = frozen_params(model)  # a LoRA run's base (zero/frozen.py)
-        base, compute = base_dtype or self.precision.param_dtype, self.precision.param_dtype
-        frozen_store = None
-        if stage == 3 and self.frozen:  # sharded and gathered per unit, as the trainable
-            fgroups = frozen_groups(model, rank, n)
-            fvalues = [self._initial_values(g, initial_value) for g in fgroups]
-            frozen_store = ParamStore(fgroups, fvalues, 3, base, comm, axis, self.memory, "frozen")
-        else:
-            hold_frozen(self.frozen, base, self.device, self.memory, initial_value)
-        compute_frozen_in(model, list(self.frozen.values()), compute)
-        values = [self._initial_values(g, initial_value) for g in self.groups]
+        compute = self.precision.param_dtype
+        self.frozen, self.frozen_gatherer = hold_base(  # a LoRA run's base (zero/frozen.py)
+            model, stage, base_dtype or compute, compute, comm, axis, self.memory, initial_value
+        )
+        values = [initial_flat(g, stage, self.device, initial_value) for g in self.groups]
         self.params = ParamStore(
             self.groups, values, stage, self.precision.param_dtype, comm, axis, self.memory
         )
@@ -120,7 +113,6 @@ class ZeroEngine:
         self.states = self._make_states(values, offload, offload_dir, sub_group_mb)
         del values
         self.gatherer = Gatherer(model, self.params) if stage == 3 else None
-        self.frozen_gatherer = FrozenGatherer(model, frozen_store) if frozen_store else None
         self.grads = GradReducer(
             self.groups,
             comm,
@@ -136,26 +128,6 @@ class ZeroEngine:
         self.last_step_skipped = False
         self._coef = 1.0
         self._found_inf: bool | None = None
-
-    def _initial_values(self, group: FlatGroup, value) -> Tensor:
-        """fp32 values of the group: all of them (stages 0-2), or this rank's shard (stage 3:
-        from `value`, only the rows of each parameter that the shard overlaps are asked
-        for, so a source reading a file reads 1/N of the model; from the current values,
-        the shard of the flattened group)."""
-        if self.stage != 3 or value is None:
-            flat = flatten_values(group, self.device, value)
-            return flat[group.lo : group.hi].clone() if self.stage == 3 else flat
-        shard = torch.zeros(group.shard_numel, dtype=torch.float32, device=self.device)
-        for piece in group.pieces():
-            p = group.params[piece.param]
-            row = p.shape[1:].numel()  # elements of one dim-0 row (1 for a vector)
-            r0, r1 = piece.start // row, -(-(piece.start + piece.length) // row)
-            band = value(p, (r0, r1)).reshape(-1)
-            skip = piece.start - r0 * row
-            shard[piece.shard_offset : piece.shard_offset + piece.length] = band[
-                skip : skip + piece.length
-            ]
-        return shard
 
     def _make_states(
         self, values: list[Tensor], offload: str, directory, sub_group_mb: float

@@ -39,6 +39,32 @@ def flatten_values(
     return flat
 
 
+def initial_flat(
+    group: FlatGroup,
+    stage: int,
+    device: torch.device,
+    value: Callable[..., Tensor] | None = None,
+) -> Tensor:
+    """fp32 values of the group: all of them (stages 0-2), or this rank's shard (stage 3:
+    from `value(p, rows)`, only the rows of each parameter that the shard overlaps are
+    asked for, so a source reading a file reads 1/N of the model; from the current values,
+    the shard of the flattened group)."""
+    if stage != 3 or value is None:
+        flat = flatten_values(group, device, value)
+        return flat[group.lo : group.hi].clone() if stage == 3 else flat
+    shard = torch.zeros(group.shard_numel, dtype=torch.float32, device=device)
+    for piece in group.pieces():
+        p = group.params[piece.param]
+        row = p.shape[1:].numel()  # elements of one dim-0 row (1 for a vector)
+        r0, r1 = piece.start // row, -(-(piece.start + piece.length) // row)
+        band = value(p, (r0, r1)).reshape(-1)
+        skip = piece.start - r0 * row
+        shard[piece.shard_offset : piece.shard_offset + piece.length] = band[
+            skip : skip + piece.length
+        ]
+    return shard
+
+
 class ParamStore:
     """Flat compute-dtype parameter buffers (full or sharded) and the parameter views."""
 

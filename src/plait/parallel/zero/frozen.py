@@ -26,9 +26,12 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from plait.comm import Comm
 from plait.memory_tracker import MemoryTracker, tensor_bytes
+from plait.mixed_precision import compute_frozen_in
 from plait.models.contract import contract_of
-from plait.parallel.zero.flat_params import Gatherer
+from plait.parallel.zero.flat_params import Gatherer, ParamStore, initial_flat
+from plait.parallel.zero.layout import frozen_groups
 
 
 def frozen_params(model: nn.Module) -> dict[str, nn.Parameter]:
@@ -41,6 +44,32 @@ def frozen_params(model: nn.Module) -> dict[str, nn.Parameter]:
             seen.add(id(param))
             out[entry.name] = param
     return out
+
+
+def hold_base(
+    model: nn.Module,
+    stage: int,
+    dtype: torch.dtype,
+    compute: torch.dtype,
+    comm: Comm,
+    axis: str,
+    tracker: MemoryTracker,
+    initial_value: Callable[..., Tensor] | None = None,
+) -> tuple[dict[str, nn.Parameter], FrozenGatherer | None]:
+    """Hold `model`'s frozen parameters in `dtype` and make it use them in `compute`:
+    whole (stages 0-2) or sharded over `axis` (stage 3, whose gatherer is returned)."""
+    frozen = frozen_params(model)
+    gatherer = None
+    if stage == 3 and frozen:
+        n, rank = comm.mesh.size(axis), comm.mesh.axis_rank(axis)
+        groups = frozen_groups(model, rank, n)
+        values = [initial_flat(g, stage, comm.mesh.device, initial_value) for g in groups]
+        store = ParamStore(groups, values, stage, dtype, comm, axis, tracker, "frozen")
+        gatherer = FrozenGatherer(model, store)
+    else:
+        hold_frozen(frozen, dtype, comm.mesh.device, tracker, initial_value)
+    compute_frozen_in(model, list(frozen.values()), compute)
+    return frozen, gatherer
 
 
 @torch.no_grad()
