@@ -189,7 +189,7 @@ class Gatherer:
         if self.root is not None:
             self.release(self.root)
         if isinstance(output, Tensor) and output.requires_grad:
-            output.register_hook(self._pre_backward(None))
+            output.register_hook(self.pre_backward(None))
 
     def _block_pre(self, i: int):
         def hook(module, args) -> None:
@@ -205,13 +205,14 @@ class Gatherer:
                 return
             self.release(self.group_of(i))
             if isinstance(output, Tensor) and output.requires_grad:
-                output.register_hook(self._pre_backward(i))
+                output.register_hook(self.pre_backward(i))
 
         return hook
 
-    def _pre_backward(self, block: int | None):
-        """Runs when the gradient of a block's output (None: the model's) is ready, i.e.
-        just before that block's backward: gather it, prefetch the one before it."""
+    def pre_backward(self, block: int | None):
+        """The hook that runs when the gradient of a block's output (None: the model's) is
+        ready, i.e. just before that block's backward: gather it, prefetch the one before it.
+        Public so that `frozen.FrozenGatherer` can add its own freeing to it."""
 
         def hook(grad: Tensor) -> None:
             self.backward = True

@@ -99,8 +99,8 @@ class FrozenGatherer(Gatherer):
     starts (the root when the last block's does: its backward needs the head and the final
     norm), and the first block's by `release_all` once the step's backward is over."""
 
-    def _pre_backward(self, block: int | None):
-        gather = super()._pre_backward(block)
+    def pre_backward(self, block: int | None):
+        gather = super().pre_backward(block)
         if block is None:
             return gather
         last = len(self.blocks) - 1
