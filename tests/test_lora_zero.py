@@ -4,15 +4,17 @@ exactly as one process trains them.
 Parity (fp32): the single-process loop (reference.reference_run_named: the whole global
 batch, torch's AdamW over the parameters that require grad) against the production Trainer
 at dp=2 under ZeRO stages 1-3, CPU and NVMe offload, and full or selective recomputation;
-and at tp2 x dp2. Losses every step at rtol 1e-5, every adapter after the steps, the base
-unchanged. The embedding is frozen, so nothing requires grad at a block's input: with
-reentrant checkpointing the adapters would get no gradient at all. Every A and every B must
-have moved (B starts at zero, so A's gradient is zero on the first step and only a second
-step moves it).
+and at tp2 x dp2 (stage 3) and pp2 x dp2 (stage 1). Losses every step at rtol 1e-5, every
+adapter after the steps, the base unchanged. The embedding is frozen, so nothing requires
+grad at a block's input: with reentrant checkpointing the adapters would get no gradient at
+all. Every A and every B must have moved (B starts at zero, so A's gradient is zero on the
+first step and only a second step moves it).
 
-Precision: under bf16 the base is held in `--base-dtype` (auto: bf16) while the adapters
-keep fp32 masters; a base held in another dtype than the compute dtype is cast per use.
-Memory: the tracker's model states are the frozen base plus the adapters' parameters,
+Stage 3 shards the base over dp and gathers it per unit (zero/frozen.py): its parameter
+bytes per rank and the elements it gathers per step are checked against the single-process
+sizes. Precision: under bf16 the base is held in `--base-dtype` (auto: bf16) while the
+adapters keep fp32 masters; a base held in another dtype than the compute dtype is cast per
+use. Memory: the tracker's model states are the frozen base plus the adapters' parameters,
 gradients, masters and moments, byte for byte.
 """
 
@@ -35,11 +37,23 @@ from reference import corpus_for, reference_run_named, small_config
 
 STEPS = 3
 RTOL = 1e-5
+_LEAVES = {  # tiny-gpt: q A+B, k and v B (they share q's A), o, fc1, fc2 A+B each
+    "attn.wq": "ab", "attn.wk": "b", "attn.wv": "b", "attn.wo": "ab", "mlp.fc1": "ab",
+    "mlp.fc2": "ab",
+}  # fmt: skip
+ADAPTERS = sorted(
+    f"blocks.{i}.{leaf}.lora_{ab}"
+    for i in range(2)
+    for leaf, abs_ in _LEAVES.items()
+    for ab in abs_
+)
 
 
-def lora_config(dp: int = 2, tp: int = 1, recompute: str = "none", **parallel: object) -> Config:
+def lora_config(
+    dp: int = 2, tp: int = 1, pp: int = 1, accum: int = 1, **parallel: object
+) -> Config:
     """tiny-gpt with adapters on every Linear (GPT-2's fused qkv: one A shared by q, k, v)."""
-    cfg = small_config(dp=dp, tp=tp, steps=STEPS, recompute=recompute)
+    cfg = small_config(dp=dp, tp=tp, pp=pp, accum=accum, steps=STEPS)
     cfg.model.lora_rank, cfg.model.lora_targets = 4, "all"
     for key, value in parallel.items():
         setattr(cfg.parallel, key, value)
@@ -125,13 +139,14 @@ def _stage3_figures(start: dict[str, torch.Tensor], n_layers: int, dp: int) -> d
     }
 
 
-def _parity(tp: int, cases: list[tuple[int, str, str]], folder: str) -> int:
-    """The single process once, then each case; returns how many adapters were compared."""
-    base = lora_config(dp=2, tp=tp)
+def _parity(layout: dict, cases: list[tuple[int, str, str]], folder: str) -> list[str]:
+    """The single process once, then each case in `layout` (dp 2 and these tp, pp, accum);
+    returns the names of the adapters this rank holds, each compared."""
+    base = lora_config(dp=2, **layout)
     corpus = corpus_for(base)
     ref_losses, _, ref, _ = reference_run_named(base, corpus)  # one process, same batch
     first = build_model(base.model, torch.device("cpu"), base.train.seed)
-    start = {n: p.detach().clone() for n, p in first.named_parameters()}
+    start = {n: p.detach().clone() for n, p in first.named_parameters(remove_duplicate=False)}
     for stage, offload, recompute in cases:
         cfg = copy.deepcopy(base)
         par = cfg.parallel
@@ -139,11 +154,12 @@ def _parity(tp: int, cases: list[tuple[int, str, str]], folder: str) -> int:
         par.offload_dir = f"{folder}/zero{stage}" if offload == "nvme" else None
         cfg.validate(check_data=False)
         losses, got, memory = _run(cfg, corpus)
-        where = f"zero {stage} offload {offload} recompute {recompute} tp {tp}"
+        where = f"zero {stage} offload {offload} recompute {recompute} {layout}"
         if stage < 3:  # the base whole on every rank: never gathered
             assert memory["frozen_gathered"] == 0, where
-        elif tp == 1:  # sharded over dp, gathered per unit
-            assert memory == _stage3_figures(start, base.model.n_layers, 2), where
+        elif not layout:  # sharded over dp, gathered per unit
+            sizes = dict(first.named_parameters())  # a tied weight once
+            assert memory == _stage3_figures(sizes, base.model.n_layers, 2), where
         else:  # tp shards, sharded further over dp
             assert memory["frozen_gathered"] > 0, where
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL,
@@ -157,12 +173,12 @@ def _parity(tp: int, cases: list[tuple[int, str, str]], folder: str) -> int:
                 assert not torch.equal(got[name], start[name]), f"{where}: {name} never moved"
             else:  # frozen: exactly its initial value
                 assert torch.equal(got[name], start[name]), f"{where}: base {name} changed"
-    return len(adapters) // base.model.n_layers
+    return sorted(adapters)
 
 
 def test_zero_stages_offload_and_recompute_equal_one_process(world2, tmp_path):
-    counts = world2.run(_parity, 1, CASES, str(tmp_path), timeout=300)
-    assert counts == [10, 10]  # per block: q A+B, k B, v B (A shared), wo, fc1, fc2 A+B each
+    held = world2.run(_parity, {}, CASES, str(tmp_path), timeout=300)
+    assert held[0] == held[1] == ADAPTERS
 
 
 def _mixed(cases: list[tuple[int, str, str]]) -> None:
@@ -194,11 +210,16 @@ def test_mixed_precision_base_dtypes_under_zero(world2):
     world2.run(_mixed, [(3, "bf16", "fp32"), (3, "fp16", "auto"), (2, "bf16", "auto")])
 
 
-def test_tensor_parallel_zero_equals_one_process(world4, tmp_path):
-    """tp2 x dp2: A and B split as their base (docs/lora.md), the shards over dp."""
-    cases = [(3, "none", "full"), (1, "none", "none")]
-    counts = world4.run(_parity, 2, cases, str(tmp_path), timeout=300)
-    assert counts == [10] * 4
+def test_tensor_and_pipeline_parallel_zero_equal_one_process(world4, tmp_path):
+    """tp2 x dp2 under stage 3: A and B split as their base (models/declare.py), the shards
+    over dp. pp2 x dp2 under stage 1 with CPU offload: the tied embedding, frozen, is in no
+    group on either end (the engine isolates only trainable copies)."""
+    held = world4.run(_parity, {"tp": 2}, [(3, "none", "full")], str(tmp_path), timeout=300)
+    assert held == [ADAPTERS] * 4
+    pp = {"pp": 2, "accum": 2}
+    held = world4.run(_parity, pp, [(1, "cpu", "selective")], str(tmp_path), timeout=300)
+    assert sorted({name for names in held for name in names}) == ADAPTERS
+    assert len({tuple(names) for names in held}) == 2  # each stage its own blocks' adapters
 
 
 # ------------------------------------------------------------------ precision and memory
