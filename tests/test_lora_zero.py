@@ -116,10 +116,13 @@ def _run(cfg: Config, corpus) -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, params, memory
 
 
-def _stage3_figures(start: dict[str, torch.Tensor], n_layers: int, dp: int) -> dict[str, int]:
+def _stage3_figures(
+    start: dict[str, torch.Tensor], n_layers: int, dp: int, accum: int
+) -> dict[str, int]:
     """What stage 3 should hold and gather in fp32 at tp 1, from the single-process sizes:
     each unit (a block; the root: embedding, final norm, tied head) is padded to a multiple
-    of dp and split; the base's units are gathered twice a step (forward and backward)."""
+    of dp and split; the base's units are gathered twice per micro-batch (its forward and
+    its backward)."""
 
     def padded(block: int | None, adapters: bool) -> int:
         """Elements of one unit, frozen or adapters, padded to a multiple of dp."""
@@ -135,7 +138,7 @@ def _stage3_figures(start: dict[str, torch.Tensor], n_layers: int, dp: int) -> d
     adapters = [padded(b, True) for b in range(n_layers)]
     return {
         "parameters": 4 * (sum(frozen) + sum(adapters)) // dp,
-        "frozen_gathered": 2 * sum(frozen),
+        "frozen_gathered": 2 * accum * sum(frozen),
     }
 
 
@@ -157,9 +160,10 @@ def _parity(layout: dict, cases: list[tuple[int, str, str]], folder: str) -> lis
         where = f"zero {stage} offload {offload} recompute {recompute} {layout}"
         if stage < 3:  # the base whole on every rank: never gathered
             assert memory["frozen_gathered"] == 0, where
-        elif not layout:  # sharded over dp, gathered per unit
+        elif "tp" not in layout:  # sharded over dp, gathered per unit
             sizes = dict(first.named_parameters())  # a tied weight once
-            assert memory == _stage3_figures(sizes, base.model.n_layers, 2), where
+            figures = _stage3_figures(sizes, base.model.n_layers, 2, base.accumulation)
+            assert memory == figures, where
         else:  # tp shards, sharded further over dp
             assert memory["frozen_gathered"] > 0, where
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL,
@@ -177,7 +181,7 @@ def _parity(layout: dict, cases: list[tuple[int, str, str]], folder: str) -> lis
 
 
 def test_zero_stages_offload_and_recompute_equal_one_process(world2, tmp_path):
-    held = world2.run(_parity, {}, CASES, str(tmp_path), timeout=300)
+    held = world2.run(_parity, {"accum": 2}, CASES, str(tmp_path), timeout=300)
     assert held[0] == held[1] == ADAPTERS
 
 

@@ -151,6 +151,8 @@ class ZeroEngine:
 
     def micro_batch(self, is_last: bool) -> None:
         """Call before each micro-batch (before its forward in stage 3)."""
+        if self.frozen_gatherer:  # the last one's backward is over: 2 gathers per unit each
+            self.frozen_gatherer.release_all()
         self.grads.micro_batch(is_last)
 
     def scale_loss(self, loss: Tensor) -> Tensor:

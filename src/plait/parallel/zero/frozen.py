@@ -97,7 +97,9 @@ class FrozenGatherer(Gatherer):
     for when a unit is freed in backward. A trainable unit is freed once its gradients are
     reduced; a frozen one has no gradient, so it is freed when the next unit's backward
     starts (the root when the last block's does: its backward needs the head and the final
-    norm), and the first block's by `release_all` once the step's backward is over."""
+    norm), and the first block's by `release_all` once the micro-batch's backward is over
+    (the engine calls it at the next micro-batch and at `finish`): so each unit is gathered
+    twice per micro-batch, as the trainable ones are."""
 
     def pre_backward(self, block: int | None):
         gather = super().pre_backward(block)
