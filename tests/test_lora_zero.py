@@ -76,6 +76,12 @@ def test_base_dtype_is_validated_with_one_line():
     cfg.parallel.base_dtype = "fp8"
     with pytest.raises(ConfigError, match="got 'fp8'"):
         cfg.validate(check_data=False)
+    cfg = lora_config(dp=2)
+    cfg.parallel.dp_mode, cfg.parallel.base_dtype = "naive", "bf16"
+    with pytest.raises(ConfigError, match=r"^--base-dtype bf16 is held by the ZeRO engine only;"):
+        cfg.validate(check_data=False)
+    cfg.parallel.base_dtype = "fp32"  # the precision's own dtype: what every engine does
+    cfg.validate(check_data=False)
     assert parse_base_dtype("auto", "fp16", lora=False) == torch.float16
     assert parse_base_dtype("fp32", "bf16", lora=True) == torch.float32
 
