@@ -77,8 +77,9 @@ def measure(case: Case, offload_dir: str | None = None) -> dict[str, Any]:
 
 
 def frozen_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the parameters that do not train (a LoRA run's base), each storage once: the
-    memory tracker registers only what the engines allocate."""
+    """Bytes of the parameters that do not train (a LoRA run's base), each storage once,
+    counted off the model: a check of the base's dtype apart from the tracker (which the
+    ZeRO engine tells of the base, under parameters: zero/frozen.py)."""
     storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
                 for p in model.parameters() if not p.requires_grad}  # fmt: skip
     return sum(storages.values())
@@ -93,7 +94,10 @@ def compare(est: Estimate, measured: dict[str, Any]) -> dict[str, tuple[int, int
     out = {}
     for c in MODEL_STATES:
         line = rank.line(c)
-        out[c] = (line.device + line.host + line.disk, sum(measured["states"][c].values()))
+        est_bytes = line.device + line.host + line.disk
+        if c == "parameters":  # the ZeRO engine registers a frozen base as parameters
+            est_bytes += rank.frozen()
+        out[c] = (est_bytes, sum(measured["states"][c].values()))
     out["activations"] = (rank.line("activations").device, measured["activations"])
     if rank.frozen() or measured["frozen_base"]:
         out["frozen_base"] = (rank.frozen(), measured["frozen_base"])
@@ -102,8 +106,8 @@ def compare(est: Estimate, measured: dict[str, Any]) -> dict[str, tuple[int, int
 
 
 def untracked(rank: RankEstimate) -> int:
-    """Estimated bytes the tracker cannot see (pipeline receive buffers, a frozen base)."""
-    return rank.line("pipeline_buffers").device + rank.frozen()
+    """Estimated bytes the tracker cannot see (pipeline receive buffers)."""
+    return rank.line("pipeline_buffers").device
 
 
 def error(pair: tuple[int, int]) -> float:

@@ -27,6 +27,7 @@ from plait.data.packing import LONG
 from plait.device import cuda_available, device_kind
 from plait.domain import Domain, above, at_least, check_fields, fraction
 from plait.errors import ConfigError
+from plait.mixed_precision import parse_base_dtype, parse_precision
 from plait.models.architecture import ModelConfig
 from plait.models.presets import get_preset
 from plait.topology import Layout
@@ -415,6 +416,21 @@ def check_types(cfg: Config) -> None:
                 )
 
 
+def _check_base_dtype(par: ParallelConfig, lora: bool) -> None:
+    """`--base-dtype` names a dtype, needs `--lora-rank`, and is honoured by the engine that
+    runs: the ZeRO engine holds the frozen base in it (parallel/zero/frozen.py); naive data
+    parallelism and 2BW keep every parameter in the precision's dtype."""
+    base = parse_base_dtype(par.base_dtype, par.precision, lora)
+    if base != parse_precision(par.precision).param_dtype and (
+        par.dp_mode == "naive" or par.two_bw
+    ):
+        engine = "--dp-mode naive" if par.dp_mode == "naive" else "--schedule 2bw"
+        raise ConfigError(
+            f"--base-dtype {par.base_dtype} is held by the ZeRO engine only; {engine} keeps "
+            f"the base in the precision's dtype ({par.precision}): give --base-dtype auto"
+        )
+
+
 def validate_config(cfg: Config, check_data: bool = True) -> None:
     """Everything checkable before workers start; the first problem found is raised."""
     check_types(cfg)
@@ -452,6 +468,7 @@ def validate_config(cfg: Config, check_data: bool = True) -> None:
         par.reduce_dtype,
         par.schedule,
     )
+    _check_base_dtype(par, cfg.model.lora is not None)
     check_loss_average(t.loss_average)
     if t.nan_policy not in ("stop", "skip"):
         raise ConfigError(f"nan_policy must be stop or skip; got {t.nan_policy!r}")

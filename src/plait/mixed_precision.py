@@ -20,13 +20,17 @@ rounding in the sum of many ranks.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from plait.errors import ConfigError
+from plait.torch_private import parameters_as
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+BASE_DTYPES = ("auto", *PRECISIONS)
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -68,6 +72,52 @@ def parse_precision(name: str, reduce_dtype: str | None = None) -> Precision:
             f"got {reduce_dtype!r}"
         )
     return Precision(name, param, reduce)
+
+
+def parse_base_dtype(name: str, precision: str, lora: bool) -> torch.dtype:
+    """The dtype a LoRA run holds its frozen base in (`--base-dtype`): `auto` is the
+    precision's parameter dtype; an explicit one only means something beside adapters,
+    because without LoRA every parameter trains and is held in the precision's dtype."""
+    if name not in BASE_DTYPES:
+        raise ConfigError(f"base_dtype must be one of {', '.join(BASE_DTYPES)}; got {name!r}")
+    if name != "auto" and not lora:
+        raise ConfigError(
+            f"--base-dtype {name} is for a LoRA run's frozen base; this run has no "
+            "--lora-rank (every parameter trains in the precision's dtype)"
+        )
+    return _DTYPES[precision if name == "auto" else name]
+
+
+def compute_frozen_in(model: nn.Module, frozen: Sequence[nn.Parameter], dtype: torch.dtype) -> int:
+    """Make every module that owns one of `frozen` (held in another dtype than `dtype`) use
+    a copy cast to `dtype` during its forward, so the model computes in one dtype whatever
+    the base is held in: activations start in `dtype` at the embedding, and every frozen
+    weight meets them in it (as QLoRA dequantizes its base per use; the copy is transient,
+    saved by autograd only where backward needs it). Returns the number of modules wrapped.
+
+    Trainable parameters are the engine's compute-dtype copies already; a frozen one held
+    in `dtype` is used as it is."""
+    ids = {id(p) for p in frozen if p.dtype != dtype}
+    wrapped = 0
+    for module in model.modules():
+        names = [n for n, p in module.named_parameters(recurse=False) if id(p) in ids]
+        if names:
+            _cast_at_use(module, names, dtype)
+            wrapped += 1
+    return wrapped
+
+
+def _cast_at_use(module: nn.Module, names: list[str], dtype: torch.dtype) -> None:
+    """Route `module`'s forward through one that sees `names` cast to `dtype` (instance
+    attribute, as activation recomputation wraps a forward: this module only)."""
+    inner = module.forward
+
+    def forward(*args, **kwargs):
+        cast = {n: module.get_parameter(n).detach().to(dtype) for n in names}
+        with parameters_as(module, cast):
+            return inner(*args, **kwargs)
+
+    module.forward = forward
 
 
 @dataclass

@@ -13,7 +13,8 @@ and hands it over in the `Mesh` (`mesh.store`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -72,6 +73,26 @@ def replace_tensors(module: nn.Module, fn: Callable[[Tensor], Tensor]) -> None:
     device is never allocated whole. Public alternative: `Module.to_empty(device=...)`,
     which allocates every tensor and keeps them all (the whole model at once)."""
     module._apply(fn)
+
+
+@contextmanager
+def parameters_as(module: nn.Module, values: Mapping[str, Tensor]) -> Iterator[None]:
+    """Inside the block, `module.NAME` is `values[NAME]` (a plain tensor) for each name given,
+    its own Parameter again after (also when the forward raised).
+
+    Why private: `Module._parameters` is where `module.weight` is looked up; a LoRA run holds
+    a frozen base in another dtype than it computes in (`--base-dtype`) and its layers must
+    see a cast copy for one forward (`mixed_precision.compute_frozen_in`), saved by autograd
+    as that copy, while the Parameter keeps its own storage. `setattr` refuses a tensor that
+    is not a Parameter under a parameter's name. Public alternative:
+    `torch.func.functional_call`, which swaps through the same dict (its helper is private
+    too) and calls the module anew, so it cannot run inside the module's own forward."""
+    held = {name: module._parameters[name] for name in values}
+    module._parameters.update(values)
+    try:
+        yield
+    finally:
+        module._parameters.update(held)
 
 
 def view_base(t: Tensor) -> Tensor:

@@ -30,7 +30,7 @@ from plait.data.examples import example_corpus, is_examples_dir
 from plait.data.sampler import TokenWindows
 from plait.data.shards import ShardStream
 from plait.mesh import Mesh
-from plait.mixed_precision import parse_precision
+from plait.mixed_precision import parse_base_dtype, parse_precision
 from plait.models.architecture import ModelConfig
 from plait.models.hf.load import hf_source
 from plait.models.init import (
@@ -153,6 +153,7 @@ def _zero_engine(cfg: Config, model: Transformer, comm: Comm, pipelined: bool) -
         bucket_mb=par.bucket_mb,
         isolate=tied_embedding_params(model) if pipelined else [],
         initial_value=source_values(model, first_weights(cfg)) if streamed else None,
+        base_dtype=parse_base_dtype(par.base_dtype, par.precision, cfg.model.lora is not None),
     )
 
 

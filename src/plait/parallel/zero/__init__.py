@@ -13,11 +13,13 @@ the block's backward (the root stays gathered around the whole forward and backw
 block's gradients are complete, a reduce-scatter leaves every rank the sum of its own slice
 (`reducer.py`); the optimizer then updates only that slice (`engine.py`, `master_states.py`),
 and the next forward's gathers bring the updated values. Traffic per step: all-gather 2Ψ and
-reduce-scatter Ψ; model states 16Ψ/N (docs/zero.md measures both).
+reduce-scatter Ψ; model states 16Ψ/N (docs/zero.md measures both). A LoRA run's frozen
+base gets groups of its own, gathered beside the adapters', never reduced (`frozen.py`).
 
 Files, each one concern:
   layout.py         buckets, flat groups, padding, each rank's shard (pure arithmetic)
   flat_params.py    parameters as views of flat buffers; stage-3 gather/free/prefetch hooks
+  frozen.py         a LoRA run's frozen base: its dtype, whole or sharded, cast per use
   reducer.py        gradient buckets: all-reduce or reduce-scatter, overlapped with backward
   master_states.py  master weights and moments on device or host; nvme.py: in files
   state_dict.py     optimizer state per parameter, for layout-independent checkpoints

@@ -22,12 +22,14 @@ What each stage keeps per rank (Ψ parameters, N ranks; see docs/zero.md):
   stage 1: full parameters and gradients; 1/N of master weights and moments;
   stage 2: full parameters; 1/N of gradients, master weights and moments;
   stage 3: 1/N of everything; blocks gathered just in time (params.Gatherer).
+A LoRA run's frozen base has parameters only (in --base-dtype): whole under stages 0-2,
+1/N under stage 3, gathered per block beside the adapters (zero/frozen.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -38,12 +40,22 @@ from plait.comm import Comm
 from plait.composition import check_zero
 from plait.errors import ConfigError
 from plait.memory_tracker import MemoryTracker
-from plait.mixed_precision import DynamicLossScaler, Precision, has_inf_or_nan, parse_precision
+from plait.mixed_precision import (
+    DynamicLossScaler,
+    Precision,
+    has_inf_or_nan,
+    parse_precision,
+)
 from plait.models.contract import contract_of
 from plait.parallel.adamw import ElementwiseOptimizer, clip_segments
 from plait.parallel.grads import SplitGradRules
-from plait.parallel.zero.flat_params import Gatherer, ParamStore, flatten_values
-from plait.parallel.zero.layout import NVME_SUB_GROUP_MB, FlatGroup, build_groups, nvme_sub_group
+from plait.parallel.zero.flat_params import Gatherer, ParamStore, initial_flat
+from plait.parallel.zero.frozen import hold_base
+from plait.parallel.zero.layout import (
+    NVME_SUB_GROUP_MB,
+    build_groups,
+    nvme_sub_group,
+)
 from plait.parallel.zero.master_states import ResidentStates
 from plait.parallel.zero.nvme import NvmeStates
 from plait.parallel.zero.reducer import GradReducer
@@ -69,11 +81,14 @@ class ZeroEngine:
         scaler: DynamicLossScaler | None = None,
         isolate: Sequence[nn.Parameter] = (),
         initial_value: Callable[..., Tensor] | None = None,
+        base_dtype: torch.dtype | None = None,
     ) -> None:
         """`isolate`: parameters that get a flat group each (see `layout.build_groups`).
         `initial_value(p, rows=None)`: p's fp32 initial value (or its dim-0 rows [r0, r1)),
         for a model whose parameters are not materialized (stage 3 asks for its shard's rows
-        only, and never holds more than one group's shard at a time)."""
+        only, and never holds more than one group's shard at a time). `base_dtype`: what
+        the frozen parameters (a LoRA run's base) are held in; default the precision's
+        parameter dtype (zero/frozen.py)."""
         check_zero(stage, offload, str(offload_dir) if offload_dir else None)
         self.precision = parse_precision(precision) if isinstance(precision, str) else precision
         contract_of(model)  # groups, gathers and names come from the model's contract
@@ -85,7 +100,11 @@ class ZeroEngine:
         self.memory = tracker or MemoryTracker(self.device)
         n, rank = comm.mesh.size(axis), comm.mesh.axis_rank(axis)
         self.groups = build_groups(model, stage, int(bucket_mb * 2**20), rank, n, isolate)
-        values = [self._initial_values(g, initial_value) for g in self.groups]
+        compute = self.precision.param_dtype
+        self.frozen, self.frozen_gatherer = hold_base(  # a LoRA run's base (zero/frozen.py)
+            model, stage, base_dtype or compute, compute, comm, axis, self.memory, initial_value
+        )
+        values = [initial_flat(g, stage, self.device, initial_value) for g in self.groups]
         self.params = ParamStore(
             self.groups, values, stage, self.precision.param_dtype, comm, axis, self.memory
         )
@@ -110,26 +129,6 @@ class ZeroEngine:
         self._coef = 1.0
         self._found_inf: bool | None = None
 
-    def _initial_values(self, group: FlatGroup, value) -> Tensor:
-        """fp32 values of the group: all of them (stages 0-2), or this rank's shard (stage 3:
-        from `value`, only the rows of each parameter that the shard overlaps are asked
-        for, so a source reading a file reads 1/N of the model; from the current values,
-        the shard of the flattened group)."""
-        if self.stage != 3 or value is None:
-            flat = flatten_values(group, self.device, value)
-            return flat[group.lo : group.hi].clone() if self.stage == 3 else flat
-        shard = torch.zeros(group.shard_numel, dtype=torch.float32, device=self.device)
-        for piece in group.pieces():
-            p = group.params[piece.param]
-            row = p.shape[1:].numel()  # elements of one dim-0 row (1 for a vector)
-            r0, r1 = piece.start // row, -(-(piece.start + piece.length) // row)
-            band = value(p, (r0, r1)).reshape(-1)
-            skip = piece.start - r0 * row
-            shard[piece.shard_offset : piece.shard_offset + piece.length] = band[
-                skip : skip + piece.length
-            ]
-        return shard
-
     def _make_states(
         self, values: list[Tensor], offload: str, directory, sub_group_mb: float
     ) -> ResidentStates | NvmeStates:
@@ -152,6 +151,8 @@ class ZeroEngine:
 
     def micro_batch(self, is_last: bool) -> None:
         """Call before each micro-batch (before its forward in stage 3)."""
+        if self.frozen_gatherer:  # the last one's backward is over: 2 gathers per unit each
+            self.frozen_gatherer.release_all()
         self.grads.micro_batch(is_last)
 
     def scale_loss(self, loss: Tensor) -> Tensor:
@@ -165,6 +166,8 @@ class ZeroEngine:
     def finish(self) -> None:
         """Complete every gradient reduction: the shards hold the averaged (scaled) gradient."""
         self.grads.finish()
+        if self.frozen_gatherer:  # backward is over: no unit of the base is needed
+            self.frozen_gatherer.release_all()
         self._found_inf = None
         self._coef = 1.0
         if self.stage == 0 and self.precision.reduce_dtype == self.precision.param_dtype:
@@ -243,7 +246,11 @@ class ZeroEngine:
 
     def unsharded(self) -> AbstractContextManager:
         """Context in which every parameter holds its full value (stage 3 gathers)."""
-        return self.gatherer.gathered() if self.gatherer else nullcontext()
+        stack = ExitStack()
+        for gatherer in (self.gatherer, self.frozen_gatherer):
+            if gatherer:
+                stack.enter_context(gatherer.gathered())
+        return stack
 
     # -- checkpoints -----------------------------------------------------------------------
     @property
@@ -287,6 +294,7 @@ class ZeroEngine:
     def close(self) -> None:
         """Remove hooks and offload files."""
         self.grads.remove_hooks()
-        if self.gatherer:
-            self.gatherer.remove_hooks()
+        for gatherer in (self.gatherer, self.frozen_gatherer):
+            if gatherer:
+                gatherer.remove_hooks()
         self.states.close()

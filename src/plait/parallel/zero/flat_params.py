@@ -39,6 +39,32 @@ def flatten_values(
     return flat
 
 
+def initial_flat(
+    group: FlatGroup,
+    stage: int,
+    device: torch.device,
+    value: Callable[..., Tensor] | None = None,
+) -> Tensor:
+    """fp32 values of the group: all of them (stages 0-2), or this rank's shard (stage 3:
+    from `value(p, rows)`, only the rows of each parameter that the shard overlaps are
+    asked for, so a source reading a file reads 1/N of the model; from the current values,
+    the shard of the flattened group)."""
+    if stage != 3 or value is None:
+        flat = flatten_values(group, device, value)
+        return flat[group.lo : group.hi].clone() if stage == 3 else flat
+    shard = torch.zeros(group.shard_numel, dtype=torch.float32, device=device)
+    for piece in group.pieces():
+        p = group.params[piece.param]
+        row = p.shape[1:].numel()  # elements of one dim-0 row (1 for a vector)
+        r0, r1 = piece.start // row, -(-(piece.start + piece.length) // row)
+        band = value(p, (r0, r1)).reshape(-1)
+        skip = piece.start - r0 * row
+        shard[piece.shard_offset : piece.shard_offset + piece.length] = band[
+            skip : skip + piece.length
+        ]
+    return shard
+
+
 class ParamStore:
     """Flat compute-dtype parameter buffers (full or sharded) and the parameter views."""
 
@@ -51,20 +77,24 @@ class ParamStore:
         comm: Comm,
         axis: str,
         tracker: MemoryTracker,
+        name: str = "params",
     ) -> None:
+        """`name`: its memory-tracker keys and its all-gathers' tag ("frozen": a LoRA base,
+        counted apart from the trainable parameters' gathers)."""
         self.groups, self.stage, self.comm, self.axis = groups, stage, comm, axis
-        self.tracker = tracker
+        self.tracker, self.name = tracker, name
+        self.gathered_key = "gathered:" if name == "params" else f"gathered-{name}:"
         self.full: list[Tensor] = []
         self.shards: list[Tensor] = []
         for g, flat in zip(groups, values, strict=True):
             if stage < 3:
                 full = flat.to(dtype)  # the fp32 values themselves when dtype is fp32
                 shard = full[g.lo : g.hi]
-                tracker.track(f"params:{g.index}", "parameters", full)
+                tracker.track(f"{name}:{g.index}", "parameters", full)
             else:  # `flat` is only this rank's shard
                 shard = flat.to(dtype, copy=True)
                 full = torch.empty(g.padded, dtype=dtype, device=flat.device)
-                tracker.track(f"params:{g.index}", "parameters", shard)
+                tracker.track(f"{name}:{g.index}", "parameters", shard)
             self.full.append(full)
             self.shards.append(shard)
             self._bind(g, full)
@@ -80,7 +110,7 @@ class ParamStore:
     def all_gather(self) -> None:
         """Stages 1-2, after the step: every rank's updated shard into every full buffer."""
         handles = [
-            self.comm.all_gather(full, shard, self.axis, tag="params", async_op=True)
+            self.comm.all_gather(full, shard, self.axis, tag=self.name, async_op=True)
             for full, shard in zip(self.full, self.shards, strict=True)
         ]
         for h in handles:
@@ -94,12 +124,14 @@ class Gatherer:
     Groups come in backward order: blocks last-to-first, then the root (embedding, final
     norm, head). Forward runs root, block 0, 1, ...; backward runs root, block L-1, ..., 0.
     Every rank runs the same forward and backward, so all issue the same gathers in order.
+    A LoRA run trains nothing at the root (its adapters are in the blocks): no root group.
     """
 
     def __init__(self, model: torch.nn.Module, store: ParamStore) -> None:
         self.store = store
         self.blocks = [model.get_submodule(part.path) for part in contract_of(model).blocks()]
-        self.root = len(store.groups) - 1
+        has_root = len(store.groups) > len(self.blocks)
+        self.root: int | None = len(store.groups) - 1 if has_root else None
         self.handles: dict[int, Handle | None] = {}  # gathered groups -> in-flight handle
         self.backward = False
         self._hooks = [
@@ -120,10 +152,12 @@ class Gatherer:
             return
         full, shard = self.store.full[gi], self.store.shards[gi]
         full.untyped_storage().resize_(full.numel() * full.element_size())
-        self.store.tracker.track(f"gathered:{gi}", "parameters", full, transient=True)
+        self.store.tracker.track(
+            f"{self.store.gathered_key}{gi}", "parameters", full, transient=True
+        )
         comm = self.store.comm
         self.handles[gi] = comm.all_gather(
-            full, shard, self.store.axis, tag="params", async_op=True
+            full, shard, self.store.axis, tag=self.store.name, async_op=True
         )
 
     def ensure(self, gi: int) -> None:
@@ -140,20 +174,22 @@ class Gatherer:
             return
         self.ensure(gi)  # never free memory a collective is still writing
         self.store.full[gi].untyped_storage().resize_(0)
-        self.store.tracker.release(f"gathered:{gi}")
+        self.store.tracker.release(f"{self.store.gathered_key}{gi}")
         del self.handles[gi]
 
     # -- hooks -----------------------------------------------------------------------
     def _root_pre(self, module, args) -> None:
         self.backward = False
-        self.ensure(self.root)
+        if self.root is not None:
+            self.ensure(self.root)
         if self.blocks:
             self.prefetch(self.group_of(0))
 
     def _root_post(self, module, args, output) -> None:
-        self.release(self.root)
+        if self.root is not None:
+            self.release(self.root)
         if isinstance(output, Tensor) and output.requires_grad:
-            output.register_hook(self._pre_backward(None))
+            output.register_hook(self.pre_backward(None))
 
     def _block_pre(self, i: int):
         def hook(module, args) -> None:
@@ -169,18 +205,20 @@ class Gatherer:
                 return
             self.release(self.group_of(i))
             if isinstance(output, Tensor) and output.requires_grad:
-                output.register_hook(self._pre_backward(i))
+                output.register_hook(self.pre_backward(i))
 
         return hook
 
-    def _pre_backward(self, block: int | None):
-        """Runs when the gradient of a block's output (None: the model's) is ready, i.e.
-        just before that block's backward: gather it, prefetch the one before it."""
+    def pre_backward(self, block: int | None):
+        """The hook that runs when the gradient of a block's output (None: the model's) is
+        ready, i.e. just before that block's backward: gather it, prefetch the one before it.
+        Public so that `frozen.FrozenGatherer` can add its own freeing to it."""
 
         def hook(grad: Tensor) -> None:
             self.backward = True
             if block is None:
-                self.ensure(self.root)
+                if self.root is not None:
+                    self.ensure(self.root)
                 nxt = len(self.blocks) - 1
             else:
                 self.ensure(self.group_of(block))

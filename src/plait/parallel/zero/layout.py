@@ -134,27 +134,31 @@ def assign_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[n
     return [[params[i] for i in run] for run in bucket_runs(sizes, bucket_bytes)]
 
 
-def trainable_params(model: nn.Module, parts: Sequence[Part] | None = None) -> list[nn.Parameter]:
+def trainable_params(
+    model: nn.Module, parts: Sequence[Part] | None = None, trainable: bool = True
+) -> list[nn.Parameter]:
     """The parameters of `parts` (default: all this rank holds) that train, in registration
-    order, as the model's contract declares them: frozen ones get no group at all."""
-    return [p for e, p in contract_of(model).bind(model, parts) if e.decl.trainable]
+    order, as the model's contract declares them: frozen ones get no group at all. With
+    `trainable=False`, the frozen ones instead (a LoRA run's base: `frozen_groups`)."""
+    return [p for e, p in contract_of(model).bind(model, parts) if e.decl.trainable == trainable]
 
 
-def block_units(model: nn.Module) -> list[list[nn.Parameter]]:
+def block_units(model: nn.Module, trainable: bool = True) -> list[list[nn.Parameter]]:
     """Stage 3's gather units in backward order: the last block first, the root last.
 
     Each transformer block is a unit (gathered for its forward and its backward); the rest
     (embedding, final norm, head) is the *root*, which the first and the last layers share
     (a tied embedding is both), so it is gathered around the whole forward and the whole
-    backward, as FSDP treats its root module.
+    backward, as FSDP treats its root module. `trainable=False`: the frozen parameters'
+    units, gathered alongside (zero/frozen.py).
     """
     units: list[list[nn.Parameter]] = []
     taken: set[int] = set()
     for part in reversed(contract_of(model).blocks()):
-        unit = [p for p in trainable_params(model, [part]) if id(p) not in taken]
+        unit = [p for p in trainable_params(model, [part], trainable) if id(p) not in taken]
         taken.update(id(p) for p in unit)
         units.append(unit)
-    units.append([p for p in trainable_params(model) if id(p) not in taken])
+    units.append([p for p in trainable_params(model, None, trainable) if id(p) not in taken])
     return units
 
 
@@ -183,6 +187,20 @@ def build_groups(
     lists = [[p for p in group if id(p) not in alone] for group in lists]
     lists += [[p] for p in isolate if any(p is q for q in trainable)]
     shards, me = (1, 0) if stage == 0 else (world, rank)
+    return _flat_groups(lists, names, me, shards)
+
+
+def frozen_groups(model: nn.Module, rank: int, world: int) -> list[FlatGroup]:
+    """Stage 3 with a frozen base (LoRA): the frozen parameters' flat groups, one per block
+    and the root (`block_units(trainable=False)`), sharded over `world` ranks like the
+    trainable ones, but never given a gradient, a master or an optimizer state."""
+    return _flat_groups(block_units(model, trainable=False), parameter_names(model), rank, world)
+
+
+def _flat_groups(
+    lists: list[list[nn.Parameter]], names: dict[int, str], rank: int, shards: int
+) -> list[FlatGroup]:
+    """The non-empty lists as padded flat groups, numbered in order."""
     groups = []
     for i, group in enumerate(p for p in lists if p):
         offsets, numel = [], 0
@@ -191,5 +209,5 @@ def build_groups(
             numel += p.numel()
         padded = padded_size(numel, shards)
         group_names = [names[id(p)] for p in group]
-        groups.append(FlatGroup(i, group, group_names, offsets, numel, padded, me, shards))
+        groups.append(FlatGroup(i, group, group_names, offsets, numel, padded, rank, shards))
     return groups
