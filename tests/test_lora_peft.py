@@ -227,7 +227,7 @@ def test_an_adapter_without_tensors_is_never_written(folders, tmp_path) -> None:
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("text") / "corpus.txt"
-    path.write_text("Adapters in and out of plait, as PEFT writes them. " * 40)
+    path.write_text("Adapters in and out of plait, as PEFT writes them. " * 12)
     return path
 
 
