@@ -272,13 +272,16 @@ def test_export_peft_loads_in_peft(folders, corpus, world2, tmp_path, layout) ->
     torch.testing.assert_close(logits(theirs), ours, rtol=RTOL, atol=ATOL)
 
 
-def test_train_from_a_peft_adapter(folders, peft_saved, corpus, tmp_path) -> None:
-    """GPT-2 (c_attn's B split three ways) trained from PEFT's adapter: the checkpoint's
-    adapters are the folder's, moved by two small steps, and export back to PEFT."""
+def test_train_from_a_peft_adapter(folders, peft_saved, corpus, world2, tmp_path) -> None:
+    """GPT-2 (c_attn's B split three ways, then by output under tp; c_proj's A by input)
+    trained at tp=2 from PEFT's adapter: the checkpoint's adapters are the folder's, moved by
+    two small steps, and export back to PEFT."""
     run = tmp_path / "run"
-    assert main(["train", "--init-from", str(folders["gpt2"]), "--adapter",
-                 str(peft_saved["gpt2"]), "--data", str(corpus), "--out", str(run), *RUN,
-                 "--lr", "1e-3", "--warmup-steps", "0"]) == 0  # fmt: skip
+    code, err = in_process.train(world2, ["--init-from", str(folders["gpt2"]), "--adapter",
+                                          str(peft_saved["gpt2"]), "--data", str(corpus),
+                                          "--out", str(run), *RUN, "--lr", "1e-3",
+                                          "--warmup-steps", "0", "--tp", "2"])  # fmt: skip
+    assert code == 0, err[-3000:]
     assert main(["export", "--checkpoint", str(run), "--format", "peft", "--out",
                  str(tmp_path / "peft")]) == 0  # fmt: skip
     start = load_file(str(peft_saved["gpt2"] / "adapter_model.safetensors"))

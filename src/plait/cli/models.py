@@ -296,11 +296,11 @@ def load_generator(args: argparse.Namespace) -> Transformer:
         return inspect.load_model(checkpoint_path(args.checkpoint))
     folder = Path(args.init_from)
     cfg = load_config(folder)
-    source = hf_source(folder, cfg)
     if args.adapter:
         apply_adapter(cfg, args.adapter, {})
-        adapters = adapter_source(Path(args.adapter), cfg)
-        source = with_adapters(hf_source(folder, cfg), cfg, 0, adapters)
+    source = hf_source(folder, cfg)
+    if args.adapter:
+        source = with_adapters(source, cfg, 0, adapter_source(Path(args.adapter), cfg))
     model = Transformer(cfg)
     fill_parameters(model, source)
     return model
