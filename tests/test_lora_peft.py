@@ -7,7 +7,7 @@ gradient is not trivially zero): the loss and every adapter gradient after one
 forward/backward, and the logits after a few AdamW steps (plain loops), are PEFT's. A folder
 plait writes loads in `PeftModel.from_pretrained` with plait's logits and one PEFT writes
 loads into plait with PEFT's; `plait train/eval/generate --adapter` and `plait export
---format peft` (dp=1, tp=2, pp=2) go through the command line; bad adapters stop before any
+--format peft` (dp=1, tp=2, pp=2, ZeRO-3) go through the command line; bad adapters stop before any
 worker starts, with one line.
 """
 
@@ -227,7 +227,7 @@ def test_an_adapter_without_tensors_is_never_written(folders, tmp_path) -> None:
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("text") / "corpus.txt"
-    path.write_text("Adapters in and out of plait, as PEFT writes them. " * 12)
+    path.write_text("Adapters in and out of plait, as PEFT writes them. " * 40)
     return path
 
 
@@ -242,7 +242,11 @@ def plait_checkpoint_logits(base: Path, run: Path) -> torch.Tensor:
     return logits(plait_model(base, cfg, given(inspect.read_masters(checkpoint))))
 
 
-@pytest.mark.parametrize("layout", [[], ["--tp", "2"], ["--pp", "2"]], ids=["dp1", "tp2", "pp2"])
+@pytest.mark.parametrize(
+    "layout",
+    [[], ["--tp", "2"], ["--pp", "2"], ["--dp", "2", "--zero", "3"]],
+    ids=["dp1", "tp2", "pp2", "dp2-zero3"],
+)
 def test_export_peft_loads_in_peft(folders, corpus, world2, tmp_path, layout) -> None:
     argv = [
         "--init-from",
@@ -272,15 +276,17 @@ def test_export_peft_loads_in_peft(folders, corpus, world2, tmp_path, layout) ->
     torch.testing.assert_close(logits(theirs), ours, rtol=RTOL, atol=ATOL)
 
 
-def test_train_from_a_peft_adapter(folders, peft_saved, corpus, world2, tmp_path) -> None:
-    """GPT-2 (c_attn's B split three ways, then by output under tp; c_proj's A by input)
-    trained at tp=2 from PEFT's adapter: the checkpoint's adapters are the folder's, moved by
-    two small steps, and export back to PEFT."""
+@pytest.mark.parametrize("layout", [["--tp", "2"], ["--dp", "2", "--zero", "3"]],
+                         ids=["tp2", "dp2-zero3"])  # fmt: skip
+def test_train_from_a_peft_adapter(folders, peft_saved, corpus, world2, tmp_path, layout) -> None:
+    """GPT-2 (c_attn's B split three ways, then by output under tp; c_proj's A by input;
+    under ZeRO-3 each rank reads its rows) trained from PEFT's adapter: the checkpoint's
+    adapters are the folder's, moved by two small steps, and export back to PEFT."""
     run = tmp_path / "run"
     code, err = in_process.train(world2, ["--init-from", str(folders["gpt2"]), "--adapter",
                                           str(peft_saved["gpt2"]), "--data", str(corpus),
                                           "--out", str(run), *RUN, "--lr", "1e-3",
-                                          "--warmup-steps", "0", "--tp", "2"])  # fmt: skip
+                                          "--warmup-steps", "0", *layout])  # fmt: skip
     assert code == 0, err[-3000:]
     assert main(["export", "--checkpoint", str(run), "--format", "peft", "--out",
                  str(tmp_path / "peft")]) == 0  # fmt: skip
