@@ -75,7 +75,8 @@ def wrong_values() -> list[Case]:
         ["--max-new-tokens", "0"], ["--temperature", "-1"], ["--temperature", "nan"],
         ["--top-k", "-1"])]  # fmt: skip
     cases += [_c(v, "export", "--checkpoint", "{S}/run", "--out", "{S}/hf", *args)
-              for args in (["--max-shard-mb", "0"], ["--format", "onnx"], ["--merge"])]  # fmt: skip
+              for args in (["--max-shard-mb", "0"], ["--format", "onnx"], ["--merge"],
+                           ["--format", "peft"])]  # fmt: skip
     cases += [
         _c(v, "data", "prepare", "--data", "{S}/text.txt", "--out", "{S}/shards", *args)
         for args in (["--workers", "0"], ["--shard-tokens", "0"], ["--shard-tokens", "nan"])
@@ -131,6 +132,11 @@ def wrong_paths() -> list[Case]:
     cases += [_c(p, "export", "--checkpoint", c, "--out", "{S}/hf") for c in ("{S}/no", file)]
     cases += [_c(p, "generate", "--checkpoint", c, "--prompt", "x") for c in ("{S}/no", file)]
     cases += [_c(p, "generate", "--init-from", c, "--prompt", "x") for c in ("{S}/no", file)]
+    adapter = ["--init-from", "{S}/hf-ok", "--adapter"]  # a missing PEFT folder, one without
+    cases += [_c(p, "train", *FROM_HF, "--out", "{S}/new-run", *adapter, a)  # adapter_config
+              for a in ("{S}/no-adapter", folder, file)]  # fmt: skip
+    cases += [_c(p, "generate", *adapter, "{S}/no-adapter", "--prompt", "x"),
+              _c(p, "eval", *adapter, folder, "--data", "{S}/text.txt")]  # fmt: skip
     prep = ["data", "prepare", "--data", "{S}/text.txt"]
     cases += [_c(p, *prep, "--out", out) for out in (under_file, file, proc)]
     cases += [_c(p, "data", "prepare", "--data", d, "--out", "{S}/shards")
@@ -286,6 +292,8 @@ def conflicting_flags() -> list[Case]:
         _c(f, "estimate", "--model", "tiny-gpt", "--global-batch", "3", "--dp", "2"),
         _c(f, "estimate", "--model", "tiny-gpt", "--tp", "2", "--n-heads", "3"),
         _c(f, "generate", "--prompt", "x"),  # neither --checkpoint nor --init-from
+        _c(f, "generate", "--checkpoint", "{S}/run", "--adapter", "{S}/folder", "--prompt", "x"),
+        _c(f, "train", *TINY, "--out", "{S}/new-run", "--adapter", "{S}/folder"),  # no base
         _c(f, "generate", "--checkpoint", "{S}/run", "--init-from", "{S}/hf-ok", "--prompt", "x"),
         _c(f, "checkpoint", "consolidate", "{S}/run", "--out", "{S}/exists.safetensors"),
         _c(f, "data", "prepare", "--data", "{S}/text.txt", "--out", "{S}/folder"),

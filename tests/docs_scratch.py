@@ -4,9 +4,10 @@ The docs' lines name files that their earlier lines make (a tokenizer, prepared 
 the reader brings (`my_corpus/`), or that sit in the checkout (`configs/`). Each line runs in
 a folder of its own holding all of them: made once per module (a stand-in corpus, a
 tokenizer trained on it and shards prepared with it, tiny Hugging Face folders with random
-weights) and linked in, except what the line itself writes; the configs are copied (a
-`plan --out configs/...` line writes there). `runs/default` holds a finished run, as after
-`make train`: a `train` line without its own `--out` is refused there.
+weights, a PEFT adapter for one of them) and linked in, except what the line itself writes;
+the configs are copied (a `plan --out configs/...` line writes there). `runs/default` holds
+a finished run, as after `make train`: a `train` line without its own `--out` is refused
+there.
 """
 
 from __future__ import annotations
@@ -15,15 +16,22 @@ import json
 import shutil
 from pathlib import Path
 
+import torch
+
 from hf_models import gpt2_config, llama_config, save
 from plait.data.instruct import InstructJob, prepare_examples
 from plait.data.prepare import PrepareJob, prepare
 from plait.data.sources import iter_texts, source_files
 from plait.data.tokenizer import train_bpe
+from plait.models.declare import is_adapter
+from plait.models.hf.load import load_config
+from plait.models.hf.peft import save_adapter
+from plait.models.init import seeded
+from plait.models.transformer import Transformer
 from plait.outdir import RUN_FILES
 
 CORPUS_TEXT = "plait reads text. " * 20_000  # the stand-in for the reader's `my_corpus/`
-LINKED = ("my_corpus", "tok.json", "shards", "hf")
+LINKED = ("my_corpus", "tok.json", "shards", "hf", "adapters")
 EXAMPLES = "runs/finetune/sft"  # the instruction recipe's examples (docs/finetuning.md)
 
 
@@ -36,9 +44,21 @@ def shared_artifacts(folder: Path, root: Path) -> Path:
     prepare(PrepareJob(str(corpus), folder / "shards", str(folder / "tok.json")))
     save(llama_config(max_position_embeddings=1024), folder / "hf" / "tiny-llama")
     save(gpt2_config(n_positions=1024), folder / "hf" / "gpt2-small")  # its context
+    _adapter(folder / "hf" / "tiny-llama", folder / "adapters" / "lora")
     shutil.copytree(root / "configs", folder / "configs")
     _examples(folder)
     return folder
+
+
+def _adapter(base: Path, out: Path) -> None:
+    """A PEFT adapter folder for `base` (rank 8, PEFT's default targets, seeded values)."""
+    cfg = load_config(base)
+    cfg.lora_rank = 8
+    with torch.device("meta"):
+        shapes = {n: tuple(p.shape) for n, p in Transformer(cfg).named_parameters()}
+    value = seeded(cfg, 0)
+    save_adapter(out, cfg, {n: value(n, s, None) for n, s in shapes.items() if is_adapter(n)},
+                 str(base))  # fmt: skip
 
 
 def _examples(folder: Path) -> None:

@@ -272,6 +272,13 @@ class TrainConfig:
             "derived": True,
         },
     )
+    adapter: str = field(
+        default="",
+        metadata={
+            "help": "with --init-from: start from a PEFT LoRA adapter folder (its rank, alpha, "
+            "dropout, targets and weights)"
+        },
+    )
     peak_flops: float = field(
         default=0.0,
         metadata={

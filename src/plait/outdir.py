@@ -8,7 +8,7 @@ beside the previous run's `summary.json`), so a folder that holds a run is refus
 It is also the one home of the rule for every command's `--out`: `check_out_folder` and
 `check_out_file` refuse, before anything is created or any worker starts, a path that cannot
 be written (one line, exit 2), `publish` gives written files their usual modes, and
-`atomic_file` writes a file whole or not at all.
+`atomic_file` and `atomic_folder` write a file or a folder whole or not at all.
 """
 
 from __future__ import annotations
@@ -123,3 +123,21 @@ def atomic_file(out: Path) -> Iterator[Path]:
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+@contextmanager
+def atomic_folder(out: Path) -> Iterator[Path]:
+    """A temporary folder beside `out` for the caller to fill; when the block ends it gets the
+    usual modes and is renamed to `out` (absent or an empty folder), so nothing that looks
+    finished is ever half written; on failure the temporary folder is removed."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        yield tmp
+        publish(tmp)  # mkdtemp's 0700 and safetensors' 0600: others could not read it
+        if out.exists():
+            out.rmdir()  # empty (the caller checked)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

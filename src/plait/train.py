@@ -33,6 +33,7 @@ from plait.mesh import Mesh
 from plait.mixed_precision import parse_base_dtype, parse_precision
 from plait.models.architecture import ModelConfig
 from plait.models.hf.load import hf_source
+from plait.models.hf.peft import adapter_source
 from plait.models.init import (
     ValueSource,
     fill_parameters,
@@ -127,10 +128,15 @@ def corpus_from_tokens(tokens: np.ndarray | ShardStream, cfg: Config) -> Corpus:
 
 
 def first_weights(cfg: Config) -> ValueSource:
-    """Where the run's first weights come from: `--init-from`'s folder, else the seed."""
+    """Where the run's first weights come from: `--init-from`'s folder, else the seed; a
+    LoRA run's adapters from `--adapter`'s PEFT folder, else the seed."""
     if cfg.train.init_from:
         base = hf_source(Path(cfg.train.init_from), cfg.model)
-        return with_adapters(base, cfg.model, cfg.train.seed) if cfg.model.lora else base
+        if cfg.model.lora is None:
+            return base
+        folder = cfg.train.adapter
+        adapters = adapter_source(Path(folder), cfg.model) if folder else None
+        return with_adapters(base, cfg.model, cfg.train.seed, adapters)
     return seeded(cfg.model, cfg.train.seed)
 
 

@@ -25,20 +25,34 @@ from plait.models.architecture import ModelConfig
 from plait.models.generate import Sampling, complete, stop_ids
 from plait.models.hf.export import check_out, write_folder
 from plait.models.hf.load import hf_source, load_config
-from plait.models.init import fill_parameters
-from plait.models.lora import merge_adapters
+from plait.models.hf.peft import (
+    adapter_model_fields,
+    adapter_source,
+    check_adapter,
+    read_adapter_config,
+    save_adapter,
+)
+from plait.models.init import fill_parameters, with_adapters
+from plait.models.lora import merge_adapters, parse_targets
 from plait.models.transformer import Transformer
 
 # Training choices, not the architecture: an explicit value never conflicts with a folder
-# (LoRA's adapters are added to the folder's model, which stays their frozen base).
+# (LoRA's adapters are added to the folder's model, which stays their frozen base; LoRA's
+# fields may conflict with an --adapter's: `apply_adapter`).
 FREE_MODEL_FIELDS = frozenset({"dropout", "lora_rank", "lora_alpha", "lora_dropout",
                                "lora_targets"})  # fmt: skip
+PEFT_FIELDS = {"lora_rank": "r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
+               "lora_targets": "target_modules"}  # fmt: skip
+"""ModelConfig's LoRA fields -> the adapter_config.json field each comes from."""
 
 
 def add_model_commands(sub: argparse._SubParsersAction) -> None:
     exp = sub.add_parser("export", help="write a checkpoint as a Hugging Face model folder")
     exp.add_argument("--checkpoint", required=True, help="a checkpoint folder, or a run's OUT")
-    exp.add_argument("--format", choices=("hf",), default="hf", help="config.json + safetensors")
+    exp.add_argument(
+        "--format", choices=("hf", "peft"), default="hf",
+        help="hf: config.json + safetensors; peft: a LoRA run's adapters as PEFT writes them",
+    )  # fmt: skip
     exp.add_argument("--out", required=True, help="the folder to write (must not exist)")
     exp.add_argument(
         "--merge", action="store_true",
@@ -51,6 +65,7 @@ def add_model_commands(sub: argparse._SubParsersAction) -> None:
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", help="a checkpoint folder, or OUT to use its latest")
     source.add_argument("--init-from", help="a Hugging Face Llama/GPT-2 folder")
+    gen.add_argument("--adapter", help="with --init-from: a PEFT LoRA adapter folder for it")
     gen.add_argument("--prompt", required=True, help="the text to continue, or the instruction")
     gen.add_argument("--template", help="alpaca: answer --prompt in Stanford's prompt template")
     gen.add_argument("--input", help="--template alpaca's input (context) field")
@@ -75,8 +90,11 @@ def checkpoint_path(given: str) -> Path:
     return store.complete(Path(given))
 
 
-def init_model(folder: str, explicit: dict[str, Any], preset: str | None) -> ModelConfig:
-    """`--init-from`'s model config; explicit model flags must agree with it (dropout aside)."""
+def init_model(
+    folder: str, explicit: dict[str, Any], preset: str | None, adapter: str = ""
+) -> ModelConfig:
+    """`--init-from`'s model config; explicit model flags must agree with it (dropout and
+    LoRA's aside) and LoRA's with `--adapter`'s folder, whose rank and targets it takes."""
     if preset:
         raise ConfigError(f"--model {preset} and --init-from {folder} both name the model")
     cfg = load_config(Path(folder))
@@ -90,7 +108,34 @@ def init_model(folder: str, explicit: dict[str, Any], preset: str | None) -> Mod
                 f"model.{key}={value!r} conflicts with model.{key}={getattr(cfg, key)!r} "
                 f"from --init-from {folder}"
             )
+    if adapter:
+        apply_adapter(cfg, adapter, explicit)
     return cfg
+
+
+def apply_adapter(cfg: ModelConfig, adapter: str, explicit: dict[str, Any]) -> None:
+    """Set `cfg`'s LoRA fields from a PEFT folder's adapter_config.json (an explicit value
+    that disagrees is refused, naming both) and check its tensors against the base's shapes."""
+    folder = Path(adapter)
+    config = read_adapter_config(folder)
+    fields = adapter_model_fields(config, cfg.mlp, str(folder / "adapter_config.json"))
+    for key, value in fields.items():
+        if key in explicit and not _same(key, explicit[key], value, cfg.mlp):
+            theirs = PEFT_FIELDS[key]
+            raise ConfigError(
+                f"model.{key}={explicit[key]!r} conflicts with {theirs}="
+                f"{config.get(theirs, value)!r} from --adapter {adapter}"
+            )
+        setattr(cfg, key, value)
+    cfg.validate()
+    check_adapter(folder, cfg)
+
+
+def _same(key: str, given: Any, implied: Any, mlp: str) -> bool:
+    """Whether an explicit LoRA value means what the adapter's does ('all' is the list)."""
+    if key == "lora_targets":
+        return parse_targets(given, mlp) == parse_targets(implied, mlp)
+    return given == implied
 
 
 def run_tokenizer(checkpoint: Path, hint: str = "") -> TokenizerSpec:
@@ -110,12 +155,13 @@ def run_tokenizer(checkpoint: Path, hint: str = "") -> TokenizerSpec:
 
 
 def export_main(args: argparse.Namespace, console: Console) -> None:
+    """`plait export`: the checked target, then the writer of `--format`."""
     out = Path(args.out)
     check_out(out)
     if args.max_shard_mb <= 0:
         raise ConfigError(f"--max-shard-mb must be > 0, got {args.max_shard_mb}")
     path = checkpoint_path(args.checkpoint)
-    export_hf(path, out, args, console)
+    (export_peft if args.format == "peft" else export_hf)(path, out, args, console)
 
 
 def export_hf(path: Path, out: Path, args: argparse.Namespace, console: Console) -> None:
@@ -146,11 +192,37 @@ def export_hf(path: Path, out: Path, args: argparse.Namespace, console: Console)
     )
 
 
+def export_peft(path: Path, out: Path, args: argparse.Namespace, console: Console) -> None:
+    """A LoRA checkpoint's adapters as a PEFT folder for the base its run started from."""
+    if args.merge:
+        raise ConfigError(
+            "--merge writes the merged model (--format hf); --format peft writes the adapters "
+            "alone: leave out one of them"
+        )
+    cfg = inspect.model_config(path)
+    if cfg.lora is None:
+        raise ConfigError(
+            f"--format peft: checkpoint {path} has no LoRA adapters (its run had no "
+            "--lora-rank); export the whole model with --format hf"
+        )
+    base = store.read_trainer(path)["config"]["train"].get("init_from") or ""
+    save_adapter(out, cfg, inspect.read_masters(path), base)
+    console.print(
+        f"wrote {out}: a PEFT LoRA adapter (r={cfg.lora_rank}, targets "
+        f"{cfg.lora_targets or 'default'}) for {base or 'the seeded base of its run'}"
+    )
+
+
 def generate_main(args: argparse.Namespace, console: Console) -> None:
     """Continue `--prompt` and print the prompt and the continuation, or with --template or
     --chat answer it (stopping at `stop_ids`) and print the response alone; plain text
     (`print_completion`); `console` is unused here (rich is for messages). Every flag, the
     tokenizer and the template are checked before the weights are read."""
+    if args.adapter and not args.init_from:
+        raise ConfigError(
+            f"--adapter {args.adapter} goes with --init-from BASE (the model it adapts); "
+            "a checkpoint holds its run's adapters"
+        )
     fmt = check_template_flags(args)
     spec = generator_tokenizer(args)
     sampling = Sampling(args.temperature, args.top_k, args.seed)
@@ -219,13 +291,18 @@ def generator_tokenizer(args: argparse.Namespace) -> TokenizerSpec:
 
 
 def load_generator(args: argparse.Namespace) -> Transformer:
-    """The model of `--checkpoint` or `--init-from`."""
+    """The model of `--checkpoint` or `--init-from` (with `--adapter`'s adapters)."""
     if args.checkpoint:
         return inspect.load_model(checkpoint_path(args.checkpoint))
     folder = Path(args.init_from)
     cfg = load_config(folder)
+    if args.adapter:
+        apply_adapter(cfg, args.adapter, {})
+    source = hf_source(folder, cfg)
+    if args.adapter:
+        source = with_adapters(source, cfg, 0, adapter_source(Path(args.adapter), cfg))
     model = Transformer(cfg)
-    fill_parameters(model, hf_source(folder, cfg))
+    fill_parameters(model, source)
     return model
 
 

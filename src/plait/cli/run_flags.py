@@ -87,8 +87,13 @@ def config_from_args(
     folder = overrides.get("train", {}).get("init_from")
     if folder and toml_preset and not args.preset and hasattr(args, "train.init_from"):
         preset = None  # a recipe's preset (for `estimate`) yields to the flag's folder ...
+    adapter = overrides.get("train", {}).get("adapter")
+    if adapter and not folder:
+        raise ConfigError(
+            f"--adapter {adapter} needs --init-from BASE: the base model the adapter adapts"
+        )
     if folder:  # the model is the folder's: explicit model values must agree with it
-        model = init_model(folder, overrides.pop("model", {}), preset)
+        model = init_model(folder, overrides.pop("model", {}), preset, adapter or "")
         if toml_preset and preset is None:  # ... if it describes the same model
             check_same_shape(toml_preset, model, folder)
         cfg = build_config(f"hf:{folder}", overrides, model)

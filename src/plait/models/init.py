@@ -116,10 +116,13 @@ def seeded(cfg: ModelConfig, seed: int) -> ValueSource:
     return value
 
 
-def with_adapters(base: ValueSource, cfg: ModelConfig, seed: int) -> ValueSource:
-    """`base` for the base model's parameters, the seeded init for LoRA's adapters: a LoRA
-    run's first weights when its base comes from a folder (`--init-from`)."""
-    adapters = seeded(cfg, seed)
+def with_adapters(
+    base: ValueSource, cfg: ModelConfig, seed: int, adapters: ValueSource | None = None
+) -> ValueSource:
+    """`base` for the base model's parameters, `adapters` (default: the seeded init) for
+    LoRA's: a LoRA run's first weights when its base comes from a folder (`--init-from`) and
+    its adapters from the seed or a PEFT folder (`--adapter`)."""
+    adapters = adapters if adapters is not None else seeded(cfg, seed)
 
     def value(name: str, shape: tuple[int, ...], shard: ShardLike | None) -> Tensor:
         return (adapters if is_adapter(name) else base)(name, shape, shard)

@@ -2,5 +2,5 @@
 
 `config.py` maps config.json to plait's ModelConfig and back, `mapping.py` maps parameter
 names and layouts, `load.py` reads a rank's slices from safetensors, `export.py` writes a
-checkpoint as a Hugging Face folder.
+checkpoint as a Hugging Face folder, `peft.py` reads and writes PEFT LoRA adapter folders.
 """

@@ -11,6 +11,7 @@ which is why every layout works unchanged.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from torch import Tensor
 from plait.errors import ConfigError
 from plait.models.architecture import ModelConfig
 from plait.models.hf.config_json import model_config, read_config
-from plait.models.hf.mapping import piece, pieces, to_hf
+from plait.models.hf.mapping import Piece, piece, pieces, to_hf
 from plait.models.init import ShardLike, ValueSource, padded
 from plait.models.transformer import Transformer
 
@@ -96,8 +97,14 @@ class HFWeights:
 
 def hf_source(folder: Path, cfg: ModelConfig) -> ValueSource:
     """A ValueSource reading each parameter (or shard) from the folder, in fp32."""
-    weights = HFWeights(folder)
-    table = pieces(cfg)
+    return region_source(cfg, pieces(cfg), HFWeights(folder).read)
+
+
+def region_source(
+    cfg: ModelConfig, table: dict[str, Piece], read: Callable[[str, tuple[slice, ...]], Tensor]
+) -> ValueSource:
+    """A ValueSource over Hugging Face tensors: each parameter (or shard) is its `Piece`'s
+    region of the tensor, `read(hf_name, region)` reading no more than that region."""
 
     def value(name: str, shape: tuple[int, ...], shard: ShardLike | None) -> Tensor:
         p = piece(cfg, table, name)
@@ -106,7 +113,7 @@ def hf_source(folder: Path, cfg: ModelConfig) -> ValueSource:
         if 0 in local:  # rows that are all padding: nothing to read
             return torch.zeros(shape)
         region = tuple(slice(o, o + n) for o, n in zip(offsets, local, strict=True))
-        real = p.to_plait(weights.read(p.hf_name, p.hf_region(region))).float()
+        real = p.to_plait(read(p.hf_name, p.hf_region(region))).float()
         return padded(shape, shard, real) if shard is not None else real.contiguous()
 
     return value

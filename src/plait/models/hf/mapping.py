@@ -93,6 +93,21 @@ def _gpt2(cfg: ModelConfig) -> dict[str, Piece]:
     return out
 
 
+def block_linears(mlp: str) -> dict[str, str]:
+    """Each Linear of a block by its plait path ('attn.wq') -> its Hugging Face module path in
+    the block (LLaMA 'self_attn.q_proj'; GPT-2's wq, wk and wv all 'attn.c_attn')."""
+    if mlp == "swiglu":
+        names = dict(_LLAMA_BLOCK)
+    else:
+        names = {ours.removeprefix("blocks.0."): p.hf_name.removeprefix("transformer.h.0.")
+                 for ours, p in _gpt2_block(0, 1).items()}  # fmt: skip
+    return {
+        ours.removesuffix(".weight"): theirs.removesuffix(".weight")
+        for ours, theirs in names.items()
+        if ours.split(".")[0] in ("attn", "mlp") and ours.endswith(".weight")
+    }
+
+
 def pieces(cfg: ModelConfig) -> dict[str, Piece]:
     """Every single-process plait parameter name (a tied head under the embedding's name)
     -> its place in the Hugging Face state dict."""
@@ -106,8 +121,14 @@ def piece(cfg: ModelConfig, table: dict[str, Piece], name: str) -> Piece:
 
 def to_hf(cfg: ModelConfig, params: dict[str, Tensor]) -> dict[str, Tensor]:
     """Full single-process plait tensors -> the Hugging Face state dict (fused, transposed)."""
+    return assemble(pieces(cfg), params)
+
+
+def assemble(table: dict[str, Piece], params: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The Hugging Face tensors `table` describes, from full plait tensors: the parameters
+    that share one HF tensor (GPT-2's q, k, v) stacked by offset, transposed where stored so."""
     parts: dict[str, list[tuple[int, Tensor, bool]]] = {}
-    for name, p in pieces(cfg).items():
+    for name, p in table.items():
         parts.setdefault(p.hf_name, []).append((p.offset, params[name], p.transpose))
     out = {}
     for hf_name, group in parts.items():
