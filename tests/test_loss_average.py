@@ -7,6 +7,7 @@ reference; on text windows (every micro-batch full) both rules give the same div
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -118,3 +119,22 @@ def test_divisors_of_each_rule():
     cfg.train.loss_average = "mean"
     with pytest.raises(ConfigError, match=why):
         cfg.validate(check_data=False)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_replica_left_without_validation_rows_runs_a_forward_of_intact_tokens(rank):
+    """One validation window over dp 2: replica 1 holds no row, so it runs a micro-batch
+    without targets (ZeRO-3 needs every replica's forward). A window's targets share storage
+    with its tokens: blanking the targets must leave the tokens alone (it once wrote -100
+    into them, and the embedding failed)."""
+    from plait.data.sampler import TokenWindows
+
+    rows = TokenWindows(np.arange(1, 10, dtype=np.int64), 8)  # one window of 8
+    assert len(rows) == 1
+    train = TokenWindows(np.arange(1, 34, dtype=np.int64), 8)  # four windows
+    batches = StepBatches(Corpus(train, rows, 0.0), 2, 1, 0, (rank, 2), torch.device("cpu"))
+    (mb,) = batches.validation(1)
+    x, y, _ = rows.draw(torch.tensor([0]))
+    assert torch.equal(mb.tokens, x)
+    assert torch.equal(mb.targets, y if rank == 0 else torch.full_like(y, -100))
+    assert int(mb.tokens.min()) >= 0

@@ -20,7 +20,7 @@ micro-batches, so no runner knows which rule it runs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -163,8 +163,9 @@ class StepBatches:
         Fewer rows than asked for (a small validation set, `plait eval` over every row) split
         unevenly over the replicas; a replica left with fewer micro-batches than the first
         (the largest share) gets micro-batches of one row without targets, so that every
-        replica runs as many forwards: ZeRO-3 gathers each layer's parameters over dp in
-        every forward, and a replica that stopped early would leave the others waiting.
+        replica runs as many forwards (one left with no row at all, too): ZeRO-3 gathers each
+        layer's parameters over dp in every forward, and a replica that stopped early would
+        leave the others waiting.
         They add nothing to the loss or the count."""
         val = self.corpus.val
         idx = eval_indices(len(val), batches * self.global_batch)
@@ -172,15 +173,16 @@ class StepBatches:
         shares = torch.tensor_split(idx, size)  # the first share is the largest
         zeros = torch.zeros(self.micro_batch, dtype=torch.int64)
         out = [self._micro(val, chunk, zeros[: len(chunk)])
-               for chunk in torch.split(shares[rank], self.micro_batch)]  # fmt: skip
+               for chunk in torch.split(shares[rank], self.micro_batch) if len(chunk)]  # fmt: skip
         while len(out) < -(-len(shares[0]) // self.micro_batch):
             out.append(self._no_targets(self._micro(val, idx[:1], zeros[:1])))
         return out
 
     @staticmethod
     def _no_targets(mb: MicroBatch) -> MicroBatch:
-        mb.targets.fill_(IGNORE)
-        return mb
+        """`mb` with every target IGNORE, in a new tensor: a window's targets may share
+        storage with its tokens (one slice of the stream, shifted by one)."""
+        return replace(mb, targets=torch.full_like(mb.targets, IGNORE))
 
     def _micro(
         self, rows: Rows, idx: Tensor, keys: Tensor, denom: float | None = None
