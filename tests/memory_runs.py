@@ -70,18 +70,22 @@ def measure(case: Case, offload_dir: str | None = None) -> dict[str, Any]:
         "total": tracker.peak(),
         "allocator_peak": peak_allocated_bytes(mesh.device),
         "comm": trainer.comm.stats.as_rows(),  # the second step's collectives
-        "frozen_base": frozen_bytes(trainer.model),
+        "frozen_base": frozen_bytes(trainer),
     }
     trainer.close()
     return out
 
 
-def frozen_bytes(model: torch.nn.Module) -> int:
+def frozen_bytes(trainer: Trainer) -> int:
     """Bytes of the parameters that do not train (a LoRA run's base), each storage once,
     counted off the model: a check of the base's dtype apart from the tracker (which the
-    ZeRO engine tells of the base, under parameters: zero/frozen.py)."""
+    ZeRO engine tells of the base, under parameters: zero/frozen.py). Under ZeRO-3 the
+    model's views of the base have no storage between uses: the engine's shards instead."""
+    gatherer = getattr(trainer.engine, "frozen_gatherer", None)
+    if gatherer is not None:
+        return sum(s.numel() * s.element_size() for s in gatherer.store.shards)
     storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
-                for p in model.parameters() if not p.requires_grad}  # fmt: skip
+                for p in trainer.model.parameters() if not p.requires_grad}  # fmt: skip
     return sum(storages.values())
 
 

@@ -16,6 +16,9 @@ from plait.cli import main
 from plait.config import build_config
 from plait.estimate import estimate
 from plait.estimate.core import chunk_activation_bytes
+from plait.estimate.frozen_base import frozen_base
+from plait.estimate.model_states import Precision
+from plait.estimate.rank_params import rank_params, tp_contract
 from plait.memory_tracker import MemoryTracker
 from plait.models.declare import is_adapter
 from plait.models.transformer import Transformer, matmul_flops_per_token
@@ -40,6 +43,9 @@ LAYOUTS = [
          accum=4),
     Case("lora dp2 recompute full", "small-llama", parallel={"dp": 2, "recompute": "full"},
          model={"lora_rank": 4, "lora_targets": "mlp"}),
+    Case("lora dp2 zero3", "small-llama", parallel={"dp": 2, "zero": 3}, model=ALL),
+    Case("lora dp2 zero3 bf16", "small-llama",
+         parallel={"dp": 2, "zero": 3, "precision": "bf16", "base_dtype": "bf16"}, model=ALL),
 ]  # fmt: skip
 
 
@@ -52,9 +58,32 @@ def test_lora_estimate_matches_measurement(world2, layout):
         for term, pair in pairs.items():
             limit = LIMITS.get(term, 0.02)
             assert abs(error(pair)) <= limit, (layout.name, measured["pp_rank"], term, pair)
+            if term not in ("activations", "total") and layout.parallel.get("zero") == 3:
+                assert pair[0] == pair[1], (layout.name, term, pair)  # the base's shards too
         assert _small_collectives(measured) == _planned(layout, measured["pp_rank"])
+        assert _frozen_gathered(measured) == _frozen_planned(layout, measured["pp_rank"])
         if layout.parallel.get("tp", 1) > 1:
             assert _tp_rows(measured) == _tp_planned(layout), layout.name
+
+
+def _frozen_gathered(measured: dict) -> tuple[int, int]:
+    """(elements, bytes) the step all-gathered of the frozen base (tag 'frozen')."""
+    rows = [r for r in measured["comm"] if r["tag"] == "frozen"]
+    assert all(r["op"] == "all_gather" and r["axis"] == "dp" for r in rows), rows
+    return sum(r["elements"] for r in rows), sum(r["bytes"] for r in rows)
+
+
+def _frozen_planned(layout: Case, pp_rank: int) -> tuple[int, int]:
+    """What the estimate says of it (estimate/frozen_base.py): 2 x micro-batches x the
+    padded base, at the base dtype; none below stage 3."""
+    cfg = layout.config()
+    par = cfg.parallel
+    plans = rank_plans(cfg.model.n_layers, par.pp, par.virtual_stages, pp_rank,
+                       par.stage_layer_counts())  # fmt: skip
+    prec = Precision.of(par.precision, par.reduce_dtype)
+    base = frozen_base(rank_params(tp_contract(cfg.model, par.tp), plans), cfg, prec)
+    n = base.gathered_per_step(cfg.accumulation)
+    return n, n * base.element
 
 
 def _tp_rows(measured: dict) -> dict:

@@ -5,7 +5,9 @@
   `MAX_INFLIGHT_BUCKETS` in flight plus the one filling (`zero/reducer.py`). Stages 0-1 keep
   their buckets as the gradients themselves, so they add nothing here.
 - ZeRO-3 gathered layers: the root unit (embedding, final norm, head) stays gathered for the
-  whole forward, with the current block and the prefetched next one (`zero/flat_params.py`).
+  whole forward, with the current block and the prefetched next one (`zero/flat_params.py`);
+  a LoRA run trains nothing at the root (no root group), and gathers its frozen base's units
+  beside the adapters' (`estimate/frozen_base.py`).
 - Pipeline receive buffers: each received stage input lives until its backward (the
   schedule's in-flight count on non-first chunks), plus one received output gradient. The
   memory tracker does not see these (they are plain tensors of the runtime); they are part of
@@ -15,6 +17,7 @@
 from __future__ import annotations
 
 from plait.config import Config
+from plait.estimate.frozen_base import FrozenBase
 from plait.estimate.lines import Line
 from plait.estimate.model_states import Precision, States
 from plait.parallel.zero.layout import MAX_INFLIGHT_BUCKETS
@@ -24,11 +27,12 @@ from plait.schedule.stages import StagePlan
 
 
 def zero_buffers(
-    stage: int, groups: list[tuple[int, int]], prec: Precision
+    stage: int, groups: list[tuple[int, int]], prec: Precision, root: bool = True
 ) -> tuple[int, int, int]:
     """(gradient bucket bytes, ZeRO-3 gathered bytes) at their own peaks, and what is
     alive when the activations peak (the backward's start: the gathered layers and the
-    first bucket filling; stage 2 has launched no bucket yet)."""
+    first bucket filling; stage 2 has launched no bucket yet). `root`: whether the last
+    group is the root unit (not under LoRA, whose root trains nothing)."""
     padded = [p for _, p in groups]
     if stage < 2 or not padded:
         return 0, 0, 0
@@ -36,7 +40,8 @@ def zero_buffers(
     buckets = sum(largest[: MAX_INFLIGHT_BUCKETS + 1]) * prec.reduce
     if stage < 3:
         return buckets, 0, 0
-    root, blocks = padded[-1], sorted(padded[:-1], reverse=True)
+    root, blocks = (padded[-1], padded[:-1]) if root else (0, padded)
+    blocks = sorted(blocks, reverse=True)
     gathered = (root + sum(blocks[:2])) * prec.param
     return buckets, gathered, gathered + largest[0] * prec.reduce
 
@@ -62,15 +67,23 @@ def buffer_lines(
     schedule: Schedule | None,
     rank: int,
     prec: Precision,
+    base: FrozenBase | None = None,
 ) -> list[Line]:
     """The 'comm_buffers' line (what the memory tracker registers) and the
-    'pipeline_buffers' line (receive buffers, which it does not)."""
-    buckets, gathered, _ = zero_buffers(cfg.parallel.zero, states.groups, prec)
+    'pipeline_buffers' line (receive buffers, which it does not); `base`: a LoRA run's
+    frozen base, whose gathered units (stage 3) are buffers too."""
+    zero = cfg.parallel.zero
+    buckets, gathered, _ = zero_buffers(zero, states.groups, prec, base is None)
     parts = []
     if buckets:
         parts.append(f"{MAX_INFLIGHT_BUCKETS + 1} largest buckets {buckets:,} B")
     if gathered:
-        parts.append(f"ZeRO-3 root + 2 largest blocks gathered {gathered:,} B")
+        what = "2 largest adapter blocks" if base else "root + 2 largest blocks"
+        parts.append(f"ZeRO-3 {what} gathered {gathered:,} B")
+    frozen = base.gathered_peak() if base else 0
+    if frozen:
+        parts.append(f"frozen base root + 2 largest blocks gathered {frozen:,} B")
+        gathered += frozen
     recv = receive_buffers(cfg, plans, schedule, rank, prec)
     why = "stage inputs held until their backward + 1 gradient" if recv else "none"
     return [

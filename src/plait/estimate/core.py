@@ -23,17 +23,16 @@ from plait.estimate.formulas import (
     sixteen_bit_finetune_bytes,
     zero_model_state_bytes,
 )
-from plait.estimate.lines import FROZEN, LESSON_ORDER, PLACES, Estimate, Line, RankEstimate
+from plait.estimate.frozen_base import FrozenBase, base_bytes, frozen_base, frozen_line
+from plait.estimate.lines import LESSON_ORDER, PLACES, Estimate, Line, RankEstimate
 from plait.estimate.model_states import (
     ADAM_STATES,
-    DTYPE_BYTES,
     FP32,
     Precision,
     States,
     model_states,
 )
 from plait.estimate.rank_params import (
-    ParamSpec,
     padded_vocab,
     rank_params,
     total_parameters,
@@ -127,12 +126,15 @@ def _rank(
         held = int(peak_held(actions, lambda c: chunk[c], schedule.split_backward))
         in_flight = int(peak_held(actions))
     lines = _state_lines(states, cfg, prec)
-    if cfg.model.lora is not None:
-        lines.append(_frozen_line(params, cfg, prec))
+    base: FrozenBase | None = None
+    if cfg.model.lora is not None:  # the frozen base (estimate/frozen_base.py)
+        base = frozen_base(params, cfg, prec)
+        lines.append(frozen_line(base, cfg))
     lines.append(_activation_line(cfg, plans, chunk, held, in_flight))
-    lines += buffer_lines(cfg, states, plans, schedule, r, prec)
+    lines += buffer_lines(cfg, states, plans, schedule, r, prec, base)
     layers = tuple(i for plan in plans for i in plan.layers)
-    at_peak = zero_buffers(par.zero, states.groups, prec)[2]
+    at_peak = zero_buffers(par.zero, states.groups, prec, base is None)[2]
+    at_peak += base.gathered_at_activation_peak() if base else 0
     held_params = sum(p.numel for p in params)
     return RankEstimate(r, layers, held_params, in_flight, tuple(lines), at_peak)
 
@@ -166,28 +168,6 @@ def _state_lines(states: States, cfg: Config, prec: Precision) -> list[Line]:
         places = {p: per.get(p, 0) for p in PLACES}
         lines.append(Line(name, **places, formula=who + why[name]))
     return lines
-
-
-def base_bytes(base_dtype: str, prec: Precision) -> int:
-    """Bytes per element of a LoRA run's frozen base: `--base-dtype`, auto = the
-    precision's parameter dtype (2 under bf16/fp16, 4 under fp32)."""
-    if base_dtype == "auto":
-        return prec.param
-    if base_dtype not in DTYPE_BYTES:
-        raise ConfigError(f"--base-dtype {base_dtype!r}: give auto, bf16, fp16 or fp32")
-    return DTYPE_BYTES[base_dtype]
-
-
-def _frozen_line(params: list[ParamSpec], cfg: Config, prec: Precision) -> Line:
-    """The frozen base this rank holds: its tp shard of its stages, replicated over dp under
-    every ZeRO stage (no group: nothing sharded, gathered or reduced; the one place to change
-    when stage 3 shards it), at the base dtype."""
-    n = sum(p.numel for p in params if not p.trainable)
-    e = base_bytes(cfg.parallel.base_dtype, prec)
-    name = cfg.parallel.base_dtype
-    name = f"{cfg.parallel.precision} = auto" if name == "auto" else name
-    why = f"{n:,} el x {e} B (base {name}), replicated over dp (every ZeRO stage)"
-    return Line(FROZEN, n * e, formula=why)
 
 
 def _activation_line(

@@ -6,7 +6,8 @@ from rich.console import Console
 from rich.table import Table
 
 from plait.estimate.table import gib
-from plait.plan.search import Dropped, Plan, Ranked
+from plait.plan.lora_base import base_line
+from plait.plan.search import Dropped, Plan, Ranked, moves_base
 from plait.plan.step_time import TERMS
 
 
@@ -18,6 +19,8 @@ def why_better(a: Ranked, b: Ranked) -> str:
     """The term that makes `a` faster than `b` (the largest saving), or its memory."""
     gaps = {k: getattr(b.time, k) - getattr(a.time, k) for k in TERMS}
     term = max(gaps, key=lambda k: gaps[k])
+    if moves_base(b.config) and not moves_base(a.config) and a.time.total >= b.time.total:
+        return "within 1% of the next, and moves no LoRA base (the next gathers it)"
     if b.time.total - a.time.total <= 1e-9 * b.time.total or gaps[term] <= 0:
         return f"same time, {gib(b.memory - a.memory)} less memory"
     return f"{term} {seconds(gaps[term])} less than the next"
@@ -77,3 +80,6 @@ def print_plan(out: Plan, console: Console, top: int) -> None:
     )
     for d in closest[:5]:
         console.print("  " + dropped_line(d, out.memory), highlight=False)
+    line = base_line(out)  # a LoRA run: its base whole or sharded, and why
+    if line:
+        console.print(line, highlight=False, soft_wrap=True)

@@ -9,7 +9,9 @@
    pipeline). The walk stops once `top` layouts fit and the next bound is slower than the
    slowest of them, so the simulator runs for a few dozen layouts, not thousands.
 Per shape, only its fastest fitting knobs are ranked (slower settings of the same cut only
-save memory the winner does not need).
+save memory the winner does not need). Under LoRA, a ZeRO-3 setting gathers the whole frozen
+base every micro-batch; it goes after the cut's settings that keep the base whole unless
+its bound is more than `BASE_TIE` lower (plan/lora_base.py says which was picked and why).
 """
 
 from __future__ import annotations
@@ -23,6 +25,18 @@ from plait.models.transformer import matmul_flops_per_token
 from plait.plan.enumerate import FRUGAL, Candidate, Request, knobs, most_frugal, shapes
 from plait.plan.hardware import Hardware
 from plait.plan.step_time import EXACT_UP_TO, Memo, StepTime, step_time
+
+BASE_TIE = 0.01
+"""Under LoRA, predicted times within 1% are a tie between keeping the frozen base whole
+(ZeRO 0-2: no base traffic) and sharding it (ZeRO-3: 2 x micro-batches x the base all-gathered
+per step), and a tie goes to the setting that moves no base: the other's time rests on the
+profile's `overlap` hiding gigabytes of gathers per step."""
+
+
+def moves_base(cfg: Config) -> bool:
+    """Whether `cfg` all-gathers a LoRA run's frozen base (ZeRO-3 over dp > 1)."""
+    par = cfg.parallel
+    return cfg.model.lora is not None and par.zero == 3 and par.dp > 1
 
 
 @dataclass(frozen=True)
@@ -113,7 +127,8 @@ def plan(req: Request, hw: Hardware, memory: int, top: int = 8) -> Plan:
             continue
         for cand in options:
             c = config_of(req, cand)
-            pool.append((busy_bound(c, hw, req.gpus_per_node, memo), cand, c))
+            bound = busy_bound(c, hw, req.gpus_per_node, memo)
+            pool.append((bound * (1 + BASE_TIE) if moves_base(c) else bound, cand, c))
     _walk(out, sorted(pool, key=lambda x: x[0]), top, memo)
     out.dropped.sort(key=lambda d: d.need)
     return out
@@ -154,4 +169,9 @@ def _walk(out: Plan, pool: list, top: int, memo: Memo) -> None:
             continue
         t = step_time(cfg, hw, req.gpus_per_node, memo)
         best[cand.shape] = Ranked(cand, cfg, t, est.most_loaded.total())
-    out.ranked = sorted(best.values(), key=lambda r: (r.time.total, r.memory))
+    out.ranked = sorted(best.values(), key=rank_key)
+
+
+def rank_key(r: Ranked) -> tuple[float, int]:
+    """Faster first (a layout gathering a LoRA base by more than `BASE_TIE`), then leaner."""
+    return (r.time.total * (1 + BASE_TIE) if moves_base(r.config) else r.time.total, r.memory)

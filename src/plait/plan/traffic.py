@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from plait.config import Config
 from plait.estimate.formulas import tp_comm_per_microbatch, zero_comm_elements
+from plait.estimate.frozen_base import frozen_base
 from plait.estimate.model_states import Precision, flat_groups
 from plait.estimate.rank_params import rank_params, tp_contract, tp_partial_elements
 from plait.models.architecture import ModelConfig
@@ -122,19 +123,23 @@ def p2p_seconds(cfg: Config, link: Link) -> float:
 @dataclass(frozen=True)
 class DpTraffic:
     """One rank's data-parallel traffic per step: seconds of the gradient reduction (which
-    the engine launches during backward, stages 0-2) and of the parameter gathers, and the
-    shard it owns (elements) for offload."""
+    the engine launches during backward, stages 0-2) and of the parameter gathers (a LoRA
+    run's frozen base included under stage 3), the shard it owns (elements) for offload,
+    and the bytes of the base it all-gathers (0 but under stage 3)."""
 
     reduce_s: float
     gather_s: float
     shard: int
+    base_bytes: int = 0
 
 
 def dp_traffic(
     cfg: Config, link: Link, plans: list[StagePlan], memo: dict | None = None
 ) -> DpTraffic:
     """ZeRO's per-step traffic on one pipeline rank (`zero_comm_elements` on its padded
-    flat groups, one call per group and per reduction); `memo` keeps the groups by cut."""
+    flat groups, one call per group and per reduction), and under stage 3 a LoRA run's
+    frozen base: each unit all-gathered twice per micro-batch at the base dtype, priced
+    as the trainable gathers are (`estimate/frozen_base.py`); `memo` keeps the groups by cut."""
     par = cfg.parallel
     prec = Precision.of(par.precision, par.reduce_dtype)
     memo = {} if memo is None else memo
@@ -142,7 +147,10 @@ def dp_traffic(
     if key not in memo:
         params = rank_params(tp_contract(cfg.model, par.tp), plans)
         memo[key] = flat_groups(params, par.zero, par.bucket_mb, par.dp)
+        if cfg.model.lora is not None:
+            memo[(*key, "frozen")] = frozen_base(params, cfg, prec)
     groups = memo[key]
+    base = memo.get((*key, "frozen"))
     padded = sum(p for _, p in groups)
     shard = padded if par.zero == 0 else padded // par.dp
     if par.dp == 1:
@@ -158,7 +166,11 @@ def dp_traffic(
             gather_s += link.time(op, par.dp, n * prec.param, calls)
         else:
             reduce_s += link.time(op, par.dp, n * prec.reduce, calls)
-    return DpTraffic(reduce_s, gather_s, shard)
+    base_bytes = 0
+    if base is not None and base.gathered_per_step(k):
+        base_bytes = base.gathered_per_step(k) * base.element
+        gather_s += link.time("all_gather", par.dp, base_bytes, 2 * k * len(base.units))
+    return DpTraffic(reduce_s, gather_s, shard, base_bytes)
 
 
 def step_collectives(

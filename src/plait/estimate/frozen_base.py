@@ -1,0 +1,130 @@
+"""A LoRA run's frozen base on one rank: its bytes, its gathered units, its traffic.
+
+The ZeRO engine holds the base apart from the trainable flat groups (parallel/zero/frozen.py):
+
+- stages 0-2: whole on every data-parallel rank, never gathered: Ψ_r·b bytes (Ψ_r the
+  base elements this rank's tp shard and pipeline stages hold, b the `--base-dtype` bytes);
+- stage 3: in flat groups of its own, one per block and one for the root (embedding, final
+  norm, head), each padded to a multiple of N = dp (`layout.frozen_groups`), so a rank holds
+  Σ P/N·b; each unit is all-gathered before its forward and again before its backward,
+  2·m·Σ P elements per step over m micro-batches (tag "frozen"), and freed after. At most
+  the root and two blocks are gathered at once (the unit running and the next, prefetched);
+  near the activations' peak the root and the last block, or the last two blocks.
+
+This module is the one place the estimator and the planner (plan/traffic.py) read those
+figures from, so memory and traffic come from the same groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from plait.config import Config
+from plait.errors import ConfigError
+from plait.estimate.lines import FROZEN, Line
+from plait.estimate.model_states import DTYPE_BYTES, Precision
+from plait.estimate.rank_params import ParamSpec
+from plait.parallel.zero.layout import padded_size
+
+
+def base_bytes(base_dtype: str, prec: Precision) -> int:
+    """Bytes per element of a LoRA run's frozen base: `--base-dtype`, auto = the
+    precision's parameter dtype (2 under bf16/fp16, 4 under fp32)."""
+    if base_dtype == "auto":
+        return prec.param
+    if base_dtype not in DTYPE_BYTES:
+        raise ConfigError(f"--base-dtype {base_dtype!r}: give auto, bf16, fp16 or fp32")
+    return DTYPE_BYTES[base_dtype]
+
+
+@dataclass(frozen=True)
+class FrozenBase:
+    """The frozen base of one (pp, tp) rank: its units' (numel, padded) in the engine's
+    order (blocks last to first, then the root; empty ones left out) and how it is held."""
+
+    units: tuple[tuple[int, int], ...]
+    has_root: bool
+    stage: int
+    world: int  # dp
+    element: int  # bytes per element (--base-dtype)
+
+    @property
+    def numel(self) -> int:
+        return sum(n for n, _ in self.units)
+
+    @property
+    def padded(self) -> int:
+        return sum(p for _, p in self.units)
+
+    def held(self) -> int:
+        """Bytes this rank keeps between uses: the whole base, or its shards (stage 3)."""
+        if self.stage != 3:
+            return self.numel * self.element
+        return self.padded // self.world * self.element
+
+    def _blocks_and_root(self) -> tuple[list[int], int]:
+        padded = [p for _, p in self.units]
+        if self.has_root:
+            return sorted(padded[:-1], reverse=True), padded[-1]
+        return sorted(padded, reverse=True), 0
+
+    def gathered_peak(self) -> int:
+        """Stage 3: the most gathered at once, the root and two blocks (bytes); else 0."""
+        if self.stage != 3:
+            return 0
+        blocks, root = self._blocks_and_root()
+        return (root + sum(blocks[:2])) * self.element
+
+    def gathered_at_activation_peak(self) -> int:
+        """Stage 3: gathered while the activations are (nearly) at their peak: the root
+        and the last block as the backward starts, two blocks once the last block's
+        backward begins (only the head's saved tensors freed by then); the larger."""
+        if self.stage != 3:
+            return 0
+        blocks, root = self._blocks_and_root()
+        return max(root + sum(blocks[:1]), sum(blocks[:2])) * self.element
+
+    def gathered_per_step(self, micro_batches: int) -> int:
+        """Elements all-gathered per step (stage 3, dp > 1): every unit twice per
+        micro-batch, whole (padded) as the communication counts report them."""
+        if self.stage != 3 or self.world == 1:
+            return 0
+        return 2 * micro_batches * self.padded
+
+
+def frozen_base(params: list[ParamSpec], cfg: Config, prec: Precision) -> FrozenBase:
+    """The frozen base of the rank holding `params` (`rank_params`), as the engine holds it
+    (`layout.block_units(trainable=False)`: blocks in reverse order, then the root)."""
+    par = cfg.parallel
+    frozen = [p for p in params if not p.trainable]
+    blocks = sorted({p.block for p in frozen if p.block is not None}, reverse=True)
+    sizes = [sum(p.numel for p in frozen if p.block == b) for b in blocks]
+    root = sum(p.numel for p in frozen if p.block is None)
+    sizes.append(root)
+    shards = par.dp if par.zero == 3 else 1
+    units = tuple((n, padded_size(n, shards)) for n in sizes if n)
+    e = base_bytes(par.base_dtype, prec)
+    return FrozenBase(units, root > 0, par.zero, par.dp, e)
+
+
+def frozen_line(base: FrozenBase, cfg: Config) -> Line:
+    """The 'frozen_base' line: what the rank keeps, with the formula and, under stage 3,
+    the bytes it all-gathers per step."""
+    par = cfg.parallel
+    name = par.base_dtype
+    name = f"{par.precision} = auto" if name == "auto" else name
+    e = base.element
+    if base.stage != 3:
+        why = f"{base.numel:,} el x {e} B (base {name}), replicated over dp (ZeRO-{par.zero})"
+        return Line(FROZEN, base.held(), formula=why)
+    why = (
+        f"{base.padded // base.world:,} el x {e} B (base {name}; ZeRO-3: "
+        f"{len(base.units)} units padded to {base.padded:,}, 1/{base.world} each)"
+    )
+    gathered = base.gathered_per_step(cfg.accumulation)
+    if gathered:
+        why += (
+            f"; all-gathers 2 x {cfg.accumulation} micro-batches x {base.padded:,} el = "
+            f"{gathered * e:,} B per step"
+        )
+    return Line(FROZEN, base.held(), formula=why)
