@@ -116,7 +116,7 @@ def _fake_checkpoint(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
     """consolidate's reads replaced: the test is about the file it writes."""
     weights = {"w": torch.full((3,), float(step))}
     monkeypatch.setattr("plait.checkpoint.store.complete", lambda path: path)
-    monkeypatch.setattr("plait.checkpoint.inspect.read_masters", lambda path: weights)
+    monkeypatch.setattr("plait.checkpoint.inspect.read_params", lambda path: weights)
     monkeypatch.setattr("plait.checkpoint.store.read_trainer", lambda path: {"step": step})
 
 
