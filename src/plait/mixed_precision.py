@@ -79,7 +79,7 @@ def parse_base_dtype(name: str, precision: str, lora: bool) -> torch.dtype:
     precision's parameter dtype; an explicit one only means something beside adapters,
     because without LoRA every parameter trains and is held in the precision's dtype."""
     if name not in BASE_DTYPES:
-        raise ConfigError(f"base_dtype must be one of {', '.join(BASE_DTYPES)}; got {name!r}")
+        raise ConfigError(f"--base-dtype must be one of {', '.join(BASE_DTYPES)}; got {name!r}")
     if name != "auto" and not lora:
         raise ConfigError(
             f"--base-dtype {name} is for a LoRA run's frozen base; this run has no "

@@ -33,14 +33,16 @@ def print_estimate(est: Estimate, console: Console) -> None:
     for r in est.ranks:
         console.print(rank_table(r, len(est.ranks)))
     ref = est.reference
+    full = "Full fine-tuning, for comparison: " if "lora_phi" in ref else ""
     console.print(
-        f"Ψ = {est.psi:,} parameters. One GPU, mixed-precision Adam 16Ψ = "
+        f"Ψ = {est.psi:,} parameters. {full}One GPU, mixed-precision Adam 16Ψ = "
         f"{ref['mixed_precision_adam_16psi']:,} B ({gib(ref['mixed_precision_adam_16psi'])}); "
         f"16-bit fine-tuning, no master copy, 12Ψ = {ref['bf16_finetune_12psi']:,} B "
         f"({gib(ref['bf16_finetune_12psi'])})."
     )
     zero = ", ".join(f"stage {s} {gib(ref[f'zero{s}_per_rank'])}" for s in range(4))
-    console.print(f"ZeRO closed forms per rank at this dp and precision (no tp/pp): {zero}.")
+    what = "full fine-tuning's ZeRO" if full else "ZeRO"
+    console.print(f"{what} closed forms per rank at this dp and precision (no tp/pp): {zero}.")
     if "lora_phi" in ref:
         frozen = ref["lora_one_gpu"] - ref["lora_bytes_per_adapter_param"] * ref["lora_phi"]
         console.print(
