@@ -112,3 +112,33 @@ def test_zero_bubble_w_computes_adapter_gradients_only(preset):
     for p, r in zip(params, ref, strict=True):
         torch.testing.assert_close(p.grad, r, rtol=1e-6, atol=1e-7)
     assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
+
+
+def test_tp2_pp2_checkpoint_exports_to_peft_and_merged(world4, tmp_path):
+    """A LoRA run saved at tp2 x pp2 (ZeRO-1): `export --format peft` loads in PEFT, and
+    `export --format hf --merge` in transformers, each with the logits plait computes for the
+    checkpoint (the one layout whose adapters are split both ways and held by two stages)."""
+    import peft
+
+    import in_process
+    from hf_models import hf_model, llama_config, save
+    from plait.cli import main
+    from test_lora_peft import ATOL, RTOL, RUN, logits, plait_checkpoint_logits
+
+    base = save(llama_config(), tmp_path / "base")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("Adapters split by tp and pp, exported whole. " * 40)
+    run = tmp_path / "run"
+    code, err = in_process.train(world4, ["--init-from", str(base), "--data", str(corpus),
+                                          "--out", str(run), *RUN, "--lora-rank", "4",
+                                          "--lora-targets", "all", "--tp", "2", "--pp", "2",
+                                          "--zero", "1", "--lr", "1e-2"])  # fmt: skip
+    assert code == 0, err[-3000:]
+    ours = plait_checkpoint_logits(base, run)
+    assert (ours - logits(hf_model(base))).abs().max() > 1e-4  # the adapters moved it
+    for fmt in (["--format", "peft"], ["--format", "hf", "--merge"]):
+        out = tmp_path / fmt[1]
+        assert main(["export", "--checkpoint", str(run), *fmt, "--out", str(out)]) == 0
+        model = (peft.PeftModel.from_pretrained(hf_model(base), out) if fmt[1] == "peft"
+                 else hf_model(out))  # fmt: skip
+        torch.testing.assert_close(logits(model.eval()), ours, rtol=RTOL, atol=ATOL)
