@@ -81,6 +81,12 @@ def _frozen_facts(trainer: Trainer) -> dict:
         "states": memory.current("optimizer_states"),
         "grads": memory.current("gradients"),
         "masters": memory.current("master_weights"),
+        "params": memory.current("parameters"),
+        "base_bytes": sum(
+            t.element_size() * t.numel()
+            for n, t in trainer.model.named_parameters()
+            if not is_adapter(n)
+        ),
         "bytes": trainer.comm.stats.bytes_by_op(),
         "dp_grad_bytes": sum(r["bytes"] for r in _dp_grad_rows(trainer)),
         "dp_grad_calls": sum(r["calls"] for r in _dp_grad_rows(trainer)),

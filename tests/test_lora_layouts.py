@@ -69,6 +69,7 @@ def test_naive_data_parallel_lora_equals_one_process(world2):
     assert worker["states"] == 0
     for rank in out:
         assert rank["grads"] == rank["adapter_bytes"] and rank["masters"] == 0, rank
+        assert rank["params"] == rank["adapter_bytes"] + rank["base_bytes"], rank  # base tracked
         # The frozen base never crosses the wire: the adapters' gradients go to rank 0 and
         # their new values come back (plus the grad norm, fp64, and the loss).
         assert rank["bytes"]["reduce"] == rank["adapter_bytes"], rank["bytes"]

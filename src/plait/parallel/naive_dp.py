@@ -51,6 +51,8 @@ class Coordinator:
         self.names, self.params = [n for n, _ in named], [p for _, p in named]
         self.memory = MemoryTracker(comm.mesh.device)
         self.memory.track("params", "parameters", sum(tensor_bytes(p) for p in self.params))
+        frozen = [p for p in model.parameters() if not p.requires_grad]  # a LoRA run's base
+        self.memory.track("frozen", "parameters", sum(tensor_bytes(p) for p in frozen))
         self.memory.track("grads", "gradients", sum(tensor_bytes(p) for p in self.params))
         adamw = AdamW.from_train(train)  # its moments count as rank 0's optimizer_states
         self.optimizer = (
