@@ -69,9 +69,10 @@ def budget_words(out: Plan) -> str:
 
 def dropped_line(d: Dropped, out: Plan) -> str:
     """A layout that does not fit: what it needs and how far it misses, the headroom counted."""
+    room = f"the {gib(out.budget)} usable" if out.headroom else gib(out.memory)
     return (
         f"{d.candidate.describe()} needs {gib(d.need)} ({gib(d.need - out.budget)} more than "
-        f"{budget_words(out)}; largest term {d.largest} {gib(d.largest_bytes)})"
+        f"{room}; largest term {d.largest} {gib(d.largest_bytes)})"
     )
 
 
