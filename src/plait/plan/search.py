@@ -6,8 +6,9 @@
 2. The remaining layouts are sorted by a lower bound of their step time (the busiest rank's
    compute and collectives, no bubble), then walked in that order: each is checked against
    the memory (`estimate` plus the headroom that plan/headroom.py keeps free) and, if it
-   fits, timed exactly (`step_time`, which simulates the pipeline). The walk stops once `top` layouts fit and the next bound is slower than the
-   slowest of them, so the simulator runs for a few dozen layouts, not thousands.
+   fits, timed exactly (`step_time`, which simulates the pipeline). The walk stops once
+   `top` layouts fit and the next bound is slower than the slowest of them, so the
+   simulator runs for a few dozen layouts, not thousands.
 Per shape, only its fastest fitting knobs are ranked (slower settings of the same cut only
 save memory the winner does not need). Under LoRA, a ZeRO-3 setting gathers the whole frozen
 base every micro-batch; it goes after the cut's settings that keep the base whole unless
