@@ -5,6 +5,8 @@ before the planner runs. Pure: no process starts; small-gpt on the cpu profile (
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 import plait.cli.plan as plan_command
@@ -109,3 +111,18 @@ def test_bad_headroom_is_one_line_and_exit_2_before_planning(value, message, cap
 def test_a_size_as_large_as_the_device_is_refused():
     with pytest.raises(ConfigError, match=r"^--memory-headroom 2\.000 GiB is not less than"):
         headroom_bytes(Size(2 * 2**30), 2 * 2**30)
+
+
+def test_estimate_keeps_the_same_headroom_under_device_memory(capsys):
+    """`plait estimate --device-memory` refuses a rank whose estimate fits the device but not
+    with the default headroom, naming it; `--memory-headroom 0` accepts it."""
+    assert main(["estimate", "--json"]) == 0
+    need = max(r["total"]["device"] for r in json.loads(capsys.readouterr().out)["ranks"])
+    device = need / 2**30 * 1.05  # 5% spare: under the default 10%
+    argv = ["estimate", "--json", "--device-memory", repr(device)]
+    assert main(argv) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    kept = int(int(device * 2**30) * 0.10) / 2**30
+    assert f"more than --device-memory {device:g} GiB less --memory-headroom {kept:,.2f} GiB" in err
+    assert main([*argv, "--memory-headroom", "0"]) == 0
+    assert main([*argv, "--memory-headroom", "4%"]) == 0
