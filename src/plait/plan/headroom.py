@@ -76,8 +76,3 @@ def headroom_bytes(value: float | int, memory: int) -> int:
         return int(value)
     return int(memory * value / 100)
 
-
-def describe(value: float | int, memory: int) -> str:
-    """'8.000 GiB (10%)' for the plan's title and the docs."""
-    kept = headroom_bytes(value, memory)
-    return f"{kept / 2**30:,.3f} GiB ({kept / memory:.0%})"
