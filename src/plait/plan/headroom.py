@@ -75,4 +75,3 @@ def headroom_bytes(value: float | int, memory: int) -> int:
             )
         return int(value)
     return int(memory * value / 100)
-
