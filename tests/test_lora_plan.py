@@ -16,6 +16,7 @@ from plait.estimate.rank_params import rank_params, total_parameters, tp_contrac
 from plait.models.presets import get_preset
 from plait.plan.enumerate import Request
 from plait.plan.hardware import load_hardware
+from plait.plan.headroom import DEFAULT, HEADROOM, headroom_bytes
 from plait.plan.lora_base import base_line, base_sides
 from plait.plan.search import config_of, plan
 from plait.plan.step_time import Memo, step_time
@@ -38,7 +39,9 @@ def roomy():
 
 @pytest.fixture(scope="module")
 def small():
-    return plan(_request(), load_hardware("h100"), 12 * GIB, top=3)
+    """12 GB cards with `plait plan`'s default headroom (10%: 10.8 GiB usable)."""
+    kept = headroom_bytes(HEADROOM(DEFAULT), 12 * GIB)
+    return plan(_request(), load_hardware("h100"), 12 * GIB, top=3, headroom=kept)
 
 
 def test_80gb_keeps_the_base_whole(roomy):
@@ -71,7 +74,8 @@ def test_a_tie_goes_to_the_base_kept_whole(roomy):
 
 
 def test_12gb_shards_the_base(small, capsys):
-    """A bf16 LLaMA-7B base (12.55 GiB) does not fit 12 GB whole at dp 8: ZeRO-3, said so."""
+    """A bf16 LLaMA-7B base (12.55 GiB) does not fit 12 GB whole at dp 8: ZeRO-3, said so,
+    naming the headroom that the usable bytes leave out."""
     pick = small.ranked[0]
     assert pick.candidate.zero == 3 and pick.candidate.dp == 8
     whole, shard = base_sides(small)
@@ -81,7 +85,7 @@ def test_12gb_shards_the_base(small, capsys):
     assert ", does not fit; ZeRO-3 shards it, 1.569 GiB of " in line
     assert line.endswith(
         f"picked ZeRO-3: ZeRO-2 needs {whole.memory / GIB:,.3f} GiB, more than the "
-        "12.000 GiB per GPU."
+        "10.800 GiB usable (12.000 GiB less 1.200 GiB of headroom) per GPU."
     )
 
 

@@ -16,7 +16,8 @@ from plait.models.presets import get_preset
 from plait.outdir import check_out_file
 from plait.plan.enumerate import Request, divisors, shapes
 from plait.plan.hardware import load_hardware, parse_size
-from plait.plan.ranking import dropped_line, gib, print_plan, wide_console
+from plait.plan.headroom import DEFAULT, HEADROOM, headroom_bytes
+from plait.plan.ranking import budget_words, dropped_line, print_plan, wide_console
 from plait.plan.search import Plan, plan
 from plait.plan.toml_out import write_plan
 
@@ -29,6 +30,13 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gpus", type=at_least(1), required=True, help="devices in all")
     p.add_argument("--gpus-per-node", type=at_least(1), help="devices per node (default: all)")
     p.add_argument("--gpu-memory", help="device memory, e.g. 80GiB (default: the hardware's)")
+    p.add_argument(
+        "--memory-headroom",
+        type=HEADROOM,
+        default=HEADROOM(DEFAULT),
+        help=f"device memory a layout must leave free: a share (10%%) or a size (6GiB); "
+        f"default {DEFAULT} (docs/planning.md)",
+    )
     p.add_argument("--global-batch", type=at_least(1), required=True, help="sequences per step")
     p.add_argument("--seq-len", type=at_least(1), required=True, help="tokens per sequence")
     p.add_argument("--hardware", default="h100", help="h100, a100, cpu or a profile's file")
@@ -154,10 +162,10 @@ def nothing_fits(out: Plan) -> str:
     for d in out.dropped:
         if d.candidate.shape not in seen:
             seen.add(d.candidate.shape)
-            closest.append(dropped_line(d, out.memory))
+            closest.append(dropped_line(d, out))
     return (
         f"nothing fits: none of {out.considered:,} layouts of {out.request.preset} on "
-        f"{out.request.gpus} devices fits in {gib(out.memory)}; the closest: "
+        f"{out.request.gpus} devices fits in {budget_words(out)}; the closest: "
         + "; ".join(closest[:3])
     )
 
@@ -172,10 +180,11 @@ def run(args: argparse.Namespace, err: Console) -> int:
 def run_plan(args: argparse.Namespace) -> int:
     hw = load_hardware(args.hardware)
     memory = parse_size(args.gpu_memory) if args.gpu_memory else hw.memory
+    headroom = headroom_bytes(args.memory_headroom, memory)
     req = request_of(args, args.precision or hw.precision)
     if args.out:
         check_out_file(Path(args.out))
-    out = plan(req, hw, memory, args.top)
+    out = plan(req, hw, memory, args.top, headroom)
     if not out.ranked:
         raise ConfigError(nothing_fits(out))
     print_plan(out, wide_console(), args.top)

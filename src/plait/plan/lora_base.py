@@ -55,7 +55,7 @@ def base_sides(out: Plan) -> tuple[BaseSide, BaseSide] | None:
 
 
 def _side(out: Plan, cfg: Config, memo: Memo, ranked: Ranked | None = None) -> BaseSide:
-    ok, est = fits(cfg, out.memory, memo)
+    ok, est = fits(cfg, out.budget, memo)
     worst = est.most_loaded
     seconds = None
     if ranked is not None:
@@ -100,6 +100,8 @@ def base_line(out: Plan) -> str | None:
 
 def _why(out: Plan, whole: BaseSide, shard: BaseSide) -> str:
     mem = gib(out.memory)
+    if out.headroom:
+        mem = f"{gib(out.budget)} usable ({mem} less {gib(out.headroom)} of headroom)"
     if shard.zero == out.ranked[0].candidate.zero:
         if not whole.fits:
             return f"ZeRO-{whole.zero} needs {gib(whole.memory)}, more than the {mem} per GPU"

@@ -28,13 +28,14 @@ def why_better(a: Ranked, b: Ranked) -> str:
 
 def plan_table(out: Plan, top: int) -> Table:
     req = out.request
+    kept = f", {gib(out.headroom)} kept free" if out.headroom else ""
     table = Table(
-        title=f"{req.preset} on {req.gpus} x {out.hardware.name} ({gib(out.memory)} each), "
+        title=f"{req.preset} on {req.gpus} x {out.hardware.name} ({gib(out.memory)} each{kept}), "
         f"global batch {req.global_batch} x {req.seq_len} tokens",
         title_justify="left",
     )
     left = ("layout", "where the time goes", "why it beats the next")
-    for col in ("#", "layout", "memory", "step", "tokens/s", "MFU", *left[1:]):
+    for col in ("#", "layout", "memory", "free", "step", "tokens/s", "MFU", *left[1:]):
         table.add_column(col, justify="left" if col in left else "right")
     shown = out.ranked[:top]
     for i, r in enumerate(shown):
@@ -43,6 +44,7 @@ def plan_table(out: Plan, top: int) -> Table:
             str(i + 1),
             r.candidate.describe(),
             gib(r.memory),
+            free(r.memory, out.memory),
             seconds(r.time.total),
             f"{r.tokens_per_s():,.0f}",
             f"{r.mfu(out.hardware, req.gpus):.1%}",
@@ -52,10 +54,25 @@ def plan_table(out: Plan, top: int) -> Table:
     return table
 
 
-def dropped_line(d: Dropped, memory: int) -> str:
+def free(need: int, memory: int) -> str:
+    """What a layout leaves unused on the device, in GiB and as a share of it: the headroom
+    and whatever the layout does not need beyond it."""
+    return f"{gib(memory - need)} ({(memory - need) / memory:.1%})"
+
+
+def budget_words(out: Plan) -> str:
+    """'80.000 GiB' or, with a headroom, '72.000 GiB (80.000 GiB less 8.000 GiB headroom)'."""
+    if not out.headroom:
+        return gib(out.memory)
+    return f"{gib(out.budget)} ({gib(out.memory)} less {gib(out.headroom)} headroom)"
+
+
+def dropped_line(d: Dropped, out: Plan) -> str:
+    """A layout that does not fit: what it needs and how far it misses, the headroom counted."""
+    room = f"the {gib(out.budget)} usable" if out.headroom else gib(out.memory)
     return (
-        f"{d.candidate.describe()} needs {gib(d.need)} ({gib(d.need - memory)} more than "
-        f"{gib(memory)}; largest term {d.largest} {gib(d.largest_bytes)})"
+        f"{d.candidate.describe()} needs {gib(d.need)} ({gib(d.need - out.budget)} more than "
+        f"{room}; largest term {d.largest} {gib(d.largest_bytes)})"
     )
 
 
@@ -75,11 +92,11 @@ def print_plan(out: Plan, console: Console, top: int) -> None:
             closest.append(d)
     console.print(
         f"{out.considered:,} layouts considered; {len(out.ranked)} timed; "
-        f"{len(out.dropped):,} do not fit in {gib(out.memory)}"
+        f"{len(out.dropped):,} do not fit in {budget_words(out)}"
         + (", the closest:" if closest else ".")
     )
     for d in closest[:5]:
-        console.print("  " + dropped_line(d, out.memory), highlight=False)
+        console.print("  " + dropped_line(d, out), highlight=False)
     line = base_line(out)  # a LoRA run: its base whole or sharded, and why
     if line:
         console.print(line, highlight=False, soft_wrap=True)

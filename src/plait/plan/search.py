@@ -5,9 +5,10 @@
    no setting of the shape does, and the shape is dropped with the estimator's reason.
 2. The remaining layouts are sorted by a lower bound of their step time (the busiest rank's
    compute and collectives, no bubble), then walked in that order: each is checked against
-   the memory (`estimate`) and, if it fits, timed exactly (`step_time`, which simulates the
-   pipeline). The walk stops once `top` layouts fit and the next bound is slower than the
-   slowest of them, so the simulator runs for a few dozen layouts, not thousands.
+   the memory (`estimate` plus the headroom that plan/headroom.py keeps free) and, if it
+   fits, timed exactly (`step_time`, which simulates the pipeline). The walk stops once
+   `top` layouts fit and the next bound is slower than the slowest of them, so the
+   simulator runs for a few dozen layouts, not thousands.
 Per shape, only its fastest fitting knobs are ranked (slower settings of the same cut only
 save memory the winner does not need). Under LoRA, a ZeRO-3 setting gathers the whole frozen
 base every micro-batch; it goes after the cut's settings that keep the base whole unless
@@ -80,9 +81,15 @@ class Plan:
     request: Request
     hardware: Hardware
     memory: int
+    headroom: int = 0  # bytes each device keeps free (plan/headroom.py)
     ranked: list[Ranked] = field(default_factory=list)
     dropped: list[Dropped] = field(default_factory=list)  # cheapest-need first
     considered: int = 0
+
+    @property
+    def budget(self) -> int:
+        """The bytes a layout's estimate may take: the device's memory less the headroom."""
+        return self.memory - self.headroom
 
 
 def config_of(req: Request, cand: Candidate) -> Config:
@@ -113,15 +120,16 @@ def _dropped(cand: Candidate, est: Estimate) -> Dropped:
     return Dropped(cand, worst.total(), big.name, big.device)
 
 
-def plan(req: Request, hw: Hardware, memory: int, top: int = 8) -> Plan:
-    """Rank the layouts of `req` on `hw` devices of `memory` bytes (module doc)."""
-    out, memo = Plan(req, hw, memory), Memo()
+def plan(req: Request, hw: Hardware, memory: int, top: int = 8, headroom: int = 0) -> Plan:
+    """Rank the layouts of `req` on `hw` devices of `memory` bytes, of which a layout must
+    leave `headroom` unused (module doc)."""
+    out, memo = Plan(req, hw, memory, headroom), Memo()
     pool: list[tuple[float, Candidate, Config]] = []
     for shape in shapes(req):
         options = knobs(req, shape)
         out.considered += len(options)
         frugal = most_frugal(options)
-        ok, est = fits(config_of(req, frugal), memory, memo)
+        ok, est = fits(config_of(req, frugal), out.budget, memo)
         if not ok:
             out.dropped.append(_dropped(frugal, est))
             continue
@@ -162,7 +170,7 @@ def _walk(out: Plan, pool: list, top: int, memo: Memo) -> None:
             continue  # its first fitting setting by bound: the rest differ by little time
         if any(needs_less(f, cand) for f in failed.get(cand.shape, [])):
             continue  # a setting of this cut that saves more memory did not fit either
-        ok, est = fits(cfg, out.memory, memo)
+        ok, est = fits(cfg, out.budget, memo)
         if not ok:
             out.dropped.append(_dropped(cand, est))
             failed.setdefault(cand.shape, []).append(cand)
