@@ -128,3 +128,10 @@ def outer_saved_tensors_hooks() -> tuple[Callable, Callable] | None:
     active hooks); without it the meter would have to know about the offload.
     """
     return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+def tensor_version(t: Tensor) -> int:
+    """How many times `t`'s data was modified in place (`Tensor._version`, autograd's
+    version counter). Activation offload keys its one-copy-per-tensor cache on it, so a tensor
+    saved, modified in place and saved again gets a second copy. Public alternative: none."""
+    return t._version

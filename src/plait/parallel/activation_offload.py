@@ -26,7 +26,7 @@ from plait.composition import check_activation_offload
 from plait.device import from_host, to_host
 from plait.memory_tracker import mark_offloaded
 from plait.models.transformer import Block, Transformer
-from plait.torch_private import outer_saved_tensors_hooks, view_base
+from plait.torch_private import outer_saved_tensors_hooks, tensor_version, view_base
 
 
 def _stays(t: torch.Tensor) -> bool:
@@ -46,7 +46,7 @@ def _hooks(outer: tuple[Callable, Callable] | None) -> tuple[Callable, Callable,
     def pack(t: torch.Tensor):
         if _stays(t):
             return (None, outer_pack(t))
-        key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t._version)
+        key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), tensor_version(t))
         if key not in copies:
             copies[key] = (t, mark_offloaded(to_host(t.detach())))
         return (t.device, outer_pack(copies[key][1]))
