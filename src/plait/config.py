@@ -14,6 +14,7 @@ from importlib.util import find_spec
 from typing import Any
 
 from plait.composition import (
+    check_activation_offload,
     check_dp_mode,
     check_pipeline,
     check_recompute,
@@ -105,6 +106,13 @@ class ParallelConfig:
     )
     recompute: str = field(
         default="none", metadata={"help": "activation recomputation: none, full or selective"}
+    )
+    offload_activations: str = field(
+        default="none",
+        metadata={
+            "help": "where the tensors a block saves for backward wait: none (device) or cpu "
+            "(host memory; with recompute only the checkpointed block inputs move)"
+        },
     )
     comm_timeout: float = field(
         default=300.0,
@@ -454,6 +462,7 @@ def validate_config(cfg: Config, check_data: bool = True) -> None:
         )
     cfg.model.check_seq_len(t.seq_len)
     check_recompute(par.recompute)
+    check_activation_offload(par.offload_activations, par.two_bw)
     if t.min_lr > t.lr:
         raise ConfigError(f"need min_lr <= lr; got lr={t.lr}, min_lr={t.min_lr}")
     check_pipeline(

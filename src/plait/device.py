@@ -93,3 +93,21 @@ def host_empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Te
     asynchronous copies need page-locked memory (on a CPU-only build pinning is unavailable
     and pointless)."""
     return torch.empty(numel, dtype=dtype, pin_memory=device.type == "cuda")
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of a saved activation (activation offload). On a GPU it lands in pinned
+    memory through a non-blocking copy queued on the compute stream, so the forward does not
+    wait for it and the copy back in backward, queued on the same stream, is ordered after
+    it. On the CPU it is a plain copy: still a separate tensor, so host bytes can be counted."""
+    host = torch.empty_like(t, device="cpu", pin_memory=t.device.type == "cuda")
+    host.copy_(t, non_blocking=t.device.type == "cuda")
+    return host
+
+
+def from_host(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The device copy of an offloaded activation for backward (strides kept, so the
+    backward kernels see the layout the forward saved)."""
+    out = torch.empty_like(host, device=device)
+    out.copy_(host, non_blocking=device.type == "cuda")
+    return out

@@ -153,33 +153,37 @@ class MemoryTracker:
         are skipped, and so are other leaves that require grad (a pipeline stage's received
         input: a receive buffer, not something this stage's forward made). Each storage
         counts once, however many views of it are saved. Whatever activation recomputation
-        saves is what counts.
+        saves is what counts. A tensor that activation offload moved to host memory
+        (`mark_offloaded`) counts in place host for as long as autograd holds its host copy.
         """
-        held: dict[int, list[int]] = {}  # storage pointer -> [references, bytes]
-        live = 0
+        held: dict[int, list] = {}  # storage pointer -> [references, bytes, place]
+        live = {"device": 0, "host": 0}
+
+        def meter(place: str) -> None:
+            name = key if place == "device" else f"{key}:{place}"
+            self.track(name, "activations", live[place], place=place, transient=True)
 
         def drop(ptr: int) -> None:
-            nonlocal live
             entry = held.get(ptr)
             if entry is None:  # the block ended first: already released
                 return
             entry[0] -= 1
             if entry[0] == 0:
                 del held[ptr]
-                live -= entry[1]
-                self.track(key, "activations", live, transient=True)
+                live[entry[2]] -= entry[1]
+                meter(entry[2])
 
         def pack(t: torch.Tensor) -> torch.Tensor | _Saved:
-            nonlocal live
             base = view_base(t)  # a view's base (Tensor._base: torch_private says why)
             if isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad):
                 return t
             storage = t.untyped_storage()
             ptr = storage.data_ptr()
-            entry = held.setdefault(ptr, [0, storage.nbytes()])
+            place = "host" if is_offloaded(t) else "device"
+            entry = held.setdefault(ptr, [0, storage.nbytes(), place])
             if entry[0] == 0:
-                live += entry[1]
-                self.track(key, "activations", live, transient=True)
+                live[place] += entry[1]
+                meter(place)
             entry[0] += 1
             # detached: an output saved by the node that made it would otherwise hold that
             # node through its grad_fn, a cycle through C++ that Python's collector cannot
@@ -196,6 +200,22 @@ class MemoryTracker:
             finally:
                 held.clear()
                 self.release(key)
+                self.release(f"{key}:host")
+
+
+_OFFLOADED = "_plait_offloaded"
+
+
+def mark_offloaded(t: torch.Tensor) -> torch.Tensor:
+    """Mark `t` as a host copy made by activation offload, so the meter counts it in place
+    host (on a CPU run host and device are the same memory and only the mark tells them
+    apart)."""
+    setattr(t, _OFFLOADED, True)
+    return t
+
+
+def is_offloaded(t: torch.Tensor) -> bool:
+    return bool(getattr(t, _OFFLOADED, False))
 
 
 class _Saved:

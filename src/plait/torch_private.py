@@ -116,3 +116,22 @@ def ddp_logging_data(ddp: nn.Module) -> dict[str, Any]:
     each bucket's `GradBucket.buffer()` as it is reduced, at the cost of replacing DDP's
     all-reduce with the hook's own."""
     return ddp._get_ddp_logging_data()
+
+
+def outer_saved_tensors_hooks() -> tuple[Callable, Callable] | None:
+    """The (pack, unpack) pair of the innermost `saved_tensors_hooks` context now active.
+
+    Private: `torch._C._autograd._top_saved_tensors_default_hooks`. Only the innermost pair
+    of hooks sees a saved tensor, so activation offload (hooks around each block) would hide
+    the block's tensors from the memory tracker's meter (hooks around the step); chaining to
+    the outer pair keeps both. Public alternative: none (torch offers no way to read the
+    active hooks); without it the meter would have to know about the offload.
+    """
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+def tensor_version(t: Tensor) -> int:
+    """How many times `t`'s data was modified in place (`Tensor._version`, autograd's
+    version counter). Activation offload keys its one-copy-per-tensor cache on it, so a tensor
+    saved, modified in place and saved again gets a second copy. Public alternative: none."""
+    return t._version

@@ -43,6 +43,7 @@ from plait.models.init import (
     with_adapters,
 )
 from plait.models.transformer import Transformer
+from plait.parallel.activation_offload import apply_activation_offload
 from plait.parallel.activation_recompute import apply_recompute
 from plait.parallel.adamw import AdamW
 from plait.parallel.grads import SplitGradRules, tied_embedding_params
@@ -213,6 +214,7 @@ class Trainer:
             self.stream = TwoBWStream(self.pipeline, versions, self.batches, cfg.train.steps)
             return versions, self.stream
         apply_recompute(model, cfg.parallel.recompute)
+        apply_activation_offload(model, cfg.parallel.offload_activations)
         if cfg.parallel.dp_mode == "naive":
             coordinator = Coordinator(model, cfg.train, self.comm)
             return coordinator, ScatterGather(model, coordinator, self.batches, self.comm)

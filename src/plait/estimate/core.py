@@ -84,16 +84,27 @@ def _shape(cfg: Config) -> act.Shape:
 
 def chunk_activation_bytes(cfg: Config, plan: StagePlan) -> int:
     """One micro-batch's saved bytes on one chunk (a pipeline stage's layers and ends)."""
+    return sum(chunk_activation_places(cfg, plan))
+
+
+def chunk_activation_places(cfg: Config, plan: StagePlan) -> tuple[int, int]:
+    """(device, host) saved bytes of one micro-batch on one chunk: under activation offload
+    the blocks' go to the host (a received input, a leaf, stays) and the ends' stay."""
     m, x, mode = cfg.model, _shape(cfg), cfg.parallel.recompute
-    total = sum(_layer_bytes(cfg, x, i > 0) for i in plan.layers)
+    blocks = sum(_layer_bytes(cfg, x, i > 0) for i in plan.layers)
+    ends = 0
     if plan.first:
-        total += act.embedding_bytes(m, x) if m.lora is None else 0  # a frozen embedding
+        ends += act.embedding_bytes(m, x) if m.lora is None else 0  # a frozen embedding
     else:
-        total -= act.received_input_bytes(m, x, mode)
+        blocks -= act.received_input_bytes(m, x, mode)
     if plan.last:
         head = act.head_bytes if m.lora is None else lora_head_bytes
-        total += head(m, x, padded_vocab(m, x.t) // x.t)
-    return total
+        ends += head(m, x, padded_vocab(m, x.t) // x.t)
+    if cfg.parallel.offload_activations == "none":
+        return blocks + ends, 0
+    if mode == "full":  # each checkpoint saves the dropout keys too: one host copy a block
+        blocks += len(plan.layers) * x.b * act.INDEX
+    return ends, blocks
 
 
 def _layer_bytes(cfg: Config, x: act.Shape, grad_in: bool = True) -> int:
@@ -118,19 +129,20 @@ def _rank(
     states = model_states(params, par.zero, par.dp, prec, par.offload, par.bucket_mb)
     if par.two_bw:  # two weight versions, plain fp32 Adam (WeightVersions)
         states = _two_bw_states(states)
-    chunk = [chunk_activation_bytes(cfg, plan) for plan in plans]
+    places = [chunk_activation_places(cfg, plan) for plan in plans]
     if schedule is None:
-        held, in_flight = chunk[0], 1
+        held, host, in_flight = places[0][0], places[0][1], 1
     else:
-        actions = schedule.ranks[r]
-        held = int(peak_held(actions, lambda c: chunk[c], schedule.split_backward))
+        actions, split = schedule.ranks[r], schedule.split_backward
+        held = int(peak_held(actions, lambda c: places[c][0], split))
+        host = int(peak_held(actions, lambda c: places[c][1], split))
         in_flight = int(peak_held(actions))
     lines = _state_lines(states, cfg, prec)
     base: FrozenBase | None = None
     if cfg.model.lora is not None:  # the frozen base (estimate/frozen_base.py)
         base = frozen_base(params, cfg, prec)
         lines.append(frozen_line(base, cfg))
-    lines.append(_activation_line(cfg, plans, chunk, held, in_flight))
+    lines.append(_activation_line(cfg, plans, held, host, in_flight))
     lines += buffer_lines(cfg, states, plans, schedule, r, prec, base)
     layers = tuple(i for plan in plans for i in plan.layers)
     at_peak = zero_buffers(par.zero, states.groups, prec, base is None)[2]
@@ -171,7 +183,7 @@ def _state_lines(states: States, cfg: Config, prec: Precision) -> list[Line]:
 
 
 def _activation_line(
-    cfg: Config, plans: list[StagePlan], chunk: list[int], held: int, in_flight: int
+    cfg: Config, plans: list[StagePlan], held: int, host: int, in_flight: int
 ) -> Line:
     x, mode = _shape(cfg), cfg.parallel.recompute
     layer = _layer_bytes(cfg, x)
@@ -179,7 +191,9 @@ def _activation_line(
     what = f"{layers} layers x {layer:,} B/layer (recompute {mode}) + ends"
     if len(plans) > 1 or in_flight > 1:
         what += f"; {in_flight} micro-batch chunks in flight (schedule {cfg.parallel.schedule})"
-    return Line("activations", held, formula=what)
+    if host:
+        what += "; the blocks' on the host (--offload-activations cpu), the ends' on the device"
+    return Line("activations", held, host=host, formula=what)
 
 
 def _reference(cfg: Config) -> dict[str, float]:
