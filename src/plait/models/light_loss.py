@@ -106,6 +106,6 @@ def head_is_plain(head: torch.nn.Module) -> bool:
     then `target_rows_loss` may stand in for it."""
     return (
         getattr(head, "bias", None) is None
-        and "lora_b" not in head._parameters
+        and getattr(head, "lora_b", None) is None
         and not getattr(head, "gather_output", False)
     )

@@ -332,8 +332,10 @@ class Transformer(nn.Module):
             return self.loss(self.head(x), targets, denom)
         enter = getattr(self.head, "region_input", None)
         x = enter(x) if enter is not None else x  # (b, s, h)
-        loss = self.loss
-        return target_rows_loss(x, self.head.weight, targets, loss.chunk_losses, loss.vocab, denom)
+        # A frozen head held in another dtype meets the activations in theirs, as its own
+        # forward would (mixed_precision.compute_frozen_in); otherwise `to` is a no-op.
+        weight, loss = self.head.weight.to(x.dtype), self.loss
+        return target_rows_loss(x, weight, targets, loss.chunk_losses, loss.vocab, denom)
 
 
 def add_adapters(blocks: nn.ModuleList, spec: LoRASpec | None) -> None:
