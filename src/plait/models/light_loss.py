@@ -28,7 +28,7 @@ from torch import Tensor
 
 from plait.models.loss import IGNORE, reduce_losses
 
-CHUNK = 4096  # rows per chunk: (CHUNK, V) fp32 logits are the most ever held at once
+CHUNK = 4096  # rows per chunk: one chunk's (CHUNK, V_local) fp32 logits at a time
 
 # (c, V_local) logits, (c,) targets -> (c,) fp32 losses and (c,) fp32 log-sum-exp over
 # the whole vocabulary (all tp ranks'): the loss module's `chunk_losses`.
@@ -69,9 +69,9 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             if real is not None:
                 probs[:, real:] = 0.0  # tp padding columns: no token, no gradient
             real = z.shape[-1] if real is None else real
-            mine = (t >= 0) & (t < real)  # (c,) targets this rank owns
-            rows_mine = mine.nonzero().squeeze(1)
-            probs[rows_mine, t[rows_mine]] -= 1.0  # minus the one-hot target
+            mine = ((t >= 0) & (t < real)).unsqueeze(-1)  # (c, 1) targets this rank owns
+            index = t.clamp(0, z.shape[-1] - 1).unsqueeze(-1)  # (c, 1)
+            probs.scatter_add_(-1, index, -mine.to(probs))  # minus the one-hot target
             dz = (probs * grad).to(weight.dtype)  # (c, V_local)
             if grad_rows is not None:
                 grad_rows[i : i + chunk] = dz @ weight
