@@ -109,7 +109,17 @@ def embedding_bytes(cfg: ModelConfig, x: Shape) -> int:
 
 
 def head_bytes(cfg: ModelConfig, x: Shape, vocab_local: int) -> int:
-    """The last stage: final norm, head input, fp32 (log-)softmax of the logits, targets."""
-    bs = x.b * x.s
-    total = norm_bytes(cfg, x) + bs * cfg.d_model * x.e + bs * vocab_local * 4 + bs * INDEX
-    return total + (bs if x.t > 1 else 4)  # tp: the 'mine' mask; else NLL's total weight
+    """The last stage: final norm and the lighter loss's saves (models/light_loss.py).
+
+    The loss keeps no logits (each chunk's are recomputed in backward), only the selected
+    head inputs, their row indices, targets and log-sum-exps (`target_rows_bytes`); the
+    vocabulary (`vocab_local`) no longer enters the saved bytes."""
+    return norm_bytes(cfg, x) + target_rows_bytes(cfg, x)
+
+
+def target_rows_bytes(cfg: ModelConfig, x: Shape, rows: int | None = None) -> int:
+    """What the lighter loss saves for `rows` target rows (default b·s, every position has
+    a target as in text windows; instruction data has fewer): each row's head input (h·e),
+    its index (the row selection's backward), its target and its fp32 log-sum-exp."""
+    n = x.b * x.s if rows is None else rows
+    return n * (cfg.d_model * x.e + 2 * INDEX + 4)

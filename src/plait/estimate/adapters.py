@@ -15,7 +15,7 @@ it (tests/test_lora_estimate.py).
 
 from __future__ import annotations
 
-from plait.estimate.activations import INDEX, Shape, core_bytes
+from plait.estimate.activations import Shape, core_bytes, target_rows_bytes
 from plait.models.architecture import ModelConfig
 from plait.models.lora import ROW_PARALLEL, LoRASpec
 
@@ -106,9 +106,8 @@ def _mlp_bytes(cfg: ModelConfig, mine: list[str], f: int, x: Shape, grad: bool) 
 
 
 def lora_head_bytes(cfg: ModelConfig, x: Shape, vocab_local: int) -> int:
-    """The last stage under LoRA: the frozen final norm, the fp32 (log-)softmax of the
-    logits and the targets; the frozen head keeps no input. (The frozen embedding of the
-    first stage saves nothing: nothing before the first adapter needs a gradient.)"""
-    bs = x.b * x.s
-    total = frozen_norm_bytes(cfg, x) + bs * vocab_local * 4 + bs * INDEX
-    return total + (bs if x.t > 1 else 4)  # tp: the 'mine' mask; else NLL's total weight
+    """The last stage under LoRA: the frozen final norm and the lighter loss's saves
+    (`target_rows_bytes`: the selected head inputs, which its recomputing backward needs
+    even with the head frozen, their indices and targets; no logits). (The frozen embedding
+    of the first stage saves nothing: nothing before the first adapter needs a gradient.)"""
+    return frozen_norm_bytes(cfg, x) + target_rows_bytes(cfg, x)

@@ -12,6 +12,7 @@ many, which is the gradient-accumulation bug of transformers before PR #34191.
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -42,9 +43,23 @@ class LMLoss(nn.Module):
     """
 
     def forward(self, logits: Tensor, targets: Tensor, denom: float | None = None) -> Tensor:
-        # fp32 loss: a low-precision log-softmax over a large vocabulary loses digits.
         flat = targets.flatten()
-        losses = F.cross_entropy(
-            logits.float().flatten(0, 1), flat, ignore_index=IGNORE, reduction="none"
-        )  # (n,), 0 where ignored
+        losses = self.token_losses(logits.flatten(0, 1), flat)  # (n,), 0 where ignored
         return reduce_losses(losses, flat, denom)
+
+    def token_losses(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """(n, V) logits, (n,) targets -> (n,) fp32 losses, 0 where ignored."""
+        # fp32 loss: a low-precision log-softmax over a large vocabulary loses digits.
+        return F.cross_entropy(logits.float(), targets, ignore_index=IGNORE, reduction="none")
+
+    @property
+    def vocab(self) -> tuple[int, int | None]:
+        """(first token, real columns) of the logits this loss reads: all (None) of them."""
+        return 0, None
+
+    def chunk_losses(self, logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+        """The lighter loss's step (models/light_loss.py), without autograd: (c, V) logits
+        and (c,) counted targets -> (c,) fp32 losses and the (c,) log-sum-exp."""
+        z = logits.float()
+        lse = torch.logsumexp(z, dim=-1)
+        return lse - z.gather(-1, targets.unsqueeze(-1)).squeeze(-1), lse

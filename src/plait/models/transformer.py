@@ -30,6 +30,7 @@ from plait.models.contract import ModelContract
 from plait.models.declare import describe
 from plait.models.dropout import KeyedDropout
 from plait.models.kv_cache import KVCache, causal_mask
+from plait.models.light_loss import head_is_plain, target_rows_loss
 from plait.models.lora import Linear, LoRASpec
 from plait.models.loss import LMLoss
 from plait.models.packing import Packing
@@ -318,11 +319,23 @@ class Transformer(nn.Module):
     def output(
         self, x: Tensor, targets: Tensor | None = None, denom: float | None = None
     ) -> Tensor:
-        """Final norm and head: logits, or the loss given targets (the last stage's job)."""
-        logits = self.head(self.norm(x))  # (b, s, V)
+        """Final norm and head: logits, or the loss given targets (the last stage's job).
+
+        With targets and a plain head, only the rows that have a target reach the head, in
+        chunks, and backward recomputes their logits (models/light_loss.py): the (b, s, V)
+        logits are never held. A tensor-parallel head enters its region first
+        (`region_input`: under sequence parallelism the all-gather of the sequence)."""
+        x = self.norm(x)
         if targets is None:
-            return logits
-        return self.loss(logits, targets, denom)
+            return self.head(x)  # (b, s, V)
+        if not head_is_plain(self.head):
+            return self.loss(self.head(x), targets, denom)
+        enter = getattr(self.head, "region_input", None)
+        x = enter(x) if enter is not None else x  # (b, s, h)
+        # A frozen head held in another dtype meets the activations in theirs, as its own
+        # forward would (mixed_precision.compute_frozen_in); otherwise `to` is a no-op.
+        weight, loss = self.head.weight.to(x.dtype), self.loss
+        return target_rows_loss(x, weight, targets, loss.chunk_losses, loss.vocab, denom)
 
 
 def add_adapters(blocks: nn.ModuleList, spec: LoRASpec | None) -> None:

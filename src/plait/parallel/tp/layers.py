@@ -127,9 +127,14 @@ class ColumnParallelLinear(nn.Module):
             return None
         return adapter_input(x, self.lora_a, self.lora_drop, keys)
 
+    def region_input(self, x: Tensor) -> Tensor:
+        """The input as this layer's matmul reads it: entered into the region when `enter`
+        (the sequence all-gather under SP). The lighter loss (models/light_loss.py) calls it
+        before selecting the head's target rows, which must be the same on every rank."""
+        return enter_region(x, self.comm, self.sequence_parallel, self.tag) if self.enter else x
+
     def forward(self, x: Tensor, keys: Tensor | None = None, u: Tensor | None = None) -> Tensor:
-        if self.enter:
-            x = enter_region(x, self.comm, self.sequence_parallel, self.tag)  # (b, s, in)
+        x = self.region_input(x)  # (b, s, in)
         y = F.linear(x, self.weight, self.bias)  # (b, s, out/tp)
         if "lora_b" in self._parameters:  # this rank's output slice of B (A x)
             u = self.adapter_input(x, keys) if u is None else u  # (b, s, r)

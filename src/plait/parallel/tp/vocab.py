@@ -146,19 +146,8 @@ class VocabParallelCrossEntropyFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: Tensor, targets: Tensor, comm: Comm, start: int, real: int, tag: str):
-        if real < logits.shape[-1]:  # padding columns: exp(-inf) = 0, no loss, no gradient
-            logits = logits.masked_fill(_padding_columns(logits, real), float("-inf"))
-        peak = logits.max(dim=-1).values  # (n,)
-        comm.all_reduce(peak, "tp", op="max", tag=tag)
-        shifted = logits - peak.unsqueeze(-1)  # (n, V/tp)
-        local = targets - start
-        mine = (local >= 0) & (local < real)  # (n,) targets this rank owns
-        index = local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)  # (n, 1)
-        target = torch.where(mine, shifted.gather(-1, index).squeeze(-1), 0.0)  # (n,)
+        _, exp, sums, index, mine = _slice_sums(logits, targets, comm, start, real, tag)
         counted = targets != IGNORE  # (n,) IGNORE: no loss, no gradient
-        exp = shifted.exp()  # (n, V/tp)
-        sums = torch.stack((exp.sum(dim=-1), target))  # (2, n): one call for both sums
-        comm.all_reduce(sums, "tp", tag=tag)
         softmax = exp.div_(sums[0].unsqueeze(-1))
         ctx.save_for_backward(softmax, index, mine, counted)
         return torch.where(counted, sums[0].log() - sums[1], 0.0)  # (n,)
@@ -170,6 +159,25 @@ class VocabParallelCrossEntropyFn(torch.autograd.Function):
         out = softmax * scale  # (n, V/tp)
         out.scatter_add_(-1, index, -mine.unsqueeze(-1).to(out) * scale)  # minus the one-hot
         return out, None, None, None, None, None
+
+
+def _slice_sums(logits: Tensor, targets: Tensor, comm: Comm, start: int, real: int, tag: str):
+    """The forward's exchange: the global max per row, this slice's exp(z - max), and the
+    all-reduced (sum of exponentials, target's shifted logit) (2, n); the target's index
+    into the slice and whether this rank owns it."""
+    if real < logits.shape[-1]:  # padding columns: exp(-inf) = 0, no loss, no gradient
+        logits = logits.masked_fill(_padding_columns(logits, real), float("-inf"))
+    peak = logits.max(dim=-1).values  # (n,)
+    comm.all_reduce(peak, "tp", op="max", tag=tag)
+    shifted = logits - peak.unsqueeze(-1)  # (n, V/tp)
+    local = targets - start
+    mine = (local >= 0) & (local < real)  # (n,) targets this rank owns
+    index = local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)  # (n, 1)
+    target = torch.where(mine, shifted.gather(-1, index).squeeze(-1), 0.0)  # (n,)
+    exp = shifted.exp()  # (n, V/tp)
+    sums = torch.stack((exp.sum(dim=-1), target))  # (2, n): one call for both sums
+    comm.all_reduce(sums, "tp", tag=tag)
+    return peak, exp, sums, index, mine
 
 
 def _padding_columns(logits: Tensor, real: int) -> Tensor:
@@ -199,12 +207,29 @@ class VocabParallelCrossEntropy(nn.Module):
                 f"expected logits with {self.spec.shape[0]} vocabulary columns (this rank's "
                 f"slice of {self.vocab_size}), got shape {tuple(logits.shape)}"
             )
-        start, real = self.spec.offsets[0], self.spec.local_shape[0]
         flat = targets.flatten()
-        losses = VocabParallelCrossEntropyFn.apply(
-            logits.float().flatten(0, 1), flat, self.comm, start, real, self.tag
+        return reduce_losses(self.token_losses(logits.flatten(0, 1), flat), flat, denom)
+
+    def token_losses(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """(n, V/tp) logit slices, (n,) targets -> (n,) fp32 losses, 0 where ignored."""
+        start, real = self.spec.offsets[0], self.spec.local_shape[0]
+        return VocabParallelCrossEntropyFn.apply(
+            logits.float(), targets, self.comm, start, real, self.tag
         )
-        return reduce_losses(losses, flat, denom)
+
+    @property
+    def vocab(self) -> tuple[int, int]:
+        """(first token, real columns) of this rank's logit slice."""
+        return self.spec.offsets[0], self.spec.local_shape[0]
+
+    def chunk_losses(self, logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+        """The lighter loss's step (models/light_loss.py), without autograd: (c, V/tp)
+        slices and (c,) counted targets -> (c,) fp32 losses and the global log-sum-exp,
+        with the same two all-reduces as the plain loss."""
+        start, real = self.vocab
+        peak, _, sums, _, _ = _slice_sums(logits.float(), targets, self.comm, start, real, self.tag)
+        log_sum = sums[0].log()
+        return log_sum - sums[1], peak + log_sum
 
     def extra_repr(self) -> str:
         return f"vocab={self.vocab_size}, slice {self.spec.region()[0]}"
