@@ -53,7 +53,18 @@ def sections(world2, tmp_path_factory) -> Callable[[str], Section]:
 
 @pytest.mark.parametrize(
     "name",
-    ["dp", "pipeline", "tp", "zero", "precision", "recompute", "offload", "finetune", "lora"],
+    [
+        "dp",
+        "pipeline",
+        "tp",
+        "zero",
+        "precision",
+        "recompute",
+        "offload",
+        "offload-activations",
+        "finetune",
+        "lora",
+    ],
 )
 def test_each_lesson_reports_the_formulas_exactly(sections, name):
     section = sections(name)
@@ -155,7 +166,9 @@ def test_finetune_loss_rules_differ_and_packing_keeps_the_loss(sections):
 
 def test_bad_requests_exit_2_before_anything_runs(tmp_path, capsys):
     assert main(["lessons", "--only", "dp", "--only", "nope", "--out", str(tmp_path)]) == 2
-    known = "dp, pipeline, tp, zero, precision, recompute, offload, finetune, lora"
+    known = (
+        "dp, pipeline, tp, zero, precision, recompute, offload, offload-activations, finetune, lora"
+    )
     assert f"unknown lesson nope; known: {known}" in capsys.readouterr().err
     (tmp_path / "file").write_text("")
     assert main(["lessons", "--out", str(tmp_path / "file" / "sub")]) == 2

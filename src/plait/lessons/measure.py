@@ -69,6 +69,7 @@ def step_row(trainer: Trainer, result: StepResult, metered: bool = False) -> dic
         row["memory"] = memory.report()
         if metered:
             row["activations"] = memory.peak("activations")
+            row["activations_host"] = memory.peak("activations", "host")  # offloaded
     row["loss_scale"] = trainer.engine.loss_scale  # fp16's scaler (1.0 without one)
     row["skipped"] = trainer.engine.last_step_skipped
     return row

@@ -35,9 +35,11 @@ def peak(records: Records, rank: int, category: str | None = None, place: str = 
     return max(int(s["memory"]["peak"][place][category]) for s in steps)
 
 
-def activations(records: Records, rank: int) -> int:
-    """The peak bytes saved for backward on `rank`, from the metered step (measure.py)."""
-    return max(int(s.get("activations", 0)) for s in records[rank]["steps"])
+def activations(records: Records, rank: int, place: str = "device") -> int:
+    """The peak bytes saved for backward on `rank` (`place` host: what activation offload
+    moved there), from the metered step (measure.py)."""
+    key = "activations" if place == "device" else f"activations_{place}"
+    return max(int(s.get(key, 0)) for s in records[rank]["steps"])
 
 
 def losses(records: Records) -> list[float]:

@@ -20,7 +20,18 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from plait.errors import ConfigError
 from plait.launch import launch
-from plait.lessons import dp, finetune, lora, offload, pipeline, precision, recompute, tp, zero
+from plait.lessons import (
+    dp,
+    finetune,
+    lora,
+    offload,
+    offload_activations,
+    pipeline,
+    precision,
+    recompute,
+    tp,
+    zero,
+)
 from plait.lessons.section import Case, Run, Section
 from plait.lessons.writeup import previous_sections, write_report
 from plait.outdir import check_out_folder
@@ -30,7 +41,8 @@ MIN_PROCS, MAX_PROCS = 2, 4
 
 def registry() -> dict[str, ModuleType]:
     """Lesson name -> module, in the course's order."""
-    course = (dp, pipeline, tp, zero, precision, recompute, offload, finetune, lora)
+    course = (dp, pipeline, tp, zero, precision, recompute, offload, offload_activations,
+              finetune, lora)  # fmt: skip
     return {m.NAME: m for m in course}
 
 
