@@ -74,12 +74,17 @@ def parse_precision(name: str, reduce_dtype: str | None = None) -> Precision:
     return Precision(name, param, reduce)
 
 
+def check_base_dtype(name: str) -> None:
+    """The one rule for `--base-dtype`'s values (the run, the estimator and the planner)."""
+    if name not in BASE_DTYPES:
+        raise ConfigError(f"--base-dtype must be one of {', '.join(BASE_DTYPES)}; got {name!r}")
+
+
 def parse_base_dtype(name: str, precision: str, lora: bool) -> torch.dtype:
     """The dtype a LoRA run holds its frozen base in (`--base-dtype`): `auto` is the
     precision's parameter dtype; an explicit one only means something beside adapters,
     because without LoRA every parameter trains and is held in the precision's dtype."""
-    if name not in BASE_DTYPES:
-        raise ConfigError(f"--base-dtype must be one of {', '.join(BASE_DTYPES)}; got {name!r}")
+    check_base_dtype(name)
     if name != "auto" and not lora:
         raise ConfigError(
             f"--base-dtype {name} is for a LoRA run's frozen base; this run has no "

@@ -10,7 +10,7 @@ from rich.console import Console
 from plait.composition import check_tensor_parallel
 from plait.domain import at_least, fraction
 from plait.errors import ConfigError, print_bad_input
-from plait.mixed_precision import parse_precision
+from plait.mixed_precision import check_base_dtype, parse_precision
 from plait.models.architecture import ModelConfig
 from plait.models.presets import get_preset
 from plait.outdir import check_out_file
@@ -97,8 +97,7 @@ def lora_model(args: argparse.Namespace, model: ModelConfig) -> ModelConfig:
     if args.lora_dropout is not None:
         model.lora_dropout = args.lora_dropout
     model.validate()
-    if args.base_dtype not in ("auto", "bf16", "fp16", "fp32"):
-        raise ConfigError(f"--base-dtype {args.base_dtype!r}: give auto, bf16, fp16 or fp32")
+    check_base_dtype(args.base_dtype)
     return model
 
 

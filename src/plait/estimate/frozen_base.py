@@ -20,21 +20,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from plait.config import Config
-from plait.errors import ConfigError
 from plait.estimate.lines import FROZEN, Line
 from plait.estimate.model_states import DTYPE_BYTES, Precision
 from plait.estimate.rank_params import ParamSpec
+from plait.mixed_precision import check_base_dtype
 from plait.parallel.zero.layout import padded_size
 
 
 def base_bytes(base_dtype: str, prec: Precision) -> int:
     """Bytes per element of a LoRA run's frozen base: `--base-dtype`, auto = the
     precision's parameter dtype (2 under bf16/fp16, 4 under fp32)."""
-    if base_dtype == "auto":
-        return prec.param
-    if base_dtype not in DTYPE_BYTES:
-        raise ConfigError(f"--base-dtype {base_dtype!r}: give auto, bf16, fp16 or fp32")
-    return DTYPE_BYTES[base_dtype]
+    check_base_dtype(base_dtype)
+    return prec.param if base_dtype == "auto" else DTYPE_BYTES[base_dtype]
 
 
 @dataclass(frozen=True)

@@ -25,13 +25,19 @@ TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
 
 def read_config(folder: Path) -> dict[str, Any]:
     """config.json of a Hugging Face model folder, or ConfigError naming what is wrong."""
+    return read_json_object(folder, "config.json", "--init-from", "a Hugging Face folder")
+
+
+def read_json_object(folder: Path, name: str, flag: str, kind: str, note: str = "") -> dict:
+    """The JSON object in `folder`/`name` (a model's or an adapter's config), or one
+    ConfigError naming the folder given to `flag`, or the file, and what is wrong with it."""
     if not folder.is_dir():
-        raise ConfigError(f"--init-from {str(folder)!r} is not a folder")
-    path = folder / "config.json"
+        raise ConfigError(f"{flag} {str(folder)!r} is not a folder{note}")
+    path = folder / name
     try:
         raw = json.loads(path.read_text())
     except FileNotFoundError:
-        raise ConfigError(f"{str(path)!r} does not exist (a Hugging Face folder has one)") from None
+        raise ConfigError(f"{str(path)!r} does not exist ({kind} has one)") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(f"{str(path)!r} is not readable JSON: {e}") from e
     if not isinstance(raw, dict):

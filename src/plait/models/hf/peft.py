@@ -26,7 +26,7 @@ from torch import Tensor
 
 from plait.errors import ConfigError
 from plait.models.architecture import ModelConfig
-from plait.models.hf.config_json import family
+from plait.models.hf.config_json import family, read_json_object
 from plait.models.hf.load import region_source
 from plait.models.hf.mapping import Piece, assemble, block_linears, pieces
 from plait.models.init import ValueSource
@@ -138,18 +138,8 @@ def save_adapter(out: Path, cfg: ModelConfig, params: dict[str, Tensor], base: s
 
 def read_adapter_config(folder: Path) -> dict[str, Any]:
     """A PEFT folder's adapter_config.json, or ConfigError naming what is wrong."""
-    if not folder.is_dir():
-        raise ConfigError(f"--adapter {str(folder)!r} is not a folder (a PEFT adapter folder)")
-    path = folder / CONFIG
-    try:
-        raw = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{str(path)!r} does not exist (a PEFT adapter folder has one)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{str(path)!r} is not readable JSON: {e}") from e
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{str(path)!r} must hold a JSON object")
-    return raw
+    return read_json_object(folder, CONFIG, "--adapter", "a PEFT adapter folder",
+                            " (a PEFT adapter folder)")  # fmt: skip
 
 
 def _weights_file(folder: Path) -> Path:
