@@ -32,6 +32,7 @@ from plait.estimate.model_states import (
     States,
     model_states,
 )
+from plait.estimate.partitioned import held_saving
 from plait.estimate.rank_params import (
     padded_vocab,
     rank_params,
@@ -97,6 +98,7 @@ def chunk_activation_places(cfg: Config, plan: StagePlan) -> tuple[int, int]:
         ends += act.embedding_bytes(m, x) if m.lora is None else 0  # a frozen embedding
     else:
         blocks -= act.received_input_bytes(m, x, mode)
+    blocks -= held_saving(cfg, x, plan)  # --partition-activations (partitioned.py)
     if plan.last:
         head = act.head_bytes if m.lora is None else lora_head_bytes
         ends += head(m, x, padded_vocab(m, x.t) // x.t)
