@@ -9,6 +9,10 @@ as in activations.py, per partitioned block and micro-batch:
 
     held:      H·e  ->  H·e / t          (saving H·e·(1 - 1/t))
     gathered:  one all-gather of H·e     (logical bytes: the gathered tensor)
+
+Zero-bubble's split backward (ZB-H1) unpacks a non-first stage's saved input twice, once in
+B and once in W (the norm's node computes both gradients; under full recomputation W runs a
+second backward), so those stages gather twice.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 from plait.config import Config
 from plait.estimate import activations as act
 from plait.estimate.model_states import Precision
+from plait.schedule.schedules import build_schedule
 from plait.schedule.stages import StagePlan, rank_plans
 
 
@@ -49,5 +54,9 @@ def gathers_per_step(cfg: Config, pp_rank: int = 0) -> tuple[int, int]:
         return 0, 0
     sizes = par.stage_layer_counts()
     plans = rank_plans(cfg.model.n_layers, par.pp, par.virtual_stages, pp_rank, sizes)
-    calls = sum(partitioned_blocks(p) for p in plans) * cfg.accumulation
+    m = cfg.accumulation
+    split = (
+        par.pp > 1 and build_schedule(par.schedule, par.pp, m, par.virtual_stages).split_backward
+    )
+    calls = m * sum(partitioned_blocks(p) * (2 if split and not p.first else 1) for p in plans)
     return calls, calls * whole
