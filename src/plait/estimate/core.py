@@ -195,6 +195,8 @@ def _activation_line(
         what += f"; {in_flight} micro-batch chunks in flight (schedule {cfg.parallel.schedule})"
     if host:
         what += "; the blocks' on the host (--offload-activations cpu), the ends' on the device"
+    if cfg.parallel.partition_activations:  # estimate/partitioned.py
+        what += f"; less (1 - 1/{x.t}) of each block input (--partition-activations)"
     return Line("activations", held, host=host, formula=what)
 
 
