@@ -27,7 +27,10 @@ STEPS = 3
 
 
 def _config(partition: bool, recompute: str, offload: str = "none", zero: int = 0, **layout):
+    lora = layout.pop("lora_rank", None)
     cfg = small_config(steps=STEPS, accum=2, dropout=0.1, recompute=recompute, **layout)
+    if lora:  # adapters on every projection; the frozen embedding feeds block 0
+        cfg.model.lora_rank, cfg.model.lora_targets = lora, "all"
     par = cfg.parallel
     par.partition_activations, par.offload_activations, par.zero = partition, offload, zero
     cfg.validate(check_data=False)
@@ -103,6 +106,8 @@ CASES2 = {
     "tp2 full offload": ("full", "cpu", {}),
     # RMSNorm in fp32 saves its input twice (square and product): one slice, one gather
     "tp2 selective llama offload": ("selective", "cpu", {"preset": "tiny-llama"}),
+    # LoRA: block 0's input needs no gradient, so without full recompute nothing saves it
+    "tp2 selective lora": ("selective", "none", {"lora_rank": 4}),
 }
 
 

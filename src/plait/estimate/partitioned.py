@@ -32,15 +32,19 @@ def input_bytes(cfg: Config, x: act.Shape) -> int:
     return act.received_input_bytes(cfg.model, x, par.recompute)
 
 
-def partitioned_blocks(plan: StagePlan) -> int:
-    """Blocks of one chunk whose input is partitioned: all but a received input's."""
-    return len(plan.layers) - (0 if plan.first or not plan.layers else 1)
+def partitioned_blocks(cfg: Config, plan: StagePlan) -> int:
+    """Blocks of one chunk whose saved input is partitioned: all but a received input's (the
+    pipeline keeps that buffer) and, under LoRA without full recomputation, block 0's (fed
+    by the frozen embedding, it needs no input gradient, so its frozen norm saves nothing)."""
+    lora_first = cfg.model.lora is not None and cfg.parallel.recompute != "full"
+    skips_first = not plan.first or lora_first
+    return len(plan.layers) - (1 if skips_first and plan.layers else 0)
 
 
 def held_saving(cfg: Config, x: act.Shape, plan: StagePlan) -> int:
     """Bytes one micro-batch on `plan`'s chunk saves less: (1 - 1/t) of each input."""
     whole = input_bytes(cfg, x)
-    return partitioned_blocks(plan) * (whole - whole // x.t)
+    return partitioned_blocks(cfg, plan) * (whole - whole // x.t)
 
 
 def gathers_per_step(cfg: Config, pp_rank: int = 0) -> tuple[int, int]:
@@ -58,5 +62,5 @@ def gathers_per_step(cfg: Config, pp_rank: int = 0) -> tuple[int, int]:
     split = (
         par.pp > 1 and build_schedule(par.schedule, par.pp, m, par.virtual_stages).split_backward
     )
-    calls = m * sum(partitioned_blocks(p) * (2 if split and not p.first else 1) for p in plans)
+    calls = m * sum(partitioned_blocks(cfg, p) * (2 if split and not p.first else 1) for p in plans)
     return calls, calls * whole
