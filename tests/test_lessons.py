@@ -62,6 +62,7 @@ def sections(world2, tmp_path_factory) -> Callable[[str], Section]:
         "recompute",
         "offload",
         "offload-activations",
+        "partition-activations",
         "finetune",
         "lora",
     ],
@@ -167,7 +168,8 @@ def test_finetune_loss_rules_differ_and_packing_keeps_the_loss(sections):
 def test_bad_requests_exit_2_before_anything_runs(tmp_path, capsys):
     assert main(["lessons", "--only", "dp", "--only", "nope", "--out", str(tmp_path)]) == 2
     known = (
-        "dp, pipeline, tp, zero, precision, recompute, offload, offload-activations, finetune, lora"
+        "dp, pipeline, tp, zero, precision, recompute, offload, offload-activations, "
+        "partition-activations, finetune, lora"
     )
     assert f"unknown lesson nope; known: {known}" in capsys.readouterr().err
     (tmp_path / "file").write_text("")
@@ -233,3 +235,15 @@ def test_phase_meter_splits_forward_backward_and_step():
     stats.begin_step(2)
     model(torch.ones(3))  # detached: no marks, everything lands before the first one
     assert [p["phase"] for p in meter.take()] == ["before"]
+
+
+def test_partitioned_activations_hold_less_for_their_gathers(sections):
+    """Each recompute mode holds less per rank with partitioning, by the estimate's
+    difference, and gathers what the formula says; the estimate's gap to the meter is the
+    same with and without."""
+    raw = sections("partition-activations").raw
+    held, est, gathered = raw["measured"], raw["estimate"], raw["all_gather_bytes"]
+    for mode in ("full", "selective"):
+        on = f"{mode}+partition"
+        assert held[on] < held[mode] and gathered[on] > gathered[mode]
+        assert held[on] - est[on] == held[mode] - est[mode], mode

@@ -40,6 +40,36 @@ def check_activation_offload(target: str, two_bw: bool) -> None:
         )
 
 
+def check_partition_activations(
+    enabled: bool, tp: int, recompute: str, sequence_parallel: bool, two_bw: bool
+) -> None:
+    """ZeRO-R's partitioned activations split what tensor parallelism replicates: the input
+    each block saves for its recomputation. So they need tp > 1 and a recompute mode, have
+    nothing left to split under sequence parallelism, and do not reach 2BW's block copies."""
+    if not enabled:
+        return
+    if tp == 1:
+        raise ConfigError(
+            "--partition-activations splits each block's saved input over the tensor-parallel "
+            "ranks: it needs tp > 1; got tp=1"
+        )
+    if recompute == "none":
+        raise ConfigError(
+            "--partition-activations partitions the block inputs that recomputation keeps: "
+            "it needs --recompute full or selective; got --recompute none"
+        )
+    if sequence_parallel:
+        raise ConfigError(
+            f"--partition-activations does not combine with --sequence-parallel (tp={tp}): "
+            "sequence parallelism already holds the block inputs sharded over tp"
+        )
+    if two_bw:
+        raise ConfigError(
+            "--partition-activations does not combine with --schedule 2bw (its weight "
+            "versions run copies of the blocks); use another schedule"
+        )
+
+
 def check_tensor_parallel(
     cfg: ModelConfig, tp: int, sequence_parallel: bool = False, seq_len: int | None = None
 ) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 from plait.composition import (
     check_activation_offload,
     check_dp_mode,
+    check_partition_activations,
     check_pipeline,
     check_recompute,
     check_tensor_parallel,
@@ -112,6 +113,13 @@ class ParallelConfig:
         metadata={
             "help": "where the tensors a block saves for backward wait: none (device) or cpu "
             "(host memory; with recompute only the checkpointed block inputs move)"
+        },
+    )
+    partition_activations: bool = field(
+        default=False,
+        metadata={
+            "help": "tensor parallel with recompute: hold each block's saved input 1/tp per "
+            "rank and all-gather it in backward (ZeRO-R partitioned activations)"
         },
     )
     comm_timeout: float = field(
@@ -474,6 +482,8 @@ def validate_config(cfg: Config, check_data: bool = True) -> None:
         par.stage_layer_counts(),
     )
     check_tensor_parallel(cfg.model, par.tp, par.sequence_parallel, t.seq_len)
+    check_partition_activations(par.partition_activations, par.tp, par.recompute,
+                                par.sequence_parallel, par.two_bw)  # fmt: skip
     check_dp_mode(par.dp_mode, par.tp, par.pp, par.zero, par.precision, par.offload)
     check_zero(
         par.zero,

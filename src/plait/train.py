@@ -49,6 +49,7 @@ from plait.parallel.adamw import AdamW
 from plait.parallel.grads import SplitGradRules, tied_embedding_params
 from plait.parallel.naive_dp import Coordinator, ScatterGather
 from plait.parallel.optimizer_engine import OptimizerEngine
+from plait.parallel.partition_activations import apply_partition_activations
 from plait.parallel.pipeline.driver import PipelineDriver
 from plait.parallel.pipeline.two_bw import TwoBWStream
 from plait.parallel.pipeline.weight_versions import WeightVersions
@@ -214,6 +215,7 @@ class Trainer:
             self.stream = TwoBWStream(self.pipeline, versions, self.batches, cfg.train.steps)
             return versions, self.stream
         apply_recompute(model, cfg.parallel.recompute)
+        apply_partition_activations(model, self.comm, cfg.parallel.partition_activations)
         apply_activation_offload(model, cfg.parallel.offload_activations)
         if cfg.parallel.dp_mode == "naive":
             coordinator = Coordinator(model, cfg.train, self.comm)

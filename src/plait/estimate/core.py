@@ -32,6 +32,7 @@ from plait.estimate.model_states import (
     States,
     model_states,
 )
+from plait.estimate.partitioned import held_saving
 from plait.estimate.rank_params import (
     padded_vocab,
     rank_params,
@@ -97,6 +98,7 @@ def chunk_activation_places(cfg: Config, plan: StagePlan) -> tuple[int, int]:
         ends += act.embedding_bytes(m, x) if m.lora is None else 0  # a frozen embedding
     else:
         blocks -= act.received_input_bytes(m, x, mode)
+    blocks -= held_saving(cfg, x, plan)  # --partition-activations (partitioned.py)
     if plan.last:
         head = act.head_bytes if m.lora is None else lora_head_bytes
         ends += head(m, x, padded_vocab(m, x.t) // x.t)
@@ -193,6 +195,8 @@ def _activation_line(
         what += f"; {in_flight} micro-batch chunks in flight (schedule {cfg.parallel.schedule})"
     if host:
         what += "; the blocks' on the host (--offload-activations cpu), the ends' on the device"
+    if cfg.parallel.partition_activations:  # estimate/partitioned.py
+        what += f"; less (1 - 1/{x.t}) of each block input (--partition-activations)"
     return Line("activations", held, host=host, formula=what)
 
 

@@ -74,7 +74,7 @@ def points(
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(fontsize=8, loc="best")  # clear of the points
     return _save(fig, path)
 
 

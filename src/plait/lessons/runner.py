@@ -26,6 +26,7 @@ from plait.lessons import (
     lora,
     offload,
     offload_activations,
+    partition_activations,
     pipeline,
     precision,
     recompute,
@@ -42,7 +43,7 @@ MIN_PROCS, MAX_PROCS = 2, 4
 def registry() -> dict[str, ModuleType]:
     """Lesson name -> module, in the course's order."""
     course = (dp, pipeline, tp, zero, precision, recompute, offload, offload_activations,
-              finetune, lora)  # fmt: skip
+              partition_activations, finetune, lora)  # fmt: skip
     return {m.NAME: m for m in course}
 
 
