@@ -88,6 +88,20 @@ def threads_per_worker(local_world: int) -> int:
     return max(1, (cores or 1) // max(1, local_world))
 
 
+def host_available_bytes() -> int:
+    """Host memory a new run can still take: the kernel's MemAvailable (free memory plus
+    the page cache and reclaimable slabs it would give back, without swapping), from
+    /proc/meminfo; where there is none (not Linux), the free physical pages."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the figure is in KiB
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
 def host_empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Host memory for offloaded state: pinned when the compute device is a GPU, because
     asynchronous copies need page-locked memory (on a CPU-only build pinning is unavailable
