@@ -27,6 +27,9 @@ LAYOUTS = {
     "dp2 zero2": {"dp": 2, "zero": 2},
     "tp2": {"tp": 2},
     "pp2 1f1b": {"pp": 2, "schedule": "1f1b"},
+    "dp2 zero3": {"dp": 2, "zero": 3},
+    "pp2 interleaved v2": {"pp": 2, "schedule": "interleaved", "virtual_stages": 2},
+    "pp2 zb-h1": {"pp": 2, "schedule": "zb-h1"},
 }
 
 
@@ -47,7 +50,8 @@ def run_steps(case: Case) -> dict:
         losses.append(trainer.train_step(meter_activations=step == 1).loss)
         if step == 1:
             peaks = {p: tracker.peak("activations", p) for p in ("device", "host")}
-    params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    with trainer.engine.unsharded():  # ZeRO-3 holds a shard between steps
+        params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     out = {"pp_rank": mesh.coord.pp, "losses": losses, "params": params, "peaks": peaks}
     trainer.close()
     return out
