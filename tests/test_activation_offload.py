@@ -10,7 +10,6 @@ import torch
 
 from memory_runs import Case
 from plait.cli import main
-from plait.errors import ConfigError
 from plait.estimate import estimate
 from plait.memory_tracker import MemoryTracker
 from plait.mesh import build_mesh
@@ -120,7 +119,43 @@ def test_unknown_target_is_one_line_exit_2(capsys, monkeypatch):
     assert err.startswith("plait: error: ") and err.count("\n") == 1, err
 
 
-def test_two_bw_refused_with_reason():
-    par = {"pp": 2, "schedule": "2bw", "offload_activations": "cpu"}
-    with pytest.raises(ConfigError, match="does not combine with --schedule 2bw"):
-        Case("2bw", parallel=par, accum=4).config()
+def run_two_bw(target: str, recompute: str) -> dict:
+    """2BW's losses every step and its latest weights after them (2BW has no meter)."""
+    par = {"pp": 2, "schedule": "2bw", "recompute": recompute, "offload_activations": target}
+    cfg = Case("2bw", parallel=par, model={"dropout": 0.1}, accum=4).config()
+    cfg.train.steps = STEPS  # the 2BW stream is built for the run's steps
+    mesh = build_mesh(cfg.parallel.layout, torch.device("cpu"), 60)
+    trainer = Trainer(cfg, mesh, corpus_for(cfg))
+    losses = [trainer.train_step().loss for _ in range(STEPS)]
+    params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.close()
+    return {"losses": losses, "params": params}
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_two_bw_bitwise(world2, recompute):
+    """PipeDream-2BW: offload wraps both weight versions' copies of the blocks, so the run is
+    bitwise 2BW without offload (losses every step, the latest weights)."""
+    plain, moved = (world2.run(run_two_bw, t, recompute) for t in ("none", "cpu"))
+    for a, b in zip(plain, moved, strict=True):
+        assert a["losses"] == b["losses"]
+        assert a["params"].keys() == b["params"].keys()
+        assert all(torch.equal(p, b["params"][n]) for n, p in a["params"].items())
+
+
+def test_two_bw_wraps_both_copies():
+    """Both weight versions' blocks run under the offload hooks (a forward on either copy
+    puts host bytes in the meter), not only the model 2BW was handed."""
+    from plait.comm import Comm
+    from plait.mesh import single_process_mesh
+    from plait.parallel.pipeline.weight_versions import WeightVersions
+
+    cfg = Case("2bw", parallel={"pp": 1}, accum=1).config()
+    model = build_model(cfg.model, torch.device("cpu"), seed=3)
+    versions = WeightVersions(model, cfg.train, Comm(single_process_mesh()), "none", "cpu")
+    x = torch.randint(0, cfg.model.vocab_size, (1, 8))
+    for c in versions.copies:
+        tracker = MemoryTracker()
+        with tracker.activations():
+            c(x, x, sample_keys(0, 0, torch.arange(1))).backward()
+        assert tracker.peak("activations", "host") > 0

@@ -84,8 +84,9 @@ def offload_module(module: nn.Module, copier: HostCopies) -> None:
 
 def apply_activation_offload(model: Transformer, target: str) -> list[nn.Module]:
     """Offload the saved tensors of every block this rank holds to `target` (call after
-    `apply_recompute`, so the checkpoint's saved input is what moves); the wrapped blocks."""
-    check_activation_offload(target, two_bw=False)
+    `apply_recompute`, so the checkpoint's saved input is what moves); the wrapped blocks.
+    2BW calls it on each of its weight versions' copies (their blocks are other modules)."""
+    check_activation_offload(target)
     if target == "none":
         return []
     blocks: list[Block] = [model.get_submodule(p.path) for p in model.contract.blocks()]
