@@ -65,6 +65,7 @@ def sections(world2, tmp_path_factory) -> Callable[[str], Section]:
         "partition-activations",
         "finetune",
         "lora",
+        "light-loss",
     ],
 )
 def test_each_lesson_reports_the_formulas_exactly(sections, name):
