@@ -10,7 +10,6 @@ import torch
 
 from memory_runs import Case
 from plait.cli import main
-from plait.errors import ConfigError
 from plait.estimate import estimate
 from plait.memory_tracker import MemoryTracker
 from plait.mesh import build_mesh
@@ -27,6 +26,9 @@ LAYOUTS = {
     "dp2 zero2": {"dp": 2, "zero": 2},
     "tp2": {"tp": 2},
     "pp2 1f1b": {"pp": 2, "schedule": "1f1b"},
+    "dp2 zero3": {"dp": 2, "zero": 3},
+    "pp2 interleaved v2": {"pp": 2, "schedule": "interleaved", "virtual_stages": 2},
+    "pp2 zb-h1": {"pp": 2, "schedule": "zb-h1"},
 }
 
 
@@ -47,7 +49,8 @@ def run_steps(case: Case) -> dict:
         losses.append(trainer.train_step(meter_activations=step == 1).loss)
         if step == 1:
             peaks = {p: tracker.peak("activations", p) for p in ("device", "host")}
-    params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    with trainer.engine.unsharded():  # ZeRO-3 holds a shard between steps
+        params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     out = {"pp_rank": mesh.coord.pp, "losses": losses, "params": params, "peaks": peaks}
     trainer.close()
     return out
@@ -116,7 +119,43 @@ def test_unknown_target_is_one_line_exit_2(capsys, monkeypatch):
     assert err.startswith("plait: error: ") and err.count("\n") == 1, err
 
 
-def test_two_bw_refused_with_reason():
-    par = {"pp": 2, "schedule": "2bw", "offload_activations": "cpu"}
-    with pytest.raises(ConfigError, match="does not combine with --schedule 2bw"):
-        Case("2bw", parallel=par, accum=4).config()
+def run_two_bw(target: str, recompute: str) -> dict:
+    """2BW's losses every step and its latest weights after them (2BW has no meter)."""
+    par = {"pp": 2, "schedule": "2bw", "recompute": recompute, "offload_activations": target}
+    cfg = Case("2bw", parallel=par, model={"dropout": 0.1}, accum=4).config()
+    cfg.train.steps = STEPS  # the 2BW stream is built for the run's steps
+    mesh = build_mesh(cfg.parallel.layout, torch.device("cpu"), 60)
+    trainer = Trainer(cfg, mesh, corpus_for(cfg))
+    losses = [trainer.train_step().loss for _ in range(STEPS)]
+    params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.close()
+    return {"losses": losses, "params": params}
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_two_bw_bitwise(world2, recompute):
+    """PipeDream-2BW: offload wraps both weight versions' copies of the blocks, so the run is
+    bitwise 2BW without offload (losses every step, the latest weights)."""
+    plain, moved = (world2.run(run_two_bw, t, recompute) for t in ("none", "cpu"))
+    for a, b in zip(plain, moved, strict=True):
+        assert a["losses"] == b["losses"]
+        assert a["params"].keys() == b["params"].keys()
+        assert all(torch.equal(p, b["params"][n]) for n, p in a["params"].items())
+
+
+def test_two_bw_wraps_both_copies():
+    """Both weight versions' blocks run under the offload hooks (a forward on either copy
+    puts host bytes in the meter), not only the model 2BW was handed."""
+    from plait.comm import Comm
+    from plait.mesh import single_process_mesh
+    from plait.parallel.pipeline.weight_versions import WeightVersions
+
+    cfg = Case("2bw", parallel={"pp": 1}, accum=1).config()
+    model = build_model(cfg.model, torch.device("cpu"), seed=3)
+    versions = WeightVersions(model, cfg.train, Comm(single_process_mesh()), "none", "cpu")
+    x = torch.randint(0, cfg.model.vocab_size, (1, 8))
+    for c in versions.copies:
+        tracker = MemoryTracker()
+        with tracker.activations():
+            c(x, x, sample_keys(0, 0, torch.arange(1))).backward()
+        assert tracker.peak("activations", "host") > 0

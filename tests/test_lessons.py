@@ -65,6 +65,7 @@ def sections(world2, tmp_path_factory) -> Callable[[str], Section]:
         "partition-activations",
         "finetune",
         "lora",
+        "light-loss",
     ],
 )
 def test_each_lesson_reports_the_formulas_exactly(sections, name):
@@ -169,7 +170,7 @@ def test_bad_requests_exit_2_before_anything_runs(tmp_path, capsys):
     assert main(["lessons", "--only", "dp", "--only", "nope", "--out", str(tmp_path)]) == 2
     known = (
         "dp, pipeline, tp, zero, precision, recompute, offload, offload-activations, "
-        "partition-activations, finetune, lora"
+        "partition-activations, finetune, lora, light-loss"
     )
     assert f"unknown lesson nope; known: {known}" in capsys.readouterr().err
     (tmp_path / "file").write_text("")

@@ -272,6 +272,7 @@ def profile_of(result: dict, world: int) -> Hardware:
         achievable=min(1.0, result["flops"]["achievable"]),
         memory=pages // world,
         host_bandwidth=result["bandwidth"]["host"],
+        host_is_device=True,  # one machine: offloaded activations stay in the same RAM
         disk_bandwidth=result["bandwidth"]["disk"],
         intra=link,
         inter=link,

@@ -26,17 +26,11 @@ def check_recompute(mode: str) -> None:
         raise ConfigError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}; got {mode!r}")
 
 
-def check_activation_offload(target: str, two_bw: bool) -> None:
-    """An offload target that exists; 2BW refused, because its weight versions run the
-    blocks of copied models that the offload wrappers do not reach."""
+def check_activation_offload(target: str) -> None:
+    """An offload target that exists."""
     if target not in ACTIVATION_OFFLOADS:
         raise ConfigError(
             f"offload-activations must be one of {', '.join(ACTIVATION_OFFLOADS)}; got {target!r}"
-        )
-    if target != "none" and two_bw:
-        raise ConfigError(
-            f"--offload-activations {target} does not combine with --schedule 2bw (its weight "
-            "versions run copies of the blocks); use another schedule or --offload-activations none"
         )
 
 

@@ -470,7 +470,7 @@ def validate_config(cfg: Config, check_data: bool = True) -> None:
         )
     cfg.model.check_seq_len(t.seq_len)
     check_recompute(par.recompute)
-    check_activation_offload(par.offload_activations, par.two_bw)
+    check_activation_offload(par.offload_activations)
     if t.min_lr > t.lr:
         raise ConfigError(f"need min_lr <= lr; got lr={t.lr}, min_lr={t.min_lr}")
     check_pipeline(

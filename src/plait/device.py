@@ -88,6 +88,20 @@ def threads_per_worker(local_world: int) -> int:
     return max(1, (cores or 1) // max(1, local_world))
 
 
+def host_available_bytes() -> int:
+    """Host memory a new run can still take: the kernel's MemAvailable (free memory plus
+    the page cache and reclaimable slabs it would give back, without swapping), from
+    /proc/meminfo; where there is none (not Linux), the free physical pages."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the figure is in KiB
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
 def host_empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Host memory for offloaded state: pinned when the compute device is a GPU, because
     asynchronous copies need page-locked memory (on a CPU-only build pinning is unavailable
@@ -95,19 +109,48 @@ def host_empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Te
     return torch.empty(numel, dtype=dtype, pin_memory=device.type == "cuda")
 
 
-def to_host(t: torch.Tensor) -> torch.Tensor:
-    """A host copy of a saved activation (activation offload). On a GPU it lands in pinned
-    memory through a non-blocking copy queued on the compute stream, so the forward does not
-    wait for it and the copy back in backward, queued on the same stream, is ordered after
-    it. On the CPU it is a plain copy: still a separate tensor, so host bytes can be counted."""
-    host = torch.empty_like(t, device="cpu", pin_memory=t.device.type == "cuda")
-    host.copy_(t, non_blocking=t.device.type == "cuda")
-    return host
+class HostCopies:
+    """How a saved activation goes to host memory and back (activation offload), on the
+    device the run computes on.
 
+    On a GPU the copy to the host runs on a side stream, so the forward's kernels, queued on
+    the compute stream, overlap it. The side stream first waits for the compute stream (the
+    tensor must be computed before it is read); the device tensor is marked used by the side
+    stream (`record_stream`: the forward drops it as soon as it is copied out, and the caching
+    allocator must not hand its memory to a later kernel's output before the copy has read
+    it); an event recorded after the copy is what the copy back waits on. The copy back runs
+    on the compute stream after that event, so the backward kernels queued behind it on the
+    same stream read it whole. The pinned host buffers are the caching host allocator's, which
+    keeps each until the copies queued on it have run. On the CPU both are plain copies (still
+    a separate tensor, so host bytes can be counted) and there is no event. The GPU path has
+    not run on a GPU yet (docs/memory.md).
+    """
 
-def from_host(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """The device copy of an offloaded activation for backward (strides kept, so the
-    backward kernels see the layout the forward saved)."""
-    out = torch.empty_like(host, device=device)
-    out.copy_(host, non_blocking=device.type == "cuda")
-    return out
+    def __init__(self, device: torch.device) -> None:
+        self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def to_host(self, t: torch.Tensor) -> tuple[torch.Tensor, object | None]:
+        """A host copy of `t` (strides kept) and what a copy back must wait for (None: nothing)."""
+        if self._side is None or t.device.type != "cuda":
+            host = torch.empty_like(t, device="cpu")
+            host.copy_(t)
+            return host, None
+        self._side.wait_stream(torch.cuda.current_stream(t.device))
+        with torch.cuda.stream(self._side):
+            host = torch.empty_like(t, device="cpu", pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._side)
+        t.record_stream(self._side)
+        return host, done
+
+    def from_host(
+        self, host: torch.Tensor, done: object | None, device: torch.device
+    ) -> torch.Tensor:
+        """The copy of an offloaded activation on `device` for backward, after the copy to
+        the host (`done`) has finished (strides kept: backward sees the layout forward saved)."""
+        out = torch.empty_like(host, device=device)
+        if done is not None:
+            torch.cuda.current_stream(device).wait_event(done)
+        out.copy_(host, non_blocking=device.type == "cuda")
+        return out

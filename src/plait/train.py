@@ -211,7 +211,10 @@ class Trainer:
         micro-batches, as the layout asks (docs/architecture.md has the table)."""
         cfg = self.cfg
         if cfg.parallel.two_bw:
-            versions = WeightVersions(model, cfg.train, self.comm, cfg.parallel.recompute)
+            par = cfg.parallel
+            versions = WeightVersions(
+                model, cfg.train, self.comm, par.recompute, par.offload_activations
+            )
             self.stream = TwoBWStream(self.pipeline, versions, self.batches, cfg.train.steps)
             return versions, self.stream
         apply_recompute(model, cfg.parallel.recompute)

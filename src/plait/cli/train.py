@@ -18,8 +18,9 @@ from plait.checkpoint.base import folder_sha256
 from plait.checkpoint.store import check_resumable, latest, resolve
 from plait.cli.run_flags import add_run_flags, config_from_args
 from plait.config import config_warnings
-from plait.device import check_gpu_per_rank
+from plait.device import check_gpu_per_rank, host_available_bytes
 from plait.errors import ConfigError, print_bad_input
+from plait.estimate.host import check_run_host_memory
 from plait.launch import Interrupted, WorkerFailure, launch, under_torchrun
 from plait.outdir import check_out_folder, prepare_out
 from plait.signals import exit_code
@@ -42,6 +43,7 @@ def run(args: argparse.Namespace, err: Console) -> int:
         ranks = cfg.parallel.layout.world_size
         local = int(os.environ.get("LOCAL_WORLD_SIZE", ranks)) if under_torchrun() else ranks
         check_gpu_per_rank(cfg.train.device, local)
+        check_run_host_memory(cfg, _node_ranks(ranks, local), host_available_bytes())
         if cfg.parallel.offload_dir:  # else each rank's NVMe store fails alone
             check_out_folder(Path(cfg.parallel.offload_dir), "--offload-dir")
         if not under_torchrun() or os.environ.get("RANK") == "0":  # one rank owns the folder
@@ -67,6 +69,15 @@ def run(args: argparse.Namespace, err: Console) -> int:
         err.print("[bold]plait: interrupted; every rank stopped.[/]")
         return exit_code(getattr(e, "signum", signal.SIGINT))
     return 0
+
+
+def _node_ranks(world: int, local: int) -> range:
+    """The global ranks on this machine: all of them, or under torchrun this node's
+    LOCAL_WORLD_SIZE ranks around this process's RANK (ranks are numbered node by node)."""
+    if not under_torchrun():
+        return range(world)
+    first = int(os.environ.get("RANK", 0)) - int(os.environ.get("LOCAL_RANK", 0))
+    return range(first, first + local)
 
 
 def _kept(out: Path) -> str:

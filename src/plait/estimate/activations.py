@@ -117,6 +117,16 @@ def head_bytes(cfg: ModelConfig, x: Shape, vocab_local: int) -> int:
     return norm_bytes(cfg, x) + target_rows_bytes(cfg, x)
 
 
+def full_logits_head_bytes(cfg: ModelConfig, x: Shape, vocab_local: int) -> int:
+    """What the last stage saved before the lighter loss, and what a plain head and loss
+    (logits for every position) still save: final norm, head input, the fp32 (log-)softmax
+    of all b·s rows' logits, targets, and tp's 'mine' mask or else NLL's total weight. Not
+    the run's term (`head_bytes` is): the lesson that measures the saving compares with it."""
+    bs = x.b * x.s
+    total = norm_bytes(cfg, x) + bs * cfg.d_model * x.e + bs * vocab_local * 4 + bs * INDEX
+    return total + (bs if x.t > 1 else 4)
+
+
 def target_rows_bytes(cfg: ModelConfig, x: Shape, rows: int | None = None) -> int:
     """What the lighter loss saves for `rows` target rows (default b·s, every position has
     a target as in text windows; instruction data has fewer): each row's head input (h·e),

@@ -23,6 +23,7 @@ from plait.launch import launch
 from plait.lessons import (
     dp,
     finetune,
+    light_loss,
     lora,
     offload,
     offload_activations,
@@ -43,7 +44,7 @@ MIN_PROCS, MAX_PROCS = 2, 4
 def registry() -> dict[str, ModuleType]:
     """Lesson name -> module, in the course's order."""
     course = (dp, pipeline, tp, zero, precision, recompute, offload, offload_activations,
-              partition_activations, finetune, lora)  # fmt: skip
+              partition_activations, finetune, lora, light_loss)  # fmt: skip
     return {m.NAME: m for m in course}
 
 

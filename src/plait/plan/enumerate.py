@@ -1,7 +1,8 @@
 """Which layouts to consider: the axes that divide the model, the GPUs and the batch.
 
 A *shape* fixes how the work is cut (tp, pp, dp, schedule, virtual stages, micro-batch);
-its *knobs* (ZeRO stage, offload, recompute, sequence parallelism) trade memory for time
+its *knobs* (ZeRO stage, offload, recompute, sequence parallelism, activation offload) trade
+memory for time
 without changing the cut. Only balanced cuts are listed: tp divides the heads, key/value
 heads and MLP columns and stays within a node (its collectives are the busiest); pp x v
 divides the layers (plait also runs uneven splits, `--stage-layers`, which a plan does not
@@ -58,6 +59,7 @@ class Candidate:
     offload: str = "none"
     recompute: str = "none"
     sequence_parallel: bool = False
+    offload_activations: str = "none"
 
     @property
     def shape(self) -> tuple:
@@ -74,6 +76,7 @@ class Candidate:
             "precision": req.precision,
             "offload": self.offload,
             "recompute": self.recompute,
+            "offload_activations": self.offload_activations,
         }
         if req.model.lora is not None:
             par["base_dtype"] = req.base_dtype
@@ -99,6 +102,8 @@ class Candidate:
             parts.append(f"offload {self.offload}")
         if self.recompute != "none":
             parts.append(f"recompute {self.recompute}")
+        if self.offload_activations != "none":
+            parts.append(f"activations {self.offload_activations}")
         return " ".join(parts)
 
 
@@ -154,8 +159,9 @@ def shapes(req: Request) -> Iterator[Candidate]:
                     yield Candidate(dp, tp, pp, name, v, mb)
 
 
-def knobs(req: Request, shape: Candidate) -> list[Candidate]:
-    """The shape with every ZeRO stage, offload, recompute and SP setting plait accepts."""
+def knobs(req: Request, shape: Candidate, offload_activations: bool = True) -> list[Candidate]:
+    """The shape with every ZeRO stage, offload, recompute, SP and activation offload setting
+    plait accepts (`offload_activations` False: not offered, where the host is the device)."""
     offloads = ["none", "cpu"] + (["nvme"] if req.offload_dir else [])
     # Sequence parallelism moves the same bytes as tp alone (all-gather + reduce-scatter =
     # all-reduce in the ring model) and holds less: with tp it is on wherever seq divides.
@@ -178,16 +184,30 @@ def knobs(req: Request, shape: Candidate) -> list[Candidate]:
             if shape.dp == 1 and zero > 0:
                 continue  # nothing to shard over one replica
             for rc in ("none", "selective", "full"):
-                out.append(
-                    replace(shape, zero=zero, offload=off, recompute=rc, sequence_parallel=sp)
-                )
+                for act in ("none", "cpu") if offload_activations else ("none",):
+                    out.append(
+                        replace(
+                            shape,
+                            zero=zero,
+                            offload=off,
+                            recompute=rc,
+                            sequence_parallel=sp,
+                            offload_activations=act,
+                        )
+                    )
     return out
 
 
 def most_frugal(options: list[Candidate]) -> Candidate:
     """The knobs that need the least device memory: ZeRO highest, offloaded, full recompute,
-    sequence parallel (memory falls with each of them)."""
+    sequence parallel, activations offloaded (memory falls with each of them)."""
     return max(
         options,
-        key=lambda c: (c.zero, FRUGAL[c.offload], FRUGAL[c.recompute], c.sequence_parallel),
+        key=lambda c: (
+            c.zero,
+            FRUGAL[c.offload],
+            FRUGAL[c.recompute],
+            c.sequence_parallel,
+            FRUGAL[c.offload_activations],
+        ),
     )

@@ -108,6 +108,8 @@ class Hardware:
     contention: float = 1.0  # ranks sharing one compute unit when all are busy (CPU: > 1)
     optimizer_s_per_element: float = 0.0  # norm, clip, AdamW, zero_grad per shard element
     action_overhead_s: float = 0.0  # the pipeline runtime's own seconds per compute action
+    host_memory: int = 0  # bytes of host memory per node (0: not bounded)
+    host_is_device: bool = False  # a CPU: offloading activations moves them within one memory
     note: str = ""
 
     @property
@@ -153,6 +155,8 @@ def from_dict(raw: dict[str, Any]) -> Hardware:
         contention=float(raw.get("contention", 1.0)),
         optimizer_s_per_element=float(raw.get("optimizer_s_per_element", 0.0)),
         action_overhead_s=float(raw.get("action_overhead_s", 0.0)),
+        host_memory=parse_size(raw["host_memory"]) if "host_memory" in raw else 0,
+        host_is_device=bool(raw.get("host_is_device", False)),
         note=str(raw.get("note", "")),
     )
 
@@ -173,6 +177,10 @@ def to_dict(hw: Hardware) -> dict[str, Any]:
         "optimizer_s_per_element": hw.optimizer_s_per_element,
         "action_overhead_s": hw.action_overhead_s,
     }
+    if hw.host_memory:
+        out["host_memory"] = hw.host_memory  # exact bytes: parse_size reads an int
+    if hw.host_is_device:
+        out["host_is_device"] = True
     if hw.note:
         out["note"] = hw.note
     for name in LINKS:

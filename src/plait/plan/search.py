@@ -8,7 +8,9 @@
    the memory (`estimate` plus the headroom that plan/headroom.py keeps free) and, if it
    fits, timed exactly (`step_time`, which simulates the pipeline). The walk stops once
    `top` layouts fit and the next bound is slower than the slowest of them, so the
-   simulator runs for a few dozen layouts, not thousands.
+   simulator runs for a few dozen layouts, not thousands. Activation offload (the same
+   time or more, less device memory) is a setting's last resort: its twin offloading
+   activations joins the walk at its own bound only once the setting does not fit.
 Per shape, only its fastest fitting knobs are ranked (slower settings of the same cut only
 save memory the winner does not need). Under LoRA, a ZeRO-3 setting gathers the whole frozen
 base every micro-batch; it goes after the cut's settings that keep the base whole unless
@@ -17,12 +19,14 @@ its bound is more than `BASE_TIE` lower (plan/lora_base.py says which was picked
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import heapq
+from dataclasses import dataclass, field, replace
 
 from plait.config import Config, build_config
 from plait.estimate import Estimate, estimate
 from plait.estimate.rank_params import total_parameters
 from plait.models.transformer import matmul_flops_per_token
+from plait.plan.activation_copies import host_fits, most_host_per_node
 from plait.plan.enumerate import FRUGAL, Candidate, Request, knobs, most_frugal, shapes
 from plait.plan.hardware import Hardware
 from plait.plan.step_time import EXACT_UP_TO, Memo, StepTime, step_time
@@ -120,26 +124,46 @@ def _dropped(cand: Candidate, est: Estimate) -> Dropped:
     return Dropped(cand, worst.total(), big.name, big.device)
 
 
+def _fits_plan(out: Plan, cand: Candidate, cfg: Config, memo: Memo) -> tuple[bool, Estimate]:
+    """`fits` on the device, then the host of every node where the profile bounds it; a
+    layout the host cannot hold is dropped naming the busiest node's host bytes."""
+    ok, est = fits(cfg, out.budget, memo)
+    if not ok:
+        out.dropped.append(_dropped(cand, est))
+        return False, est
+    if not host_fits(est, cfg, out.hardware, out.request.gpus_per_node):
+        host = most_host_per_node(est, cfg, out.request.gpus_per_node)
+        out.dropped.append(Dropped(cand, est.most_loaded.total(), "host per node", host))
+        return False, est
+    return True, est
+
+
 def plan(req: Request, hw: Hardware, memory: int, top: int = 8, headroom: int = 0) -> Plan:
     """Rank the layouts of `req` on `hw` devices of `memory` bytes, of which a layout must
     leave `headroom` unused (module doc)."""
     out, memo = Plan(req, hw, memory, headroom), Memo()
-    pool: list[tuple[float, Candidate, Config]] = []
+    pool: list[tuple[float, int, Candidate, Config]] = []
     for shape in shapes(req):
-        options = knobs(req, shape)
+        options = knobs(req, shape, not hw.host_is_device)
         out.considered += len(options)
         frugal = most_frugal(options)
-        ok, est = fits(config_of(req, frugal), out.budget, memo)
+        ok, _ = _fits_plan(out, frugal, config_of(req, frugal), memo)
         if not ok:
-            out.dropped.append(_dropped(frugal, est))
             continue
-        for cand in options:
-            c = config_of(req, cand)
-            bound = busy_bound(c, hw, req.gpus_per_node, memo)
-            pool.append((bound * (1 + BASE_TIE) if moves_base(c) else bound, cand, c))
-    _walk(out, sorted(pool, key=lambda x: x[0]), top, memo)
+        for cand in (c for c in options if c.offload_activations == "none"):
+            bound, c = _bound(out, cand, memo)
+            pool.append((bound, len(pool), cand, c))
+    _walk(out, pool, top, memo)
     out.dropped.sort(key=lambda d: d.need)
     return out
+
+
+def _bound(out: Plan, cand: Candidate, memo: Memo) -> tuple[float, Config]:
+    """`busy_bound` of a candidate (raised by `BASE_TIE` where it gathers a LoRA base), and
+    its config."""
+    c = config_of(out.request, cand)
+    bound = busy_bound(c, out.hardware, out.request.gpus_per_node, memo)
+    return (bound * (1 + BASE_TIE) if moves_base(c) else bound), c
 
 
 def busy_bound(cfg: Config, hw: Hardware, gpus_per_node: int, memo: Memo) -> float:
@@ -155,25 +179,45 @@ def needs_less(a: Candidate, b: Candidate) -> bool:
         and FRUGAL[a.offload] >= FRUGAL[b.offload]
         and FRUGAL[a.recompute] >= FRUGAL[b.recompute]
         and a.sequence_parallel >= b.sequence_parallel
+        and FRUGAL[a.offload_activations] >= FRUGAL[b.offload_activations]
     )
 
 
 def _walk(out: Plan, pool: list, top: int, memo: Memo) -> None:
+    """Time the candidates in the order of their bounds (module doc). Activation offload is
+    a setting's last resort: its twin offloading activations (the same time or more, less
+    device memory) joins the walk, at its own bound, only when the setting does not fit on
+    the device, so its bound is computed for a few settings, not all."""
     req, hw = out.request, out.hardware
     best: dict[tuple, Ranked] = {}
     failed: dict[tuple, list[Candidate]] = {}
-    for bound, cand, cfg in pool:
+    heapq.heapify(pool)  # (bound, order of enumeration, candidate, config)
+    joined = len(pool)
+
+    def offload_instead(cand: Candidate) -> None:
+        """The setting did not fit (or one saving more memory did not): its twin with the
+        activations offloaded joins the walk at its own bound."""
+        nonlocal joined
+        if cand.offload_activations == "none" and not hw.host_is_device:
+            twin = replace(cand, offload_activations="cpu")
+            twin_bound, twin_cfg = _bound(out, twin, memo)
+            heapq.heappush(pool, (twin_bound, joined, twin, twin_cfg))
+            joined += 1
+
+    while pool:
+        bound, _, cand, cfg = heapq.heappop(pool)
         slowest = sorted(r.time.total for r in best.values())[top - 1 : top]
         if slowest and bound > slowest[0]:
             break
         if cand.shape in best:
             continue  # its first fitting setting by bound: the rest differ by little time
         if any(needs_less(f, cand) for f in failed.get(cand.shape, [])):
-            continue  # a setting of this cut that saves more memory did not fit either
-        ok, est = fits(cfg, out.budget, memo)
+            offload_instead(cand)  # a setting of this cut saving more memory did not fit
+            continue
+        ok, est = _fits_plan(out, cand, cfg, memo)
         if not ok:
-            out.dropped.append(_dropped(cand, est))
             failed.setdefault(cand.shape, []).append(cand)
+            offload_instead(cand)
             continue
         t = step_time(cfg, hw, req.gpus_per_node, memo)
         best[cand.shape] = Ranked(cand, cfg, t, est.most_loaded.total())

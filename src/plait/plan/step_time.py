@@ -22,7 +22,11 @@ bucket during the backward (stages 0-2), so up to `overlap` of it hides behind t
 micro-batch's backward (ZeRO-2/3: behind every backward; ZeRO-3's gathers are prefetched
 behind the forward and backward too); ZeRO-1/2's parameter all-gather after the optimizer
 step is exposed. Offload moves the gradient shard to the host and the updated parameters
-back (NVMe: the fp32 master and moments also from and to disk). The optimizer's own pass
+back (NVMe: the fp32 master and moments also from and to disk). Activation offload copies each
+micro-batch's saved block tensors down in F and back in B at `host_bandwidth`
+(`plan/activation_copies.py`: the copy down hides behind F's compute up to `overlap`); the
+exposed part is in F and B, so the pipeline's simulation carries it, and is reported in the
+offload term. The optimizer's own pass
 over the rank's shard (norm, clip, AdamW, zero_grad) is memory-bound: shard elements x
 `optimizer_s_per_element` on the device; offloaded, the host's reads and writes of master,
 moments and gradient at `host_bandwidth`, no faster than that. The step's small collectives
@@ -42,6 +46,7 @@ from plait.estimate.model_states import ADAM_STATES, Precision
 from plait.estimate.rank_params import total_parameters
 from plait.models.architecture import ModelConfig
 from plait.models.transformer import head_forward_flops_per_token, layer_forward_flops_per_token
+from plait.plan.activation_copies import copy_seconds
 from plait.plan.hardware import Hardware
 from plait.plan.shared import shared_makespan
 from plait.plan.traffic import (
@@ -89,7 +94,7 @@ class StepTime:
     tp: float  # the busiest rank's tensor-parallel collectives
     bubble: float  # pipeline idle time and p2p (makespan - compute - recompute - tp)
     dp: float  # exposed data-parallel / ZeRO traffic
-    offload: float  # host (and disk) traffic of an offloaded optimizer
+    offload: float  # host (and disk) traffic: an offloaded optimizer's, activations' copies
     optimizer: float = 0.0  # the device optimizer's pass over the rank's shard
     sync: float = 0.0  # the step's small collectives: loss, norm, tied embedding, SP grads
     runtime: float = 0.0  # the pipeline runtime's own time per action (calibrated)
@@ -116,14 +121,16 @@ class ChunkCost:
     action: float = 0.0  # the pipeline runtime's own time per compute action
     split: bool = False  # W is an action of its own (zb-h1), not part of B
     w_share: float = 1.0  # W's compute over F's: 1, or under LoRA the adapters' share
+    copy_f: float = 0.0  # activation offload: the copy to the host that F does not hide
+    copy_b: float = 0.0  # and the copy back, ahead of B's kernels
 
     @property
     def f(self) -> float:
-        return self.flops + self.tp_f + self.send_f + self.action
+        return self.flops + self.tp_f + self.send_f + self.action + self.copy_f
 
     @property
     def b(self) -> float:
-        return self.flops + self.tp_b + self.recompute + self.send_b + self.action
+        return self.flops + self.tp_b + self.recompute + self.send_b + self.action + self.copy_b
 
     @property
     def w(self) -> float:
@@ -153,8 +160,10 @@ def chunk_cost(cfg: Config, hw: Hardware, links: Links, plan: StagePlan) -> Chun
     action = hw.action_overhead_s if par.pp > 1 else 0.0
     flops = tokens * per_token / rate + overhead
     split = par.schedule == "zb-h1"
+    copy_f, copy_b = copy_seconds(cfg, hw, plan, flops)
     return ChunkCost(flops, extra, tp_f, tp_b, action=action, split=split,
-                     w_share=_weight_gradient_share(m, len(plan.layers), per_token))  # fmt: skip
+                     w_share=_weight_gradient_share(m, len(plan.layers), per_token),
+                     copy_f=copy_f, copy_b=copy_b)  # fmt: skip
 
 
 def _weight_gradient_share(m: ModelConfig, layers: int, per_token: int) -> float:
@@ -262,14 +271,15 @@ def step_time(
     recompute = m * sum(c.recompute for cs in counted for c in cs) / len(counted)
     tp = m * sum(c.tp_f + c.tp_b for cs in counted for c in cs) / len(counted)
     runtime = m * sum(c.action * c.actions for cs in counted for c in cs) / len(counted)
+    copies = m * sum(c.copy_f + c.copy_b for cs in counted for c in cs) / len(counted)
     dp = off = opt = sync = 0.0
     for ps, cs in zip(plans, busy, strict=True):
         d, o, shard = _after_pipeline(cfg, hw, links, ps, cs, memo)
         dp, off = max(dp, d), max(off, o)
         opt = max(opt, _optimizer_seconds(cfg, hw, shard))
         sync = max(sync, step_collective_seconds(cfg, links, ps))
-    bubble = span - compute - recompute - tp - runtime
-    return StepTime(compute, recompute, tp, bubble, dp, off, opt, sync, runtime)
+    bubble = span - compute - recompute - tp - runtime - copies
+    return StepTime(compute, recompute, tp, bubble, dp, off + copies, opt, sync, runtime)
 
 
 def _after_pipeline(

@@ -4,7 +4,9 @@ Version j lives in copy j % 2 of this rank's (pruned) model. In-flight micro-bat
 the copy holding their version, so their autograd graphs save that copy's own parameter
 tensors and their gradients accumulate on them; nothing is swapped in or out of a module
 while a graph depends on it. Activation recomputation works unchanged, since a recomputed
-forward runs the same copy again.
+forward runs the same copy again; activation offload wraps each copy's blocks (after
+recompute, as on one model), so a micro-batch's saved tensors wait on the host whichever
+version it runs.
 
 The update of step k (W(k+1) = W(k) - lr·AdamW(g_k), g_k computed at W(k-1)) writes into the
 copy that held W(k-1), free by then: first W(k) is copied there, then plait's AdamW steps it
@@ -39,6 +41,7 @@ from plait.comm import Comm
 from plait.config import TrainConfig
 from plait.memory_tracker import MemoryTracker
 from plait.models.transformer import Transformer
+from plait.parallel.activation_offload import apply_activation_offload
 from plait.parallel.activation_recompute import apply_recompute
 from plait.parallel.adamw import AdamW
 from plait.parallel.grads import SplitGradRules
@@ -57,16 +60,25 @@ class WeightVersions:
     memory = None  # the 2BW tests measure its storages directly (`storages`)
     loss_scale = 1.0
 
-    def __init__(self, model: Transformer, train: TrainConfig, comm: Comm, recompute: str) -> None:
+    def __init__(
+        self,
+        model: Transformer,
+        train: TrainConfig,
+        comm: Comm,
+        recompute: str,
+        offload_activations: str = "none",
+    ) -> None:
         self.comm = comm
-        # Copy before recompute: its wrappers close over the module they wrap. The copy's tp
-        # layers keep using the same Comm (memo), not a copy of its process groups, and the
-        # same frozen parameters (LoRA's base): they never change, so one is held, not two.
+        # Copy before recompute and offload: their wrappers close over the module they wrap.
+        # The copy's tp layers keep using the same Comm (memo), not a copy of its process
+        # groups, and the same frozen parameters (LoRA's base): they never change, so one is
+        # held, not two.
         memo: dict[int, Any] = {id(comm): comm}
         memo.update((id(p), p) for p in model.parameters() if not p.requires_grad)
         self.copies = [model, copy.deepcopy(model, memo=memo)]
         for c in self.copies:
             apply_recompute(c, recompute)
+            apply_activation_offload(c, offload_activations)
             c.train()
         # The trainable parameters of each copy, in the same order (deepcopy keeps it).
         self.params = [[p for _, p in trainable(list(c.named_parameters()))] for c in self.copies]
