@@ -1,0 +1,119 @@
+"""ZeRO-2 and ZeRO-3 through every synchronous pipeline schedule equal one process (fp32).
+
+One world of 4 (dp2 x pp2) runs every case: stage 2, stage 3 keeping the stage gathered
+through the step (--reshard-after-forward default) and regathering per micro-batch
+(always), each in naive, GPipe, 1F1B, interleaved and ZB-H1. Loss and gradient norm every
+step (rtol 1e-5), the validation loss and every parameter after the run equal the plain
+loop's (tests/reference.py), and the step's counted bytes equal the formula: the stage's
+flat groups reduce-scattered once per step, and all-gathered once per step (stage 2 after
+the update; stage 3 keep) or, regathering, each block once per forward and once per
+gradient pass of each micro-batch (the ends kept through the step).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plait.config import build_config
+from plait.errors import ConfigError
+from plait.mesh import build_mesh
+from plait.parallel.tp.sharding import full_tensor, param_shard_specs
+from plait.train import Trainer
+from reference import assert_matches_reference, corpus_for, small_config
+
+PARAM_ATOL = 5e-5  # see test_pp_parity.py
+
+
+def _full_params(trainer: Trainer) -> dict[str, torch.Tensor]:
+    specs = param_shard_specs(trainer.model)
+    with trainer.engine.unsharded():
+        return {
+            n: full_tensor(p, specs[n], trainer.comm) if n in specs else p.detach().clone()
+            for n, p in trainer.model.named_parameters()
+        }
+
+
+def _expected_gathers(trainer: Trainer, reshard: str) -> int:
+    """All-gathered parameter bytes of one step, by the formula in the module docstring."""
+    engine, cfg = trainer.engine, trainer.cfg
+    sizes = [g.padded * 4 for g in engine.groups]
+    if engine.stage == 2 or reshard != "always":
+        return sum(sizes)
+    gatherer = engine.gatherer
+    ends = sum(sizes[gi] for gi in gatherer.ends)
+    plans, m = trainer.pipeline.plans, cfg.accumulation
+    split = trainer.pipeline.schedule.split_backward
+    blocks = 0
+    for i, chunk in enumerate(gatherer.chunk):
+        passes = 2 + (split and not plans[chunk].first)  # F, B, W (the first stage: B empty)
+        blocks += sizes[gatherer.group_of(i)] * passes * m
+    return ends + blocks
+
+
+def _parity(zero: int, reshard: str = "default", **kw) -> dict:
+    cfg = small_config(**kw)
+    cfg.parallel.zero, cfg.parallel.reshard_after_forward = zero, reshard
+    cfg.validate(check_data=False)
+    corpus = corpus_for(cfg)
+    mesh = build_mesh(cfg.parallel.layout, torch.device("cpu"), cfg.parallel.comm_timeout)
+    trainer = Trainer(cfg, mesh, corpus)
+    results = [trainer.train_step() for _ in range(cfg.train.steps)]
+    stats = trainer.comm.stats
+    counted = {
+        "reduce_scatter": stats.total("reduce_scatter", "grad", "dp")[2],
+        "all_gather": stats.total("all_gather", "params", "dp")[2],
+    }
+    expected = {
+        "reduce_scatter": sum(g.padded * 4 for g in trainer.engine.groups),
+        "all_gather": _expected_gathers(trainer, reshard),
+    }
+    val = trainer.evaluate()
+    params = _full_params(trainer)
+    trainer.close()
+    assert_matches_reference(cfg, corpus, results, params, val, PARAM_ATOL)
+    return {"counted": counted, "expected": expected, "loss": results[-1].loss}
+
+
+SCHEDULES = [
+    dict(preset="tiny-llama", schedule="naive", accum=2),
+    dict(preset="tiny-gpt", schedule="gpipe", accum=3),
+    dict(preset="tiny-gpt", schedule="1f1b", accum=4, dropout=0.1),
+    dict(preset="tiny-gpt", schedule="interleaved", virtual_stages=2, n_layers=4, accum=4),
+    dict(preset="tiny-llama", schedule="zb-h1", accum=4),
+]
+CASES = [
+    dict(zero=zero, reshard=reshard, **case)
+    for zero, reshard in ((2, "default"), (3, "default"), (3, "always"))
+    for case in SCHEDULES
+]
+
+
+def _id(case: dict) -> str:
+    return "-".join(f"{k}={v}" for k, v in case.items())
+
+
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_zero_2_3_through_a_pipeline_equal_one_process(world4, case):
+    out = world4.run(_parity, dp=2, pp=2, steps=4, **case)
+    assert len({o["loss"] for o in out}) == 1
+    for rank in out:
+        assert rank["counted"] == rank["expected"], rank
+
+
+@pytest.mark.parametrize(
+    ("over", "message"),
+    [
+        ({"zero": 3, "pp": 2, "reshard_after_forward": "sometimes"},
+         "reshard-after-forward must be one of default, always, never; got 'sometimes'"),
+        ({"zero": 2, "pp": 2, "reshard_after_forward": "always"},
+         "--reshard-after-forward always needs --zero 3; got zero=2"),
+        ({"zero": 3, "reshard_after_forward": "never"},
+         "--reshard-after-forward never needs a pipeline (pp > 1)"),
+        ({"zero": 2, "pp": 2, "schedule": "2bw"}, "schedule 2bw keeps its own two weight"),
+    ],
+)  # fmt: skip
+def test_bad_combinations_say_so(over, message):
+    cfg = build_config("tiny-gpt", {"parallel": over, "train": {"seq_len": 32, "micro_batch": 1}})
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        cfg.validate(check_data=False)
