@@ -147,7 +147,7 @@ def check_zero(
         )
 
 
-def check_reshard(value: str, stage: int, pp: int, lora: bool = False) -> None:
+def check_reshard(value: str, stage: int, pp: int) -> None:
     """`--reshard-after-forward` (torchtitan's name and values for FSDP's option): default
     keeps a pipeline stage's ZeRO-3 parameters gathered through the step and regathers per
     block without a pipeline (as today); always regathers per micro-batch under a pipeline
@@ -163,11 +163,6 @@ def check_reshard(value: str, stage: int, pp: int, lora: bool = False) -> None:
         raise ConfigError(
             "--reshard-after-forward never needs a pipeline (pp > 1): without one ZeRO-3 "
             "gathers each block around its forward and its backward"
-        )
-    if lora and stage == 3 and pp > 1:
-        raise ConfigError(
-            f"--lora-rank with --zero 3 and a pipeline (pp={pp}) is not supported: the frozen "
-            "base's gathers follow a whole-model forward; use --zero 2 or pp=1"
         )
 
 

@@ -503,7 +503,7 @@ def validate_config(cfg: Config, check_data: bool = True) -> None:
         par.reduce_dtype,
         par.schedule,
     )
-    check_reshard(par.reshard_after_forward, par.zero, par.pp, cfg.model.lora is not None)
+    check_reshard(par.reshard_after_forward, par.zero, par.pp)
     _check_base_dtype(par, cfg.model.lora is not None)
     check_loss_average(t.loss_average)
     if t.nan_policy not in ("stop", "skip"):

@@ -55,7 +55,7 @@ from plait.models.contract import contract_of
 from plait.parallel.adamw import ElementwiseOptimizer, clip_segments
 from plait.parallel.grads import SplitGradRules
 from plait.parallel.zero.flat_params import Gatherer, ParamStore, initial_flat
-from plait.parallel.zero.frozen import hold_base
+from plait.parallel.zero.frozen import FrozenGatherer, hold_base
 from plait.parallel.zero.layout import (
     NVME_SUB_GROUP_MB,
     build_groups,
@@ -63,7 +63,7 @@ from plait.parallel.zero.layout import (
 )
 from plait.parallel.zero.master_states import ResidentStates
 from plait.parallel.zero.nvme import NvmeStates
-from plait.parallel.zero.pipeline_gather import PipelineGatherer
+from plait.parallel.zero.pipeline_gather import PipelineGatherer, PipelineGathers
 from plait.parallel.zero.reducer import GradReducer
 from plait.parallel.zero.state_dict import export_states, import_states
 from plait.schedule.stages import StagePlan
@@ -113,9 +113,11 @@ class ZeroEngine:
         n, rank = comm.mesh.size(axis), comm.mesh.axis_rank(axis)
         self.groups = build_groups(model, stage, int(bucket_mb * 2**20), rank, n, isolate)
         compute = self.precision.param_dtype
-        self.frozen, self.frozen_gatherer = hold_base(  # a LoRA run's base (zero/frozen.py)
-            model, stage, base_dtype or compute, compute, comm, axis, self.memory, initial_value
-        )
+        keep = reshard_after_forward != "always"  # stage 3 under a pipeline
+        self.frozen, frozen_gatherer = hold_base(  # a LoRA run's base (zero/frozen.py)
+            model, stage, base_dtype or compute, compute, comm, axis, self.memory,
+            initial_value, plans, keep,
+        )  # fmt: skip
         values = [initial_flat(g, stage, self.device, initial_value) for g in self.groups]
         self.params = ParamStore(
             self.groups, values, stage, self.precision.param_dtype, comm, axis, self.memory
@@ -125,13 +127,14 @@ class ZeroEngine:
         self.states = self._make_states(values, offload, offload_dir, sub_group_mb)
         del values
         self.gatherer: Gatherer | None = None
-        self.pipeline_actions: PipelineGatherer | None = None  # the walker's before/after
+        self.pipeline_actions: PipelineGathers | None = None  # the walker's before/after
+        self.frozen_gatherer: FrozenGatherer | None = None  # without a pipeline
         if stage == 3 and plans:
-            keep = reshard_after_forward != "always"
-            self.pipeline_actions = PipelineGatherer(model, self.params, plans, keep)
-            self.gatherer = self.pipeline_actions
+            self.gatherer = PipelineGatherer(model, self.params, plans, keep)
+            self.pipeline_actions = PipelineGathers([self.gatherer, frozen_gatherer])
         elif stage == 3:
             self.gatherer = Gatherer(model, self.params)
+            self.frozen_gatherer = frozen_gatherer
         self.grads = GradReducer(
             self.groups,
             comm,
@@ -271,10 +274,16 @@ class ZeroEngine:
     def unsharded(self) -> AbstractContextManager:
         """Context in which every parameter holds its full value (stage 3 gathers)."""
         stack = ExitStack()
-        for gatherer in (self.gatherer, self.frozen_gatherer):
+        for gatherer in self._gatherers():
             if gatherer:
                 stack.enter_context(gatherer.gathered())
         return stack
+
+    def _gatherers(self) -> list[Gatherer]:
+        """Stage 3's gatherers: the trainable parameters' and a LoRA base's."""
+        if self.pipeline_actions:
+            return list(self.pipeline_actions.gatherers)
+        return [g for g in (self.gatherer, self.frozen_gatherer) if g]
 
     # -- checkpoints -----------------------------------------------------------------------
     @property
@@ -318,7 +327,7 @@ class ZeroEngine:
     def close(self) -> None:
         """Remove hooks and offload files."""
         self.grads.remove_hooks()
-        for gatherer in (self.gatherer, self.frozen_gatherer):
+        for gatherer in self._gatherers():
             if gatherer:
                 gatherer.remove_hooks()
         self.states.close()

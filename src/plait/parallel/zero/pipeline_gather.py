@@ -19,7 +19,9 @@ named as torchtitan names FSDP's (`--reshard-after-forward`):
   Per micro-batch two all-gathers per block (three under zb-h1 except on the first stage,
   whose B computes nothing): m times the traffic, for one or two blocks gathered at a time.
 
-The ends (embedding, final norm, head, a tied embedding's copy) are gathered at the first
+A LoRA run's frozen base follows the same policy in its own groups (no gradients: kept
+units are freed at the step's end). The ends (embedding, final norm, head, a tied
+embedding's copy) are gathered at the first
 forward that reaches them (a hook on the embedding and the final norm) and kept through the
 step under both policies, as FSDP keeps its root module: they are used at both ends of
 every micro-batch. Prefetching never crosses a chunk: the next block of the rank may belong
@@ -28,7 +30,7 @@ to a chunk whose action is far away in the schedule.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from torch import Tensor, nn
 
@@ -126,3 +128,23 @@ class PipelineGatherer(Gatherer):
                 self.prefetch(self.group_of(block - 1))
 
         return hook
+
+
+class PipelineGathers:
+    """The walker's hooks over every stage-3 gatherer of the rank: the trainable
+    parameters' and, under LoRA, the frozen base's (`frozen.hold_base`)."""
+
+    def __init__(self, gatherers: Iterable[PipelineGatherer | None]) -> None:
+        self.gatherers = [g for g in gatherers if g is not None]
+
+    def before(self, kind: Kind, chunk: int) -> None:
+        for g in self.gatherers:
+            g.before(kind, chunk)
+
+    def after(self, kind: Kind, chunk: int) -> None:
+        for g in self.gatherers:
+            g.after(kind, chunk)
+
+    def end_step(self) -> None:
+        for g in self.gatherers:
+            g.end_step()
