@@ -16,11 +16,14 @@ import pytest
 import torch
 
 from lora_parity import lora_config
+from memory_runs import Case, compare, error, measure
 from plait.config import build_config
 from plait.errors import ConfigError
+from plait.estimate import estimate
 from plait.mesh import build_mesh
 from plait.models.declare import is_adapter
 from plait.parallel.tp.sharding import full_tensor, param_shard_specs
+from plait.plan.traffic import base_elements, dp_elements
 from plait.train import Trainer
 from reference import assert_matches_reference, corpus_for, small_config
 
@@ -74,6 +77,8 @@ def _parity(zero: int, reshard: str = "default", sequence_parallel: bool = False
         "reduce_scatter": sum(g.padded * 4 for g in trainer.engine.groups),
         "all_gather": _expected_gathers(trainer, reshard),
     }
+    planned = dp_elements(cfg, trainer.pipeline.plans)  # what plait plan prices
+    assert {op: n * 4 for op, (n, _) in planned.items()} == expected, (planned, expected)
     val = trainer.evaluate()
     params = _full_params(trainer)
     trainer.close()
@@ -122,6 +127,8 @@ def _lora_parity(zero: int, reshard: str, **kw) -> dict:
     expected = 0
     if zero == 3:
         expected = _expected_gathers(trainer, reshard, trainer.engine.pipeline_actions.gatherers[1])
+        planned = base_elements(cfg, trainer.pipeline.plans)[0] * 4  # what plait plan prices
+        assert planned == expected, (planned, expected)
     val = trainer.evaluate()
     params = _full_params(trainer)
     trainer.close()
@@ -144,6 +151,33 @@ def test_lora_through_a_pipeline_equals_one_process(world4, case):
     out = world4.run(_lora_parity, dp=2, pp=2, **case)
     for rank in out:  # the base gathered as the adapters are (never under zero 2)
         assert rank["frozen"] == rank["expected"], rank
+
+
+PIPE = {"dp": 2, "pp": 2}
+LORA_ALL = {"lora_rank": 4, "lora_targets": "all"}
+MEMORY = [
+    Case("dp2 pp2 1f1b zero2", parallel=PIPE | {"zero": 2}, accum=4),
+    Case("dp2 pp2 gpipe zero3", parallel=PIPE | {"zero": 3, "schedule": "gpipe"}, accum=4),
+    Case("dp2 pp2 zb-h1 zero3 always", "small-llama", accum=4,
+         parallel=PIPE | {"zero": 3, "schedule": "zb-h1", "reshard_after_forward": "always"}),
+    Case("dp2 pp2 interleaved zero3 always", accum=4,
+         parallel=PIPE | {"zero": 3, "schedule": "interleaved", "virtual_stages": 2,
+                          "reshard_after_forward": "always"}),
+    Case("lora dp2 pp2 1f1b zero3", "small-llama", parallel=PIPE | {"zero": 3}, model=LORA_ALL,
+         accum=4),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", MEMORY, ids=[x.name for x in MEMORY])
+def test_estimate_matches_measurement(world4, layout):
+    """Model states, the frozen base and the tracked total within 2% of the memory tracker
+    on every rank (the full gradient held until the step's reduce-scatter, the gathered
+    stage or blocks: estimate/zero_pipeline.py)."""
+    est = estimate(layout.config())
+    for measured in world4.run(measure, layout):
+        for term, pair in compare(est, measured).items():
+            limit = 0.10 if term == "activations" else 0.02
+            assert abs(error(pair)) <= limit, (layout.name, measured["pp_rank"], term, pair)
 
 
 @pytest.mark.parametrize(

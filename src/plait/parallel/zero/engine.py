@@ -128,13 +128,12 @@ class ZeroEngine:
         del values
         self.gatherer: Gatherer | None = None
         self.pipeline_actions: PipelineGathers | None = None  # the walker's before/after
-        self.frozen_gatherer: FrozenGatherer | None = None  # without a pipeline
+        self.frozen_gatherer = frozen_gatherer
         if stage == 3 and plans:
             self.gatherer = PipelineGatherer(model, self.params, plans, keep)
             self.pipeline_actions = PipelineGathers([self.gatherer, frozen_gatherer])
         elif stage == 3:
             self.gatherer = Gatherer(model, self.params)
-            self.frozen_gatherer = frozen_gatherer
         self.grads = GradReducer(
             self.groups,
             comm,
@@ -176,8 +175,8 @@ class ZeroEngine:
 
     def micro_batch(self, is_last: bool) -> None:
         """Call before each micro-batch (before its forward in stage 3)."""
-        if self.frozen_gatherer:  # the last one's backward is over: 2 gathers per unit each
-            self.frozen_gatherer.release_all()
+        if isinstance(self.frozen_gatherer, FrozenGatherer):  # the last one's backward is
+            self.frozen_gatherer.release_all()  # over: 2 gathers per unit each
         self.grads.micro_batch(is_last)
 
     def scale_loss(self, loss: Tensor) -> Tensor:
@@ -193,7 +192,7 @@ class ZeroEngine:
         self.grads.finish()
         if self.pipeline_actions:  # the update writes the shards: nothing stays gathered
             self.pipeline_actions.end_step()
-        if self.frozen_gatherer:  # backward is over: no unit of the base is needed
+        if isinstance(self.frozen_gatherer, FrozenGatherer):  # no unit of the base is needed
             self.frozen_gatherer.release_all()
         self._found_inf = None
         self._coef = 1.0
@@ -275,14 +274,11 @@ class ZeroEngine:
         """Context in which every parameter holds its full value (stage 3 gathers)."""
         stack = ExitStack()
         for gatherer in self._gatherers():
-            if gatherer:
-                stack.enter_context(gatherer.gathered())
+            stack.enter_context(gatherer.gathered())
         return stack
 
     def _gatherers(self) -> list[Gatherer]:
         """Stage 3's gatherers: the trainable parameters' and a LoRA base's."""
-        if self.pipeline_actions:
-            return list(self.pipeline_actions.gatherers)
         return [g for g in (self.gatherer, self.frozen_gatherer) if g]
 
     # -- checkpoints -----------------------------------------------------------------------
@@ -328,6 +324,5 @@ class ZeroEngine:
         """Remove hooks and offload files."""
         self.grads.remove_hooks()
         for gatherer in self._gatherers():
-            if gatherer:
-                gatherer.remove_hooks()
+            gatherer.remove_hooks()
         self.states.close()
