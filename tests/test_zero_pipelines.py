@@ -12,6 +12,8 @@ gradient pass of each micro-batch (the ends kept through the step).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -22,7 +24,12 @@ from plait.errors import ConfigError
 from plait.estimate import estimate
 from plait.mesh import build_mesh
 from plait.models.declare import is_adapter
+from plait.models.presets import get_preset
 from plait.parallel.tp.sharding import full_tensor, param_shard_specs
+from plait.plan.enumerate import Request, knobs, shapes
+from plait.plan.hardware import load_hardware
+from plait.plan.search import config_of
+from plait.plan.step_time import Memo, step_time
 from plait.plan.traffic import base_elements, dp_elements
 from plait.train import Trainer
 from reference import assert_matches_reference, corpus_for, small_config
@@ -196,3 +203,22 @@ def test_bad_combinations_say_so(over, message):
     cfg = build_config("tiny-gpt", {"parallel": over, "train": {"seq_len": 32, "micro_batch": 1}})
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         cfg.validate(check_data=False)
+
+
+def test_the_planner_offers_and_prices_zero_2_3_under_a_pipeline():
+    """`plait plan` enumerates stages 2-3 on pipelined cuts, ZeRO-3 both kept and
+    regathered; regathering holds less and moves about 2m times the stage's gathers, which
+    the step-time model's dp term shows."""
+    model = replace(get_preset("small-gpt"), n_layers=8)  # 4 blocks a stage: 2 gathered at once
+    req = Request(model, "small-gpt", 4, 4, 16, 128, "fp32", 8, None, ())
+    shape = next(s for s in shapes(req) if (s.dp, s.pp, s.schedule) == (2, 2, "1f1b"))
+    offered = {(c.zero, c.reshard) for c in knobs(req, shape)}
+    assert {(2, "default"), (3, "default"), (3, "always")} <= offered
+    kept, again = (replace(shape, zero=3, reshard=r) for r in ("default", "always"))
+    assert "regather" in again.describe() and "regather" not in kept.describe()
+    cfg_kept, cfg_again = config_of(req, kept), config_of(req, again)
+    assert cfg_again.parallel.reshard_after_forward == "always"
+    assert estimate(cfg_again).most_loaded.total() < estimate(cfg_kept).most_loaded.total()
+    hw = load_hardware("h100")
+    t_kept, t_again = (step_time(c, hw, 4, Memo()) for c in (cfg_kept, cfg_again))
+    assert t_again.dp > t_kept.dp
