@@ -19,6 +19,7 @@ import torch
 
 from lora_parity import lora_config
 from memory_runs import Case, compare, error, measure
+from plait.cli import main
 from plait.config import build_config
 from plait.errors import ConfigError
 from plait.estimate import estimate
@@ -222,3 +223,21 @@ def test_the_planner_offers_and_prices_zero_2_3_under_a_pipeline():
     hw = load_hardware("h100")
     t_kept, t_again = (step_time(c, hw, 4, Memo()) for c in (cfg_kept, cfg_again))
     assert t_again.dp > t_kept.dp
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--zero", "3", "--pp", "2", "--reshard-after-forward", "sometimes"],
+         "reshard-after-forward must be one of default, always, never; got 'sometimes'"),
+        (["--reshard-after-forward", "never", "--zero", "3"],
+         "--reshard-after-forward never needs a pipeline (pp > 1)"),
+    ],
+)  # fmt: skip
+def test_bad_reshard_is_one_line_exit_2(capsys, monkeypatch, args, message):
+    """Before any worker starts: one line, exit 2."""
+    monkeypatch.setenv("COLUMNS", "40")  # a narrow terminal must not wrap the line
+    assert main(["train", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.startswith("plait: error: ") and err.count("\n") == 1, err
