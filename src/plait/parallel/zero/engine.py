@@ -311,6 +311,8 @@ class ZeroEngine:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load `state["params"]` (name -> master/exp_avg/exp_avg_sq, full tensors, saved
         under any layout) into this rank's shards, and the parameters from the masters."""
+        if self.pipeline_actions:  # nothing gathered may keep the values being replaced
+            self.pipeline_actions.end_step()
         import_states(self.groups, self.states, state["params"])
         self.step_count = state["step"]
         if self.scaler and state.get("loss_scaler"):
