@@ -7,7 +7,11 @@ step (rtol 1e-5), the validation loss and every parameter after the run equal th
 loop's (tests/reference.py), and the step's counted bytes equal the formula: the stage's
 flat groups reduce-scattered once per step, and all-gathered once per step (stage 2 after
 the update; stage 3 keep) or, regathering, each block once per forward and once per
-gradient pass of each micro-batch (the ends kept through the step).
+gradient pass of each micro-batch (the ends kept through the step), and what `plait plan`
+prices. In the same world: a LoRA run under ZeRO-2/3 (its base's gathers counted too),
+bf16/fp16 against the fp32 run, the estimator against the memory tracker, and a ZeRO-3
+checkpoint resumed in its own layout and under ZeRO-2; without a world: the planner's
+offer of both ZeRO-3 policies, and bad `--reshard-after-forward` values (one line, exit 2).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from plait.plan.search import config_of
 from plait.plan.step_time import Memo, step_time
 from plait.plan.traffic import base_elements, dp_elements
 from plait.train import Trainer
-from reference import assert_matches_reference, corpus_for, small_config
+from reference import assert_matches_reference, corpus_for, reference_run, small_config
 from test_checkpoint import AT, STEPS, _params_by_name, _phase, _reference
 
 PARAM_ATOL = 5e-5  # see test_pp_parity.py
@@ -160,6 +164,28 @@ def test_lora_through_a_pipeline_equals_one_process(world4, case):
     out = world4.run(_lora_parity, dp=2, pp=2, **case)
     for rank in out:  # the base gathered as the adapters are (never under zero 2)
         assert rank["frozen"] == rank["expected"], rank
+
+
+def _mixed(zero: int, precision: str, **kw) -> dict:
+    """A few 16-bit steps against the fp32 single process: a missing loss scale, unscale or
+    cast of the gathered parameters would be far off."""
+    cfg = small_config(steps=3, **kw)
+    cfg.parallel.zero, cfg.parallel.precision = zero, precision
+    cfg.validate(check_data=False)
+    corpus = corpus_for(cfg)
+    mesh = build_mesh(cfg.parallel.layout, torch.device("cpu"), cfg.parallel.comm_timeout)
+    trainer = Trainer(cfg, mesh, corpus)
+    losses = [trainer.train_step().loss for _ in range(cfg.train.steps)]
+    trainer.close()
+    return {"losses": losses, "ref": reference_run(cfg, corpus)[0]}
+
+
+@pytest.mark.parametrize(("zero", "precision"), [(3, "bf16"), (2, "fp16")])
+def test_mixed_precision_through_the_pipeline(world4, zero, precision):
+    out = world4.run(_mixed, zero, precision, preset="tiny-gpt", dp=2, pp=2, accum=4)[0]
+    torch.testing.assert_close(
+        torch.tensor(out["losses"]), torch.tensor(out["ref"]), rtol=2e-2, atol=0
+    )
 
 
 PIPE = {"dp": 2, "pp": 2}
