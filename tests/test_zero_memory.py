@@ -103,8 +103,8 @@ def test_option_errors_name_the_values(tmp_path):
         check_zero(1, "nvme", None)
     with pytest.raises(ConfigError, match="--offload-dir '/x' is only used with --offload nvme"):
         check_zero(1, "cpu", "/x")
-    with pytest.raises(ConfigError, match="zero stage 2 with pipeline parallelism \\(pp=2\\)"):
-        check_zero(2, "none", None, pp=2)
+    with pytest.raises(ConfigError, match="schedule 2bw keeps its own two weight versions"):
+        check_zero(2, "none", None, pp=2, schedule="2bw")
     with pytest.raises(ConfigError, match="a loss scaler is for fp16; precision is bf16"):
         _engine(precision="bf16", scaler=DynamicLossScaler())
     blocker = tmp_path / "file"

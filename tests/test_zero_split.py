@@ -121,8 +121,6 @@ def test_mixed_precision_through_the_pipeline(world4, precision, dtype):
 @pytest.mark.parametrize(
     ("over", "message"),
     [
-        ({"zero": 2, "pp": 2}, "zero stage 2 with pipeline parallelism (pp=2) is not supported"),
-        ({"zero": 3, "pp": 2}, "zero stage 3 with pipeline parallelism (pp=2) is not supported"),
         ({"zero": 1, "pp": 2, "schedule": "2bw"}, "schedule 2bw keeps its own two weight"),
     ],
 )

@@ -19,6 +19,7 @@ RECOMPUTE_MODES = ("none", "full", "selective")
 ZERO_STAGES = (0, 1, 2, 3)
 OFFLOADS = ("none", "cpu", "nvme")
 ACTIVATION_OFFLOADS = ("none", "cpu")
+RESHARD_AFTER_FORWARD = ("default", "always", "never")
 
 
 def check_recompute(mode: str) -> None:
@@ -137,19 +138,31 @@ def check_zero(
     if offload != "nvme" and offload_dir:
         raise ConfigError(f"--offload-dir {offload_dir!r} is only used with --offload nvme")
     parse_precision(precision, reduce_dtype)
-    if pp > 1 and stage > 1:
-        raise ConfigError(
-            f"zero stage {stage} with pipeline parallelism (pp={pp}) is not supported (use "
-            "zero 0 or 1, as DeepSpeed does): stages 2-3 keep no full gradient, so they "
-            "reduce-scatter after every micro-batch, m times the traffic of a pipeline step, "
-            "and stage 3 would also gather each block again for every micro-batch"
-        )
     sharded_or_mixed = stage > 0 or precision != "fp32" or offload != "none"
     if pp > 1 and schedule == "2bw" and sharded_or_mixed:
         raise ConfigError(
             f"schedule 2bw keeps its own two weight versions and optimizer; it does not run "
             f"on the ZeRO engine (got zero={stage}, precision={precision}, "
             f"offload={offload}; use zero=0, fp32 and no offload)"
+        )
+
+
+def check_reshard(value: str, stage: int, pp: int) -> None:
+    """`--reshard-after-forward` (torchtitan's name and values for FSDP's option): default
+    keeps a pipeline stage's ZeRO-3 parameters gathered through the step and regathers per
+    block without a pipeline (as today); always regathers per micro-batch under a pipeline
+    too; never needs a pipeline (without one, plait's ZeRO-3 frees each block after use)."""
+    if value not in RESHARD_AFTER_FORWARD:
+        raise ConfigError(
+            f"reshard-after-forward must be one of {', '.join(RESHARD_AFTER_FORWARD)}; "
+            f"got {value!r}"
+        )
+    if value != "default" and stage != 3:
+        raise ConfigError(f"--reshard-after-forward {value} needs --zero 3; got zero={stage}")
+    if value == "never" and pp == 1:
+        raise ConfigError(
+            "--reshard-after-forward never needs a pipeline (pp > 1): without one ZeRO-3 "
+            "gathers each block around its forward and its backward"
         )
 
 

@@ -19,6 +19,7 @@ from plait.composition import (
     check_partition_activations,
     check_pipeline,
     check_recompute,
+    check_reshard,
     check_tensor_parallel,
     check_zero,
 )
@@ -97,6 +98,14 @@ class ParallelConfig:
         metadata={
             "help": "how a LoRA run holds its frozen base: auto (the precision's parameter "
             "dtype), bf16, fp16 or fp32; adapters keep fp32 masters under every precision"
+        },
+    )
+    reshard_after_forward: str = field(
+        default="default",
+        metadata={
+            "help": "ZeRO-3 under a pipeline: default or never (a stage's parameters gathered "
+            "once per step, kept through its micro-batches), always (regathered per "
+            "micro-batch and block: less memory, m times the all-gathers)"
         },
     )
     offload: str = field(
@@ -494,6 +503,7 @@ def validate_config(cfg: Config, check_data: bool = True) -> None:
         par.reduce_dtype,
         par.schedule,
     )
+    check_reshard(par.reshard_after_forward, par.zero, par.pp)
     _check_base_dtype(par, cfg.model.lora is not None)
     check_loss_average(t.loss_average)
     if t.nan_policy not in ("stop", "skip"):

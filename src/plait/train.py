@@ -147,7 +147,9 @@ def _streams_init(cfg: Config) -> bool:
     return cfg.parallel.zero == 3 and not cfg.parallel.two_bw
 
 
-def _zero_engine(cfg: Config, model: Transformer, comm: Comm, pipelined: bool) -> ZeroEngine:
+def _zero_engine(
+    cfg: Config, model: Transformer, comm: Comm, pipeline: PipelineDriver | None
+) -> ZeroEngine:
     par = cfg.parallel
     streamed = _streams_init(cfg)
     return ZeroEngine(
@@ -159,9 +161,11 @@ def _zero_engine(cfg: Config, model: Transformer, comm: Comm, pipelined: bool) -
         offload=par.offload,
         offload_dir=par.offload_dir,
         bucket_mb=par.bucket_mb,
-        isolate=tied_embedding_params(model) if pipelined else [],
+        isolate=tied_embedding_params(model) if pipeline else [],
         initial_value=source_values(model, first_weights(cfg)) if streamed else None,
         base_dtype=parse_base_dtype(par.base_dtype, par.precision, cfg.model.lora is not None),
+        plans=pipeline.plans if pipeline else None,
+        reshard_after_forward=par.reshard_after_forward,
     )
 
 
@@ -223,10 +227,11 @@ class Trainer:
         if cfg.parallel.dp_mode == "naive":
             coordinator = Coordinator(model, cfg.train, self.comm)
             return coordinator, ScatterGather(model, coordinator, self.batches, self.comm)
-        engine = _zero_engine(cfg, model, self.comm, self.pipeline is not None)
+        engine = _zero_engine(cfg, model, self.comm, self.pipeline)
         if self.pipeline is None:
             return engine, Accumulate(model, engine, self.batches)
-        self.pipeline.attach(model, engine, engine.precision.param_dtype)
+        dtype = engine.precision.param_dtype
+        self.pipeline.attach(model, engine, dtype, engine.pipeline_actions)
         return engine, Pipelined(self.pipeline, self.batches)
 
     @property

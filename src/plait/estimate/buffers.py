@@ -8,6 +8,8 @@
   whole forward, with the current block and the prefetched next one (`zero/flat_params.py`);
   a LoRA run trains nothing at the root (no root group), and gathers its frozen base's units
   beside the adapters' (`estimate/frozen_base.py`).
+- Under a pipeline, stages 2-3 reduce once per step and stage 3 keeps (or regathers) a
+  stage's parameters: `estimate/zero_pipeline.py` (`rank_zero_buffers` picks).
 - Pipeline receive buffers: each received stage input lives until its backward (the
   schedule's in-flight count on non-first chunks), plus one received output gradient. The
   memory tracker does not see these (they are plain tensors of the runtime); they are part of
@@ -20,6 +22,7 @@ from plait.config import Config
 from plait.estimate.frozen_base import FrozenBase
 from plait.estimate.lines import Line
 from plait.estimate.model_states import Precision, States
+from plait.estimate.zero_pipeline import pipeline_zero_buffers
 from plait.parallel.zero.layout import MAX_INFLIGHT_BUCKETS
 from plait.schedule.actions import Schedule
 from plait.schedule.simulate import peak_held
@@ -44,6 +47,24 @@ def zero_buffers(
     blocks = sorted(blocks, reverse=True)
     gathered = (root + sum(blocks[:2])) * prec.param
     return buckets, gathered, gathered + largest[0] * prec.reduce
+
+
+def rank_zero_buffers(
+    cfg: Config,
+    states: States,
+    prec: Precision,
+    plans: list[StagePlan],
+    schedule: Schedule | None,
+    rank: int,
+    root: bool = True,
+) -> tuple[int, int, int]:
+    """`zero_buffers`, or under a synchronous pipeline `pipeline_zero_buffers`."""
+    par = cfg.parallel
+    if schedule is None or par.two_bw:
+        return zero_buffers(par.zero, states.groups, prec, root)
+    return pipeline_zero_buffers(
+        par.zero, states, prec, plans, schedule, rank, par.reshard_after_forward
+    )
 
 
 def receive_buffers(
@@ -72,13 +93,16 @@ def buffer_lines(
     """The 'comm_buffers' line (what the memory tracker registers) and the
     'pipeline_buffers' line (receive buffers, which it does not); `base`: a LoRA run's
     frozen base, whose gathered units (stage 3) are buffers too."""
-    zero = cfg.parallel.zero
-    buckets, gathered, _ = zero_buffers(zero, states.groups, prec, base is None)
+    buckets, gathered, _ = rank_zero_buffers(cfg, states, prec, plans, schedule, rank, base is None)
+    once = schedule is not None and not cfg.parallel.two_bw  # reduced once per step
+    keep = once and cfg.parallel.reshard_after_forward != "always"
     parts = []
     if buckets:
-        parts.append(f"{MAX_INFLIGHT_BUCKETS + 1} largest buckets {buckets:,} B")
+        what = "the stage's full gradient" if once else f"{MAX_INFLIGHT_BUCKETS + 1} largest"
+        parts.append(f"{what} buckets {buckets:,} B")
     if gathered:
         what = "2 largest adapter blocks" if base else "root + 2 largest blocks"
+        what = "the stage's groups" if keep else what
         parts.append(f"ZeRO-3 {what} gathered {gathered:,} B")
     frozen = base.gathered_peak() if base else 0
     if frozen:

@@ -17,7 +17,7 @@ from plait.config import Config
 from plait.errors import ConfigError
 from plait.estimate import activations as act
 from plait.estimate.adapters import lora_head_bytes, lora_layer_bytes
-from plait.estimate.buffers import buffer_lines, zero_buffers
+from plait.estimate.buffers import buffer_lines, rank_zero_buffers
 from plait.estimate.formulas import (
     mixed_precision_adam_bytes,
     sixteen_bit_finetune_bytes,
@@ -147,7 +147,7 @@ def _rank(
     lines.append(_activation_line(cfg, plans, held, host, in_flight))
     lines += buffer_lines(cfg, states, plans, schedule, r, prec, base)
     layers = tuple(i for plan in plans for i in plan.layers)
-    at_peak = zero_buffers(par.zero, states.groups, prec, base is None)[2]
+    at_peak = rank_zero_buffers(cfg, states, prec, plans, schedule, r, base is None)[2]
     at_peak += base.gathered_at_activation_peak() if base else 0
     held_params = sum(p.numel for p in params)
     return RankEstimate(r, layers, held_params, in_flight, tuple(lines), at_peak)

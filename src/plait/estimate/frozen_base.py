@@ -9,7 +9,9 @@ The ZeRO engine holds the base apart from the trainable flat groups (parallel/ze
   Σ P/N·b; each unit is all-gathered before its forward and again before its backward,
   2·m·Σ P elements per step over m micro-batches (tag "frozen"), and freed after. At most
   the root and two blocks are gathered at once (the unit running and the next, prefetched);
-  near the activations' peak the root and the last block, or the last two blocks.
+  near the activations' peak the root and the last block, or the last two blocks. Under a
+  pipeline the base is kept gathered through the step (`kept`: once per step, the whole
+  stage held) unless `--reshard-after-forward always` (estimate/zero_pipeline.py).
 
 This module is the one place the estimator and the planner (plan/traffic.py) read those
 figures from, so memory and traffic come from the same groups.
@@ -44,6 +46,13 @@ class FrozenBase:
     stage: int
     world: int  # dp
     element: int  # bytes per element (--base-dtype)
+    blocks: tuple[int, ...] = ()  # each block unit's block number, in unit order
+    kept: bool = False  # stage 3 under a pipeline, kept gathered through the step
+
+    def unit_blocks(self) -> list[frozenset[int | None]]:
+        """Each unit's block (None: the root), as `zero_pipeline` reads flat groups."""
+        out = [frozenset([b]) for b in self.blocks]
+        return out + [frozenset([None])] * (len(self.units) - len(out))
 
     @property
     def numel(self) -> int:
@@ -69,6 +78,8 @@ class FrozenBase:
         """Stage 3: the most gathered at once, the root and two blocks (bytes); else 0."""
         if self.stage != 3:
             return 0
+        if self.kept:
+            return self.padded * self.element
         blocks, root = self._blocks_and_root()
         return (root + sum(blocks[:2])) * self.element
 
@@ -78,6 +89,8 @@ class FrozenBase:
         backward begins (only the head's saved tensors freed by then); the larger."""
         if self.stage != 3:
             return 0
+        if self.kept:
+            return self.padded * self.element
         blocks, root = self._blocks_and_root()
         return max(root + sum(blocks[:1]), sum(blocks[:2])) * self.element
 
@@ -86,7 +99,7 @@ class FrozenBase:
         micro-batch, whole (padded) as the communication counts report them."""
         if self.stage != 3 or self.world == 1:
             return 0
-        return 2 * micro_batches * self.padded
+        return self.padded if self.kept else 2 * micro_batches * self.padded
 
 
 def frozen_base(params: list[ParamSpec], cfg: Config, prec: Precision) -> FrozenBase:
@@ -101,7 +114,9 @@ def frozen_base(params: list[ParamSpec], cfg: Config, prec: Precision) -> Frozen
     shards = par.dp if par.zero == 3 else 1
     units = tuple((n, padded_size(n, shards)) for n in sizes if n)
     e = base_bytes(par.base_dtype, prec)
-    return FrozenBase(units, root > 0, par.zero, par.dp, e)
+    kept = par.pp > 1 and not par.two_bw and par.reshard_after_forward != "always"
+    held = tuple(b for b, n in zip(blocks, sizes, strict=False) if n)
+    return FrozenBase(units, root > 0, par.zero, par.dp, e, held, kept and par.zero == 3)
 
 
 def frozen_line(base: FrozenBase, cfg: Config) -> Line:
@@ -119,7 +134,9 @@ def frozen_line(base: FrozenBase, cfg: Config) -> Line:
         f"{len(base.units)} units padded to {base.padded:,}, 1/{base.world} each)"
     )
     gathered = base.gathered_per_step(cfg.accumulation)
-    if gathered:
+    if gathered and base.kept:
+        why += f"; all-gathers {base.padded:,} el = {gathered * e:,} B once per step (kept)"
+    elif gathered:
         why += (
             f"; all-gathers 2 x {cfg.accumulation} micro-batches x {base.padded:,} el = "
             f"{gathered * e:,} B per step"

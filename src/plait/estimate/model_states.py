@@ -47,6 +47,7 @@ class States:
 
     bytes: dict[str, dict[str, int]] = field(default_factory=dict)
     groups: list[tuple[int, int]] = field(default_factory=list)  # (numel, padded) per group
+    blocks: list[frozenset[int | None]] = field(default_factory=list)  # each group's blocks
 
     def add(self, category: str, place: str, nbytes: int) -> None:
         if nbytes:
@@ -62,6 +63,16 @@ def flat_groups(
 ) -> list[tuple[int, int]]:
     """(numel, padded) of every flat group, as `zero/layout.build_groups` forms them: of the
     trainable parameters only (a LoRA run's frozen base is in no group)."""
+    return _sized(group_units(params, stage, bucket_mb), 1 if stage == 0 else world)
+
+
+def _sized(units: list[list[ParamSpec]], shards: int) -> list[tuple[int, int]]:
+    sizes = [sum(p.numel for p in unit) for unit in units]
+    return [(n, padded_size(n, shards)) for n in sizes]
+
+
+def group_units(params: list[ParamSpec], stage: int, bucket_mb: float) -> list[list[ParamSpec]]:
+    """The parameters of every flat group, in the engine's group order."""
     params = [p for p in params if p.trainable]
     alone = [p for p in params if p.isolated]
     rest = [p for p in params if not p.isolated]
@@ -73,9 +84,7 @@ def flat_groups(
         runs = bucket_runs([p.numel * FP32 for p in rest], int(bucket_mb * 2**20))
         units = [[rest[i] for i in run] for run in runs]
     units += [[p] for p in alone]
-    shards = 1 if stage == 0 else world
-    sizes = [sum(p.numel for p in unit) for unit in units if unit]
-    return [(n, padded_size(n, shards)) for n in sizes]
+    return [unit for unit in units if unit]
 
 
 def model_states(
@@ -87,8 +96,10 @@ def model_states(
     bucket_mb: float = 25.0,
 ) -> States:
     """Per-rank model states of ZeRO `stage` over `world` data-parallel ranks."""
-    out = States(groups=flat_groups(params, stage, bucket_mb, world))
+    units = group_units(params, stage, bucket_mb)
     shards = 1 if stage == 0 else world
+    blocks = [frozenset(p.block for p in u) for u in units]
+    out = States(groups=_sized(units, shards), blocks=blocks)
     full = sum(padded for _, padded in out.groups)
     shard = full // shards
     out.add("parameters", "device", (shard if stage == 3 else full) * precision.param)

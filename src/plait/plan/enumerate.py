@@ -20,8 +20,9 @@ from plait.errors import ConfigError
 from plait.models.architecture import ModelConfig
 
 INTERLEAVE = (2, 4)  # virtual stages an interleaved schedule is offered with
-FRUGAL = {"none": 0, "selective": 1, "full": 2, "cpu": 1, "nvme": 2}
-"""How much device memory an offload or recompute setting saves, in order (none saves none)."""
+FRUGAL = {"none": 0, "selective": 1, "full": 2, "cpu": 1, "nvme": 2, "default": 0, "always": 1}
+"""How much device memory an offload, recompute or ZeRO-3 pipeline setting (regathering per
+micro-batch: `--reshard-after-forward always`) saves, in order (none saves none)."""
 GPIPE_UP_TO = 3  # gpipe holds every micro-batch: offered for m <= 3p only (1F1B's bubble)
 
 
@@ -60,6 +61,7 @@ class Candidate:
     recompute: str = "none"
     sequence_parallel: bool = False
     offload_activations: str = "none"
+    reshard: str = "default"  # ZeRO-3 under a pipeline: kept through the step, or "always"
 
     @property
     def shape(self) -> tuple:
@@ -82,6 +84,8 @@ class Candidate:
             par["base_dtype"] = req.base_dtype
         if self.pp > 1:
             par |= {"schedule": self.schedule, "virtual_stages": self.virtual_stages}
+        if self.reshard != "default":
+            par["reshard_after_forward"] = self.reshard
         if self.offload == "nvme":
             par["offload_dir"] = req.offload_dir
         train = {
@@ -98,6 +102,8 @@ class Candidate:
             v = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
             parts.append(self.schedule + v)
         parts += [f"mb{self.micro_batch}", f"zero{self.zero}"]
+        if self.reshard == "always":
+            parts.append("regather")
         if self.offload != "none":
             parts.append(f"offload {self.offload}")
         if self.recompute != "none":
@@ -183,18 +189,15 @@ def knobs(req: Request, shape: Candidate, offload_activations: bool = True) -> l
                 continue
             if shape.dp == 1 and zero > 0:
                 continue  # nothing to shard over one replica
+            # ZeRO-3 under a pipeline: the stage kept gathered through the step, or not.
+            reshards = ("default", "always") if zero == 3 and shape.pp > 1 else ("default",)
             for rc in ("none", "selective", "full"):
                 for act in ("none", "cpu") if offload_activations else ("none",):
-                    out.append(
-                        replace(
-                            shape,
-                            zero=zero,
-                            offload=off,
-                            recompute=rc,
-                            sequence_parallel=sp,
-                            offload_activations=act,
-                        )
-                    )
+                    out += [
+                        replace(shape, zero=zero, offload=off, recompute=rc,
+                                sequence_parallel=sp, offload_activations=act, reshard=again)
+                        for again in reshards
+                    ]  # fmt: skip
     return out
 
 
@@ -209,5 +212,6 @@ def most_frugal(options: list[Candidate]) -> Candidate:
             FRUGAL[c.recompute],
             c.sequence_parallel,
             FRUGAL[c.offload_activations],
+            FRUGAL[c.reshard],
         ),
     )

@@ -180,6 +180,7 @@ def needs_less(a: Candidate, b: Candidate) -> bool:
         and FRUGAL[a.recompute] >= FRUGAL[b.recompute]
         and a.sequence_parallel >= b.sequence_parallel
         and FRUGAL[a.offload_activations] >= FRUGAL[b.offload_activations]
+        and FRUGAL[a.reshard] >= FRUGAL[b.reshard]
     )
 
 

@@ -21,17 +21,20 @@ inside F and B, never overlapped. The data-parallel gradient reduction is launch
 bucket during the backward (stages 0-2), so up to `overlap` of it hides behind the last
 micro-batch's backward (ZeRO-2/3: behind every backward; ZeRO-3's gathers are prefetched
 behind the forward and backward too); ZeRO-1/2's parameter all-gather after the optimizer
-step is exposed. Offload moves the gradient shard to the host and the updated parameters
-back (NVMe: the fp32 master and moments also from and to disk). Activation offload copies each
-micro-batch's saved block tensors down in F and back in B at `host_bandwidth`
-(`plan/activation_copies.py`: the copy down hides behind F's compute up to `overlap`); the
-exposed part is in F and B, so the pipeline's simulation carries it, and is reported in the
-offload term. The optimizer's own pass
-over the rank's shard (norm, clip, AdamW, zero_grad) is memory-bound: shard elements x
-`optimizer_s_per_element` on the device; offloaded, the host's reads and writes of master,
-moments and gradient at `host_bandwidth`, no faster than that. The step's small collectives
-(loss, norm, tied embedding, sequence-parallel partial gradients: `traffic.step_collectives`)
-are latencies on their links. Not modelled: data loading.
+step is exposed. Under a pipeline ZeRO-2/3 reduce once per step, behind the last backward as
+ZeRO-1; ZeRO-3's gathers hide behind the first forward when the stage is kept gathered
+through the step, behind every F and B when it is regathered (`--reshard-after-forward
+always`; traffic: `estimate/zero_pipeline.py`). Offload moves the gradient shard to the host
+and the updated parameters back (NVMe: the fp32 master and moments also from and to disk).
+Activation offload copies each micro-batch's saved block tensors down in F and back in B at
+`host_bandwidth` (`plan/activation_copies.py`: the copy down hides behind F's compute up to
+`overlap`); the exposed part is in F and B, so the pipeline's simulation carries it, and is
+reported in the offload term. The optimizer's own pass over the rank's shard (norm, clip,
+AdamW, zero_grad) is memory-bound: shard elements x `optimizer_s_per_element` on the device;
+offloaded, the host's reads and writes of master, moments and gradient at `host_bandwidth`,
+no faster than that. The step's small collectives (loss, norm, tied embedding,
+sequence-parallel partial gradients: `traffic.step_collectives`) are latencies on their
+links. Not modelled: data loading.
 Ranks that share cores (a CPU with fewer cores than ranks, `contention` > 1) speed up while
 others wait in a pipeline bubble: the pipeline is simulated with its ranks sharing p / c
 compute units (`plan/shared.py`).
@@ -295,7 +298,16 @@ def _after_pipeline(
     par, m = cfg.parallel, cfg.accumulation
     traffic = dp_traffic(cfg, links.dp, plans, memo.groups)
     backward = sum(c.b + c.w for c in costs)  # one micro-batch's backward on this rank
-    if par.zero == 3:  # reduce-scatters and prefetched gathers run beside every F and B
+    if par.pp > 1 and not par.two_bw and par.zero >= 2:  # reduced once per step
+        forward = sum(c.f for c in costs)
+        exposed = traffic.reduce_s - hw.overlap * min(traffic.reduce_s, backward)
+        if par.zero == 2:  # the gathers follow the step
+            exposed += traffic.gather_s
+        else:  # prefetched behind the first forward (kept) or every F and B (regathered)
+            again = par.reshard_after_forward == "always"
+            window = m * (forward + backward) if again else forward
+            exposed += traffic.gather_s - hw.overlap * min(traffic.gather_s, window)
+    elif par.zero == 3:  # reduce-scatters and prefetched gathers run beside every F and B
         window = m * sum(c.f for c in costs) + m * backward
         overlappable = traffic.reduce_s + traffic.gather_s
         exposed = overlappable - hw.overlap * min(overlappable, window)

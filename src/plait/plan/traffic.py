@@ -15,9 +15,10 @@ from dataclasses import dataclass
 
 from plait.config import Config
 from plait.estimate.formulas import tp_comm_per_microbatch, zero_comm_elements
-from plait.estimate.frozen_base import frozen_base
-from plait.estimate.model_states import Precision, flat_groups
+from plait.estimate.frozen_base import FrozenBase, frozen_base
+from plait.estimate.model_states import Precision, flat_groups, group_units
 from plait.estimate.rank_params import rank_params, tp_contract, tp_partial_elements
+from plait.estimate.zero_pipeline import pipeline_zero_traffic
 from plait.models.architecture import ModelConfig
 from plait.models.lora import ROW_PARALLEL
 from plait.plan.hardware import Hardware, Link
@@ -146,7 +147,9 @@ def dp_traffic(
     key = (par.tp, par.zero, par.bucket_mb, par.dp, tuple((p.stage, p.layers) for p in plans))
     if key not in memo:
         params = rank_params(tp_contract(cfg.model, par.tp), plans)
+        units = group_units(params, par.zero, par.bucket_mb)
         memo[key] = flat_groups(params, par.zero, par.bucket_mb, par.dp)
+        memo[(*key, "blocks")] = [frozenset(p.block for p in unit) for unit in units]
         if cfg.model.lora is not None:
             memo[(*key, "frozen")] = frozen_base(params, cfg, prec)
     groups = memo[key]
@@ -155,22 +158,71 @@ def dp_traffic(
     shard = padded if par.zero == 0 else padded // par.dp
     if par.dp == 1:
         return DpTraffic(0.0, 0.0, shard)
-    k = cfg.accumulation
-    elements = zero_comm_elements(par.zero, padded, k)
-    per_step = {"all_reduce": 1, "reduce_scatter": k if par.zero >= 2 else 1}
-    per_step["all_gather"] = 2 * k if par.zero == 3 else 1
+    ops = _zero_ops(cfg, plans, groups, memo[(*key, "blocks")])
     reduce_s = gather_s = 0.0
-    for op, n in elements.items():
-        calls = per_step[op] * len(groups)
+    for op, (n, calls) in ops.items():
         if op == "all_gather":
             gather_s += link.time(op, par.dp, n * prec.param, calls)
         else:
             reduce_s += link.time(op, par.dp, n * prec.reduce, calls)
     base_bytes = 0
-    if base is not None and base.gathered_per_step(k):
-        base_bytes = base.gathered_per_step(k) * base.element
-        gather_s += link.time("all_gather", par.dp, base_bytes, 2 * k * len(base.units))
+    if base is not None and base.stage == 3:
+        n, calls = _base_gathers(cfg, plans, base)
+        base_bytes = n * base.element
+        gather_s += link.time("all_gather", par.dp, base_bytes, calls)
     return DpTraffic(reduce_s, gather_s, shard, base_bytes)
+
+
+def dp_elements(cfg: Config, plans: list[StagePlan]) -> dict[str, tuple[int, int]]:
+    """{collective: (elements, calls)} of one rank's trainable groups over dp per step, as
+    `dp_traffic` prices them (tests hold them to the comm layer's counts)."""
+    par = cfg.parallel
+    params = rank_params(tp_contract(cfg.model, par.tp), plans)
+    units = group_units(params, par.zero, par.bucket_mb)
+    groups = flat_groups(params, par.zero, par.bucket_mb, par.dp)
+    return _zero_ops(cfg, plans, groups, [frozenset(p.block for p in unit) for unit in units])
+
+
+def base_elements(cfg: Config, plans: list[StagePlan]) -> tuple[int, int]:
+    """(elements, calls) a LoRA run's frozen base all-gathers per step under ZeRO-3."""
+    par = cfg.parallel
+    params = rank_params(tp_contract(cfg.model, par.tp), plans)
+    prec = Precision.of(par.precision, par.reduce_dtype)
+    return _base_gathers(cfg, plans, frozen_base(params, cfg, prec))
+
+
+def _pipelined_zero(cfg: Config) -> bool:
+    """ZeRO-2/3 under a synchronous pipeline: reduced once per step (estimate/zero_pipeline.py)."""
+    par = cfg.parallel
+    return par.pp > 1 and not par.two_bw and par.zero >= 2
+
+
+def _zero_ops(
+    cfg: Config, plans: list[StagePlan], groups: list[tuple[int, int]], blocks: list
+) -> dict[str, tuple[int, int]]:
+    """{collective: (elements, calls)} of the trainable groups per step."""
+    par, k = cfg.parallel, cfg.accumulation
+    if _pipelined_zero(cfg):
+        split = par.schedule == "zb-h1"
+        reshard = par.reshard_after_forward
+        return pipeline_zero_traffic(par.zero, groups, blocks, plans, split, k, reshard)
+    padded = sum(p for _, p in groups)
+    per_step = {"all_reduce": 1, "reduce_scatter": k if par.zero >= 2 else 1}
+    per_step["all_gather"] = 2 * k if par.zero == 3 else 1
+    elements = zero_comm_elements(par.zero, padded, k)
+    return {op: (n, per_step[op] * len(groups)) for op, n in elements.items()}
+
+
+def _base_gathers(cfg: Config, plans: list[StagePlan], base: FrozenBase) -> tuple[int, int]:
+    """(elements, calls) a stage-3 LoRA base all-gathers per step."""
+    par, k = cfg.parallel, cfg.accumulation
+    if not _pipelined_zero(cfg):
+        return base.gathered_per_step(k), 2 * k * len(base.units)
+    split = par.schedule == "zb-h1"
+    blocks = base.unit_blocks()
+    ops = pipeline_zero_traffic(3, list(base.units), blocks, plans, split, k,
+                                par.reshard_after_forward)  # fmt: skip
+    return ops["all_gather"]
 
 
 def step_collectives(

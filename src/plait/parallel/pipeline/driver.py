@@ -23,7 +23,7 @@ from plait.models.loss import target_count
 from plait.models.transformer import Transformer
 from plait.parallel.optimizer_engine import OptimizerEngine
 from plait.parallel.pipeline.stage import prune_to_stages, run_stage
-from plait.parallel.pipeline.walker import PipelineRuntime
+from plait.parallel.pipeline.walker import ActionHooks, PipelineRuntime
 from plait.schedule.actions import TimedAction
 from plait.schedule.schedules import build_schedule
 from plait.schedule.stages import rank_plans
@@ -68,10 +68,12 @@ class PipelineDriver:
         model: Transformer,
         engine: OptimizerEngine,
         activation_dtype: torch.dtype = torch.float32,
+        actions: ActionHooks | None = None,
     ) -> None:
         """Run this rank's stages of `model`, one walk of the schedule per step (`run`);
         `engine` reduces their gradients over dp and scales the last stage's loss (fp16);
-        activations travel in `activation_dtype`. (2BW's stream walks instead: `two_bw.py`.)"""
+        activations travel in `activation_dtype`; `actions` are told of every compute action
+        (ZeRO-3's gathers). (2BW's stream walks instead: `two_bw.py`.)"""
         self.model = model
         self.activation_dtype = activation_dtype
         self.runtime = PipelineRuntime(
@@ -83,6 +85,7 @@ class PipelineDriver:
             engine,
             self.activation_shape,
             activation_dtype,
+            actions,
         )
 
     # -- training ------------------------------------------------------------------------

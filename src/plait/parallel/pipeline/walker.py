@@ -115,6 +115,15 @@ class Feed(Protocol):
         ...
 
 
+class ActionHooks(Protocol):
+    """Called around each F, B and W (ZeRO-3's gathers under a pipeline:
+    `zero/pipeline_gather.py`)."""
+
+    def before(self, kind: Kind, chunk: int) -> None: ...
+
+    def after(self, kind: Kind, chunk: int) -> None: ...
+
+
 class Walker:
     """Walks pipeline rank `rank`'s actions of `schedule` over its stages `plans` (one per
     chunk); `engine` marks final micro-batches for data parallelism and scales the loss."""
@@ -130,10 +139,13 @@ class Walker:
         activation_shape: tuple[int, ...],
         activation_dtype: torch.dtype = torch.float32,
         keep: int | None = None,
+        actions: ActionHooks | None = None,
     ) -> None:
         """Activations and gradients travel as `activation_shape` in `activation_dtype`;
-        `keep`: how many action timings to keep, the newest (None: all)."""
+        `keep`: how many action timings to keep, the newest (None: all); `actions`: told
+        before and after every compute action."""
         self.schedule, self.rank, self.plans = schedule, rank, plans
+        self.hooks = actions
         self.engine, self.feed = engine, feed
         self.actions = schedule.ranks[rank]
         self.batches = comm_batches(self.actions)
@@ -176,12 +188,21 @@ class Walker:
 
     # -- compute ---------------------------------------------------------------------------
     def _compute(self, a: Action, flight: Flight) -> None:
-        if a.kind is Kind.F:
-            self._forward(a, flight)
-            return
         if a.kind is Kind.STEP:
             self.feed.seal(a, flight)
             return
+        if self.hooks:
+            self.hooks.before(a.kind, a.chunk)
+        if a.kind is Kind.F:
+            self._forward(a, flight)
+        else:
+            self._gradients(a, flight)
+        if self.hooks:
+            self.hooks.after(a.kind, a.chunk)
+
+    def _gradients(self, a: Action, flight: Flight) -> None:
+        """B or W, marked final for data parallelism where it completes the chunk's
+        gradients of the step."""
         final = key_of(a) in self._final
         if final:
             self.engine.micro_batch(is_last=True)  # this action completes the chunk's gradients
@@ -251,12 +272,14 @@ class PipelineRuntime:
         engine: OptimizerEngine,
         activation_shape: tuple[int, ...],
         activation_dtype: torch.dtype = torch.float32,
+        actions: ActionHooks | None = None,
     ) -> None:
         self.schedule, self.model = schedule, model
         self._micro: list[MicroBatch] = []
         self.walker = Walker(
-            schedule, rank, plans, comm, engine, self, activation_shape, activation_dtype
-        )
+            schedule, rank, plans, comm, engine, self, activation_shape, activation_dtype,
+            actions=actions,
+        )  # fmt: skip
 
     @property
     def timings(self) -> deque[TimedAction]:

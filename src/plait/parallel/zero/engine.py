@@ -24,6 +24,11 @@ What each stage keeps per rank (Ψ parameters, N ranks; see docs/zero.md):
   stage 3: 1/N of everything; blocks gathered just in time (params.Gatherer).
 A LoRA run's frozen base has parameters only (in --base-dtype): whole under stages 0-2,
 1/N under stage 3, gathered per block beside the adapters (zero/frozen.py).
+
+Under a pipeline (`plans`: this rank's stages) stages 2-3 reduce-scatter once per step,
+after each chunk's last backward, holding the chunk's full gradient until then
+(zero/reducer.py), and stage 3 gathers as `--reshard-after-forward` says
+(zero/pipeline_gather.py; the walker calls `pipeline_actions` around each action).
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ import torch
 from torch import Tensor, nn
 
 from plait.comm import Comm
-from plait.composition import check_zero
+from plait.composition import check_reshard, check_zero
 from plait.errors import ConfigError
 from plait.memory_tracker import MemoryTracker
 from plait.mixed_precision import (
@@ -50,7 +55,7 @@ from plait.models.contract import contract_of
 from plait.parallel.adamw import ElementwiseOptimizer, clip_segments
 from plait.parallel.grads import SplitGradRules
 from plait.parallel.zero.flat_params import Gatherer, ParamStore, initial_flat
-from plait.parallel.zero.frozen import hold_base
+from plait.parallel.zero.frozen import FrozenGatherer, hold_base
 from plait.parallel.zero.layout import (
     NVME_SUB_GROUP_MB,
     build_groups,
@@ -58,8 +63,10 @@ from plait.parallel.zero.layout import (
 )
 from plait.parallel.zero.master_states import ResidentStates
 from plait.parallel.zero.nvme import NvmeStates
+from plait.parallel.zero.pipeline_gather import PipelineGatherer, PipelineGathers
 from plait.parallel.zero.reducer import GradReducer
 from plait.parallel.zero.state_dict import export_states, import_states
+from plait.schedule.stages import StagePlan
 
 
 class ZeroEngine:
@@ -82,14 +89,19 @@ class ZeroEngine:
         isolate: Sequence[nn.Parameter] = (),
         initial_value: Callable[..., Tensor] | None = None,
         base_dtype: torch.dtype | None = None,
+        plans: Sequence[StagePlan] | None = None,
+        reshard_after_forward: str = "default",
     ) -> None:
         """`isolate`: parameters that get a flat group each (see `layout.build_groups`).
         `initial_value(p, rows=None)`: p's fp32 initial value (or its dim-0 rows [r0, r1)),
         for a model whose parameters are not materialized (stage 3 asks for its shard's rows
         only, and never holds more than one group's shard at a time). `base_dtype`: what
         the frozen parameters (a LoRA run's base) are held in; default the precision's
-        parameter dtype (zero/frozen.py)."""
+        parameter dtype (zero/frozen.py). `plans`: the pipeline stages this rank runs (None:
+        no pipeline); `reshard_after_forward`: stage 3's policy under one (default: keep
+        the stage gathered through the step; always: regather per micro-batch)."""
         check_zero(stage, offload, str(offload_dir) if offload_dir else None)
+        check_reshard(reshard_after_forward, stage, 2 if plans else 1)
         self.precision = parse_precision(precision) if isinstance(precision, str) else precision
         contract_of(model)  # groups, gathers and names come from the model's contract
         if scaler is not None and not self.precision.needs_scaler:
@@ -101,9 +113,11 @@ class ZeroEngine:
         n, rank = comm.mesh.size(axis), comm.mesh.axis_rank(axis)
         self.groups = build_groups(model, stage, int(bucket_mb * 2**20), rank, n, isolate)
         compute = self.precision.param_dtype
-        self.frozen, self.frozen_gatherer = hold_base(  # a LoRA run's base (zero/frozen.py)
-            model, stage, base_dtype or compute, compute, comm, axis, self.memory, initial_value
-        )
+        keep = reshard_after_forward != "always"  # stage 3 under a pipeline
+        self.frozen, frozen_gatherer = hold_base(  # a LoRA run's base (zero/frozen.py)
+            model, stage, base_dtype or compute, compute, comm, axis, self.memory,
+            initial_value, plans, keep,
+        )  # fmt: skip
         values = [initial_flat(g, stage, self.device, initial_value) for g in self.groups]
         self.params = ParamStore(
             self.groups, values, stage, self.precision.param_dtype, comm, axis, self.memory
@@ -112,7 +126,14 @@ class ZeroEngine:
         self.separate_master = self.precision.needs_master or offload != "none"
         self.states = self._make_states(values, offload, offload_dir, sub_group_mb)
         del values
-        self.gatherer = Gatherer(model, self.params) if stage == 3 else None
+        self.gatherer: Gatherer | None = None
+        self.pipeline_actions: PipelineGathers | None = None  # the walker's before/after
+        self.frozen_gatherer = frozen_gatherer
+        if stage == 3 and plans:
+            self.gatherer = PipelineGatherer(model, self.params, plans, keep)
+            self.pipeline_actions = PipelineGathers([self.gatherer, frozen_gatherer])
+        elif stage == 3:
+            self.gatherer = Gatherer(model, self.params)
         self.grads = GradReducer(
             self.groups,
             comm,
@@ -122,6 +143,7 @@ class ZeroEngine:
             self.device,
             self.memory,
             self.gatherer.release if self.gatherer else None,
+            once_per_step=plans is not None,
         )
         self._decay = [g.decay_segments() for g in self.groups]
         self.step_count = 0  # optimizer steps taken (skipped ones not counted)
@@ -148,11 +170,13 @@ class ZeroEngine:
     # -- the step protocol ---------------------------------------------------------------
     def begin_step(self) -> None:
         self.memory.begin_step()
+        if self.pipeline_actions:  # what an evaluation left gathered is stale after a step
+            self.pipeline_actions.end_step()
 
     def micro_batch(self, is_last: bool) -> None:
         """Call before each micro-batch (before its forward in stage 3)."""
-        if self.frozen_gatherer:  # the last one's backward is over: 2 gathers per unit each
-            self.frozen_gatherer.release_all()
+        if isinstance(self.frozen_gatherer, FrozenGatherer):  # the last one's backward is
+            self.frozen_gatherer.release_all()  # over: 2 gathers per unit each
         self.grads.micro_batch(is_last)
 
     def scale_loss(self, loss: Tensor) -> Tensor:
@@ -166,7 +190,9 @@ class ZeroEngine:
     def finish(self) -> None:
         """Complete every gradient reduction: the shards hold the averaged (scaled) gradient."""
         self.grads.finish()
-        if self.frozen_gatherer:  # backward is over: no unit of the base is needed
+        if self.pipeline_actions:  # the update writes the shards: nothing stays gathered
+            self.pipeline_actions.end_step()
+        if isinstance(self.frozen_gatherer, FrozenGatherer):  # no unit of the base is needed
             self.frozen_gatherer.release_all()
         self._found_inf = None
         self._coef = 1.0
@@ -247,10 +273,13 @@ class ZeroEngine:
     def unsharded(self) -> AbstractContextManager:
         """Context in which every parameter holds its full value (stage 3 gathers)."""
         stack = ExitStack()
-        for gatherer in (self.gatherer, self.frozen_gatherer):
-            if gatherer:
-                stack.enter_context(gatherer.gathered())
+        for gatherer in self._gatherers():
+            stack.enter_context(gatherer.gathered())
         return stack
+
+    def _gatherers(self) -> list[Gatherer]:
+        """Stage 3's gatherers: the trainable parameters' and a LoRA base's."""
+        return [g for g in (self.gatherer, self.frozen_gatherer) if g]
 
     # -- checkpoints -----------------------------------------------------------------------
     @property
@@ -282,6 +311,8 @@ class ZeroEngine:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load `state["params"]` (name -> master/exp_avg/exp_avg_sq, full tensors, saved
         under any layout) into this rank's shards, and the parameters from the masters."""
+        if self.pipeline_actions:  # nothing gathered may keep the values being replaced
+            self.pipeline_actions.end_step()
         import_states(self.groups, self.states, state["params"])
         self.step_count = state["step"]
         if self.scaler and state.get("loss_scaler"):
@@ -294,7 +325,6 @@ class ZeroEngine:
     def close(self) -> None:
         """Remove hooks and offload files."""
         self.grads.remove_hooks()
-        for gatherer in (self.gatherer, self.frozen_gatherer):
-            if gatherer:
-                gatherer.remove_hooks()
+        for gatherer in self._gatherers():
+            gatherer.remove_hooks()
         self.states.close()

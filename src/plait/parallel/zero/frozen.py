@@ -10,7 +10,9 @@ The engine still decides how it is held:
 - stage 3: sharded over dp like the trainable parameters, in flat groups of its own, one per
   block and the root (`layout.frozen_groups`), gathered per unit just in time
   (`FrozenGatherer`, tag "frozen" in the communication counts) and freed after: the base,
-  usually almost all of the model, then costs 1/N per rank. The trainer builds a stage-3
+  usually almost all of the model, then costs 1/N per rank. Under a pipeline the walker
+  drives its gathers as it drives the adapters' (`pipeline_gather.PipelineGatherer`: kept
+  through the step, or regathered per micro-batch and block); The trainer builds a stage-3
   model without storage, so the shards are filled from the run's initial values;
 - used in the compute dtype: when the base is held in another dtype, each module owning a
   frozen parameter casts it per forward (`mixed_precision.compute_frozen_in`).
@@ -21,7 +23,7 @@ a stage-3 shard, `gathered-frozen:I` a gathered unit, transient).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -32,6 +34,8 @@ from plait.mixed_precision import compute_frozen_in
 from plait.models.contract import contract_of
 from plait.parallel.zero.flat_params import Gatherer, ParamStore, initial_flat
 from plait.parallel.zero.layout import frozen_groups
+from plait.parallel.zero.pipeline_gather import PipelineGatherer
+from plait.schedule.stages import StagePlan
 
 
 def frozen_params(model: nn.Module) -> dict[str, nn.Parameter]:
@@ -55,9 +59,12 @@ def hold_base(
     axis: str,
     tracker: MemoryTracker,
     initial_value: Callable[..., Tensor] | None = None,
-) -> tuple[dict[str, nn.Parameter], FrozenGatherer | None]:
+    plans: Sequence[StagePlan] | None = None,
+    keep: bool = True,
+) -> tuple[dict[str, nn.Parameter], FrozenGatherer | PipelineGatherer | None]:
     """Hold `model`'s frozen parameters in `dtype` and make it use them in `compute`:
-    whole (stages 0-2) or sharded over `axis` (stage 3, whose gatherer is returned)."""
+    whole (stages 0-2) or sharded over `axis` (stage 3, whose gatherer is returned; under a
+    pipeline, `plans`, one that keeps the stage gathered through the step or not)."""
     frozen = frozen_params(model)
     gatherer = None
     if stage == 3 and frozen:
@@ -65,7 +72,10 @@ def hold_base(
         groups = frozen_groups(model, rank, n)
         values = [initial_flat(g, stage, comm.mesh.device, initial_value) for g in groups]
         store = ParamStore(groups, values, stage, dtype, comm, axis, tracker, "frozen")
-        gatherer = FrozenGatherer(model, store)
+        if plans:
+            gatherer = PipelineGatherer(model, store, plans, keep)
+        else:
+            gatherer = FrozenGatherer(model, store)
     else:
         hold_frozen(frozen, dtype, comm.mesh.device, tracker, initial_value)
     compute_frozen_in(model, list(frozen.values()), compute)

@@ -15,7 +15,12 @@ autograd goes on with earlier layers. What is launched and what is kept differ b
 Stages 0-1 communicate once per optimizer step (after the last micro-batch; earlier ones
 only accumulate into the full buckets). Stages 2-3 keep no full gradient between
 micro-batches, so they reduce-scatter after every micro-batch: k times Ψ per step with k
-micro-batches (DeepSpeed's ZeRO-2 does the same).
+micro-batches (DeepSpeed's ZeRO-2 does the same). Under a pipeline (`once_per_step`) stages
+2-3 reduce like stage 1 instead: the buckets are allocated at a chunk's first gradient and
+hold its full gradient through the step's micro-batches, then are reduce-scattered once,
+after the chunk's last backward (W under zb-h1), and freed (torchtitan's default with
+pipelines): a pipeline runs many micro-batches per step, so per-micro-batch traffic would
+multiply by m, while the full gradient of one stage is only 1/pp of the model's.
 
 Each bucket is divided by N before the sum (the gradient of the global mean loss).
 """
@@ -48,8 +53,12 @@ class GradReducer:
         tracker: MemoryTracker,
         on_group_done: Callable[[int], None] | None = None,
         max_inflight: int = MAX_INFLIGHT_BUCKETS,
+        once_per_step: bool = False,
     ) -> None:
+        """`once_per_step`: stages 2-3 accumulate the full gradient over the micro-batches
+        and reduce-scatter it once per step (pipelines); stages 0-1 always do."""
         self.groups, self.comm, self.axis, self.stage = groups, comm, axis, stage
+        self.per_micro_batch = stage >= 2 and not once_per_step
         self.dtype, self.device, self.tracker = dtype, device, tracker
         self.on_group_done = on_group_done
         self.max_inflight = max_inflight
@@ -84,10 +93,11 @@ class GradReducer:
 
     # -- protocol ----------------------------------------------------------------------
     def micro_batch(self, is_last: bool) -> None:
-        """Before each micro-batch's backward; stages 0-1 communicate after the last only."""
-        if self.stage >= 2:
+        """Before each micro-batch's backward; stages 0-1 (and 2-3 once per step) communicate
+        after the last only."""
+        if self.per_micro_batch:
             self._flush()
-        self.sync = is_last or self.stage >= 2
+        self.sync = is_last or self.per_micro_batch
 
     def finish(self) -> None:
         """Every reduction launched and complete; the shards hold the averaged gradient.
@@ -166,7 +176,7 @@ class GradReducer:
     def _complete_oldest(self) -> None:
         gi, handle = self._inflight.popleft()
         handle.wait()
-        if self.stage >= 2:  # accumulate this micro-batch's shard, free the bucket
+        if self.stage >= 2:  # accumulate the reduced shard, free the bucket
             g, full = self.groups[gi], self.full[gi]
             self.shards[gi].add_(full[g.lo : g.hi])
             self.full[gi] = None
