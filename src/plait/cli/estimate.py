@@ -13,7 +13,7 @@ from plait.errors import ConfigError, print_bad_input
 from plait.estimate import Estimate, estimate
 from plait.estimate.host import node_host_bytes
 from plait.estimate.table import gib, print_estimate, print_json
-from plait.plan.headroom import DEFAULT, HEADROOM, headroom_bytes
+from plait.plan.headroom import add_headroom_flag, headroom_bytes
 from plait.topology import Layout
 
 
@@ -26,13 +26,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     est.add_argument(
         "--device-memory", type=above(0), metavar="GIB", help="fail (exit 2) if a rank needs more"
     )
-    est.add_argument(
-        "--memory-headroom",
-        type=HEADROOM,
-        default=HEADROOM(DEFAULT),
-        help=f"with --device-memory: memory a rank must leave free, a share (10%%) or a size "
-        f"(6GiB); default {DEFAULT}, as plait plan (docs/planning.md)",
-    )
+    add_headroom_flag(est, "with --device-memory: ")
 
 
 def run(args: argparse.Namespace, err: Console) -> int:

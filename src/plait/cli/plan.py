@@ -16,7 +16,7 @@ from plait.models.presets import get_preset
 from plait.outdir import check_out_file
 from plait.plan.enumerate import Request, divisors, shapes
 from plait.plan.hardware import load_hardware, parse_size
-from plait.plan.headroom import DEFAULT, HEADROOM, headroom_bytes
+from plait.plan.headroom import add_headroom_flag, headroom_bytes
 from plait.plan.ranking import budget_words, dropped_line, print_plan, wide_console
 from plait.plan.search import Plan, plan
 from plait.plan.toml_out import write_plan
@@ -30,13 +30,7 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gpus", type=at_least(1), required=True, help="devices in all")
     p.add_argument("--gpus-per-node", type=at_least(1), help="devices per node (default: all)")
     p.add_argument("--gpu-memory", help="device memory, e.g. 80GiB (default: the hardware's)")
-    p.add_argument(
-        "--memory-headroom",
-        type=HEADROOM,
-        default=HEADROOM(DEFAULT),
-        help=f"device memory a layout must leave free: a share (10%%) or a size (6GiB); "
-        f"default {DEFAULT} (docs/planning.md)",
-    )
+    add_headroom_flag(p)
     p.add_argument("--global-batch", type=at_least(1), required=True, help="sequences per step")
     p.add_argument("--seq-len", type=at_least(1), required=True, help="tokens per sequence")
     p.add_argument("--hardware", default="h100", help="h100, a100, cpu or a profile's file")

@@ -15,6 +15,7 @@ device is refused once the device's memory is known (`headroom_bytes`).
 
 from __future__ import annotations
 
+import argparse
 import math
 import re
 from typing import Any
@@ -75,3 +76,15 @@ def headroom_bytes(value: float | int, memory: int) -> int:
             )
         return int(value)
     return int(memory * value / 100)
+
+
+def add_headroom_flag(parser: argparse.ArgumentParser, when: str = "") -> None:
+    """`--memory-headroom` as `plait plan` and `plait estimate` both take it: one declaration,
+    so its values, default and help cannot drift apart between the two commands."""
+    parser.add_argument(
+        "--memory-headroom",
+        type=HEADROOM,
+        default=HEADROOM(DEFAULT),
+        help=f"{when}device memory to leave free: a share (10%%) or a size (6GiB); "
+        f"default {DEFAULT.replace('%', '%%')} (docs/planning.md)",
+    )
