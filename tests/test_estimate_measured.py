@@ -41,6 +41,7 @@ SUBSET = [
     Case("dp2 zero3 full-recompute", parallel={"dp": 2, "zero": 3, "recompute": "full"}),
     Case("dp2 activation-offload", parallel={"dp": 2, "offload_activations": "cpu"}),
     Case("pp2 zb-h1", parallel={"pp": 2, "schedule": "zb-h1"}, accum=4),
+    Case("pp2 2bw", parallel={"pp": 2, "schedule": "2bw"}, accum=4, steps=4),  # measured mid-stream
     Case(
         "tp2 sp bf16 light-loss",
         "small-llama",

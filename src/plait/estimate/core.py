@@ -46,6 +46,7 @@ from plait.estimate.rank_params import (
     total_parameters,
     tp_contract,
 )
+from plait.estimate.two_bw import Stream, two_bw_moments, two_bw_streams
 from plait.models.contract import ModelContract
 from plait.schedule.actions import Schedule
 from plait.schedule.schedules import build_schedule
@@ -68,8 +69,16 @@ def estimate(cfg: Config, schedule: Schedule | None = None) -> Estimate:
     sizes = par.stage_layer_counts()
     schedule = schedule or _schedule(cfg)
     split = tp_contract(m, par.tp)  # what each pipeline rank holds a part of
+    streams = two_bw_streams(par.pp, cfg.accumulation) if par.two_bw else None
     ranks = tuple(
-        _rank(cfg, split, r, rank_plans(m.n_layers, par.pp, par.virtual_stages, r, sizes), schedule)
+        _rank(
+            cfg,
+            split,
+            r,
+            rank_plans(m.n_layers, par.pp, par.virtual_stages, r, sizes),
+            schedule,
+            streams[r] if streams else None,
+        )
         for r in range(par.pp)
     )
     psi = total_parameters(m) if m.lora is None else total_parameters(m, trainable=False)
@@ -146,13 +155,15 @@ def _rank(
     r: int,
     plans: list[StagePlan],
     schedule: Schedule | None,
+    stream: Stream | None = None,
 ) -> RankEstimate:
     par = cfg.parallel
     prec = Precision.of(par.precision, par.reduce_dtype)
     params = rank_params(split, plans)
     states = model_states(params, par.zero, par.dp, prec, par.offload, par.bucket_mb)
+    grad_set = 0
     if par.two_bw:  # two weight versions, plain fp32 Adam (WeightVersions)
-        states = _two_bw_states(states)
+        grad_set = _two_bw_states(states)
     places = [chunk_activation_places(cfg, plan) for plan in plans]
     if schedule is None:
         held, host, in_flight = places[0][0], places[0][1], 1
@@ -170,6 +181,8 @@ def _rank(
     walk = _walk(cfg, plans, params, held, states, prec, base, schedule, r)
     at = moments(walk)
     lines += buffer_lines(walk, at)
+    if stream is not None:  # 2BW's moments: gradient sets come and go (estimate/two_bw.py)
+        at = two_bw_moments(stream, places[0][0], grad_set, walk.receive)
     layers = tuple(i for plan in plans for i in plan.layers)
     held_params = sum(p.numel for p in params)
     return RankEstimate(r, layers, held_params, in_flight, tuple(lines), at)
@@ -204,11 +217,13 @@ def _walk(
     )
 
 
-def _two_bw_states(states: States) -> States:
-    """PipeDream-2BW keeps a second fp32 weight version; its gradients and moments as DP."""
+def _two_bw_states(states: States) -> int:
+    """PipeDream-2BW keeps a second fp32 weight version, moments as DP; its gradients are no
+    fixed state (one or two sets alive, `estimate/two_bw.py`): taken out, their bytes
+    (one set) returned."""
     params = states.bytes.get("parameters", {}).get("device", 0)
     states.add("parameters", "device", params)
-    return states
+    return states.bytes.pop("gradients", {}).get("device", 0)
 
 
 def _state_lines(states: States, cfg: Config, prec: Precision) -> list[Line]:
@@ -220,7 +235,8 @@ def _state_lines(states: States, cfg: Config, prec: Precision) -> list[Line]:
         "parameters": f"{shard if stage == 3 else full:,} el x {prec.param} B"
         + (" (ZeRO-3: 1/N)" if stage == 3 else ""),
         "gradients": f"{full if stage <= 1 else shard:,} el x {prec.reduce} B"
-        + (" (ZeRO-2/3: 1/N)" if stage >= 2 else ""),
+        + (" (ZeRO-2/3: 1/N)" if stage >= 2 else "")
+        + (": 2BW, 1-2 sets alive, counted in the total's moments" if par.two_bw else ""),
         "master_weights": f"{shard:,} el x {FP32} B fp32 copy"
         + ("" if prec.param != FP32 or par.offload != "none" else ": none, fp32 params are it"),
         "optimizer_states": f"{ADAM_STATES} x {shard:,} el x {FP32} B (Adam moments"
