@@ -87,6 +87,14 @@ LAYOUTS = [
     Case("pp2 zb-h1", parallel={"pp": 2, "schedule": "zb-h1"}, accum=4),
     Case("pp2 2bw", parallel={"pp": 2, "schedule": "2bw"}, accum=4, steps=4),
     Case(
+        "tp2 partitioned activations, recompute full",
+        parallel={"tp": 2, "partition_activations": True, "recompute": "full"},
+    ),
+    Case(
+        "dp2 tp2 ZeRO-3 partitioned, recompute full",
+        parallel={"dp": 2, "tp": 2, "zero": 3, "partition_activations": True, "recompute": "full"},
+    ),
+    Case(
         "tp2 SP bf16 (lighter loss)",
         "small-llama",
         parallel={"tp": 2, "sequence_parallel": True, "precision": "bf16"},
