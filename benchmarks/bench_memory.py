@@ -77,6 +77,12 @@ LAYOUTS = [
         parallel={"dp": 2, "zero": 3, "precision": "bf16", "base_dtype": "bf16"},
         model=LORA,
     ),
+    Case(
+        "LoRA dp2 ZeRO-3 recompute full",
+        "small-llama",
+        parallel={"dp": 2, "zero": 3, "recompute": "full"},
+        model=LORA,
+    ),
     Case("dp2 offload activations", parallel={"dp": 2, "offload_activations": "cpu"}),
     Case(
         "pp2 offload activations, recompute full",

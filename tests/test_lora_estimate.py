@@ -46,6 +46,8 @@ LAYOUTS = [
     Case("lora dp2 zero3", "small-llama", parallel={"dp": 2, "zero": 3}, model=ALL),
     Case("lora dp2 zero3 bf16", "small-llama",
          parallel={"dp": 2, "zero": 3, "precision": "bf16", "base_dtype": "bf16"}, model=ALL),
+    Case("lora dp2 zero3 recompute full", "small-llama",  # its peak: a forward's block done
+         parallel={"dp": 2, "zero": 3, "recompute": "full"}, model=ALL),
 ]  # fmt: skip
 
 

@@ -9,6 +9,10 @@ plus, at every moment of the step, the sum of what is alive then, and the larges
 
 The moments one micro-batch passes through on this rank:
 
+- forward, block i done: what the embedding and blocks 0..i have saved, ZeRO-3's root,
+  block i (freed by its forward hook, just after) and the prefetched block i + 1 gathered
+  (a frozen base's too: with small activations, under full recomputation, the peak of a
+  LoRA run under ZeRO-3 is here);
 - forward end: every activation the schedule holds at its peak (`Walk.held`), ZeRO-3's
   root unit still gathered (it is freed when the model's forward returns);
 - backward at position k, k = 0, 1, ...: the head and loss (last stage), then each block,
@@ -21,14 +25,14 @@ The moments one micro-batch passes through on this rank:
   last block's backward starts (zero/frozen.py). The position's first nodes have freed what
   they saved by then (`Walk.early`: the loss's saves; a block's MLP down-projection input).
 
-Each term is one function `term(walk, k) -> bytes` (k None: the forward end) in TERMS: a new
-kind of memory that comes and goes (a buffer of a new feature) is one function and one
-entry there, plus whatever `Walk` field it reads.
+Each term is one function `term(walk, at) -> bytes` (`At`: the phase and position) in
+TERMS: a new kind of memory that comes and goes (a buffer of a new feature) is one function
+and one entry there, plus whatever `Walk` field it reads.
 
 Within a block the walk looks at its first gradient only: the buckets its later gradients
 open are assumed outweighed by the activations the block frees meanwhile (a block's saved
-set is many times a bucket at the default 25 MB cap; at the benchmark's 0.25 MB it still
-held within 2%). Under full recomputation the block recomputed in backward is not counted:
+set is many times a bucket at the default 25 MB cap; at the benchmark's 0.25 MB the totals
+are still exact). Under full recomputation the block recomputed in backward is not counted:
 the memory tracker does not see it either (its tensors are torch.utils.checkpoint's).
 """
 
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from plait.estimate.lines import Moment
 from plait.estimate.rank_params import ParamSpec
@@ -71,16 +76,32 @@ class Walk:
     pipeline_zero: tuple[int, int] = (0, 0)  # ZeRO-2/3 under a pipeline: at the peak, own
 
 
-def activations(w: Walk, k: int | None) -> int:
-    return w.held - (0 if k is None else sum(w.freed[:k]) + w.early[k])
+class At(NamedTuple):
+    """A moment: `phase` "forward" (block at backward position k running), "end" (the
+    forward's end, k None) or "backward" (position k's first gradient has arrived)."""
+
+    phase: str
+    k: int | None = None
 
 
-def buckets(w: Walk, k: int | None) -> int:
+def activations(w: Walk, at: At) -> int:
+    """Forward: what block k and the positions after it (in the backward's order) have saved
+    once block k's forward is done; backward: all but what the positions before k have
+    freed, and k's first nodes."""
+    if at.phase == "end":
+        return w.held
+    if at.phase == "forward":
+        return w.held - sum(w.freed[: at.k])
+    return w.held - sum(w.freed[: at.k]) - w.early[at.k]
+
+
+def buckets(w: Walk, at: At) -> int:
     """Allocated when its first gradient arrives, freed once reduced: the groups complete
-    before k launch in order, and all but the last MAX_INFLIGHT_BUCKETS launched are done."""
-    if k is None or not w.buckets:
+    before k launch in order, and all but the last MAX_INFLIGHT_BUCKETS launched are done
+    (none in the forward: each micro-batch's backward ends with all reduced)."""
+    if at.phase != "backward" or not w.buckets:
         return 0
-    now = (k, 0)  # position k's first gradient has arrived
+    now = (at.k, 0)  # position k's first gradient has arrived
     launched = 0
     while launched < len(w.buckets) and w.buckets[launched].last < now:
         launched += 1
@@ -88,28 +109,35 @@ def buckets(w: Walk, k: int | None) -> int:
     return sum(u.nbytes for u in w.buckets[done:] if u.first <= now)
 
 
-def gathered(w: Walk, k: int | None) -> int:
-    """ZeRO-3's trainable units: the root all backward, the unit running and the next."""
-    root = sum(u.nbytes for u in w.gathered if u.root)
-    if k is None:
-        return root
-    return root + sum(u.nbytes for u in w.gathered if not u.root and u.first[0] in (k, k + 1))
+def _running(units: tuple[Unit, ...], at: At) -> int:
+    """The block units gathered at `at`: the one running and the next one, prefetched (the
+    next in the forward is the one before in the backward's order)."""
+    if at.phase == "end":
+        return 0
+    after = at.k - 1 if at.phase == "forward" else at.k + 1
+    return sum(u.nbytes for u in units if not u.root and u.first[0] in (at.k, after))
 
 
-def frozen(w: Walk, k: int | None) -> int:
-    """A frozen base's units under ZeRO-3: freed when the next unit's backward starts."""
+def gathered(w: Walk, at: At) -> int:
+    """ZeRO-3's trainable units: the root the whole forward and backward, the unit running
+    and the next."""
+    return sum(u.nbytes for u in w.gathered if u.root) + _running(w.gathered, at)
+
+
+def frozen(w: Walk, at: At) -> int:
+    """A frozen base's units under ZeRO-3: as the trainable ones, but the root is freed when
+    the last block's backward starts, each unit when the next one's does."""
     root = sum(u.nbytes for u in w.frozen if u.root)
-    if k is None:
-        return root
-    blocks = sum(u.nbytes for u in w.frozen if not u.root and u.first[0] in (k, k + 1))
-    return blocks + (root if w.labels[k] == HEAD else 0)
+    if at.phase == "backward" and w.labels[at.k] != HEAD:
+        root = 0
+    return root + _running(w.frozen, at)
 
 
-def receive(w: Walk, k: int | None) -> int:
+def receive(w: Walk, at: At) -> int:
     return w.receive
 
 
-TERMS: tuple[tuple[str, Callable[[Walk, int | None], int]], ...] = (
+TERMS: tuple[tuple[str, Callable[[Walk, At], int]], ...] = (
     ("activations", activations),
     ("buckets", buckets),
     ("gathered", gathered),
@@ -121,11 +149,15 @@ BUFFERS = ("buckets", "gathered", "frozen_gathered", "pipeline_zero")  # the com
 
 
 def moments(w: Walk) -> tuple[Moment, ...]:
-    """Every moment of the walk with what is alive then, term by term."""
+    """Every moment of the walk with what is alive then, term by term: each block of the
+    forward, the forward's end, each position of the backward."""
+    blocks = [k for k, label in enumerate(w.labels) if label.startswith("block")]
+    ats = [At("forward", k) for k in reversed(blocks)] + [At("end")]
+    ats += [At("backward", k) for k in range(len(w.labels))]
     out = []
-    for k in (None, *range(len(w.labels))):
-        name = "forward end" if k is None else f"backward: {w.labels[k]}"
-        out.append(Moment(name, tuple((t, f(w, k)) for t, f in TERMS)))
+    for at in ats:
+        name = "forward end" if at.k is None else f"{at.phase}: {w.labels[at.k]}"
+        out.append(Moment(name, tuple((t, f(w, at)) for t, f in TERMS)))
     return tuple(out)
 
 
