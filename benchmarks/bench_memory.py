@@ -93,6 +93,12 @@ LAYOUTS = [
     Case("pp2 zb-h1", parallel={"pp": 2, "schedule": "zb-h1"}, accum=4),
     Case("pp2 2bw", parallel={"pp": 2, "schedule": "2bw"}, accum=4, steps=4),
     Case(
+        "pp2 2bw offload activations",
+        parallel={"pp": 2, "schedule": "2bw", "offload_activations": "cpu"},
+        accum=4,
+        steps=4,
+    ),
+    Case(
         "tp2 partitioned activations, recompute full",
         parallel={"tp": 2, "partition_activations": True, "recompute": "full"},
     ),

@@ -42,6 +42,12 @@ SUBSET = [
     Case("dp2 activation-offload", parallel={"dp": 2, "offload_activations": "cpu"}),
     Case("pp2 zb-h1", parallel={"pp": 2, "schedule": "zb-h1"}, accum=4),
     Case("pp2 2bw", parallel={"pp": 2, "schedule": "2bw"}, accum=4, steps=4),  # measured mid-stream
+    Case(
+        "pp2 2bw offload",
+        parallel={"pp": 2, "schedule": "2bw", "offload_activations": "cpu"},
+        accum=4,
+        steps=4,
+    ),
     Case("tp2 partitioned", parallel={"tp": 2, "partition_activations": True, "recompute": "full"}),
     Case(
         "tp2 sp bf16 light-loss",

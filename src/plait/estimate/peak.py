@@ -152,7 +152,7 @@ def moments(w: Walk) -> tuple[Moment, ...]:
     """Every moment of the walk with what is alive then, term by term: each block of the
     forward, the forward's end, each position of the backward."""
     blocks = [k for k, label in enumerate(w.labels) if label.startswith("block")]
-    ats = [At("forward", k) for k in reversed(blocks)] + [At("end")]
+    ats = [At("end")] + [At("forward", k) for k in reversed(blocks)]  # a tie: the end
     ats += [At("backward", k) for k in range(len(w.labels))]
     out = []
     for at in ats:
