@@ -77,8 +77,9 @@ class Walk:
 
 
 class At(NamedTuple):
-    """A moment: `phase` "forward" (block at backward position k running), "end" (the
-    forward's end, k None) or "backward" (position k's first gradient has arrived)."""
+    """A moment: `phase` "forward" (block at backward position k done), "end" (the
+    forward's end, k None), "backward" (position k's first gradient has arrived) or
+    "buffers" (a pipeline's ZeRO buffers at their own peak, k None)."""
 
     phase: str
     k: int | None = None
@@ -88,8 +89,8 @@ def activations(w: Walk, at: At) -> int:
     """Forward: what block k and the positions after it (in the backward's order) have saved
     once block k's forward is done; backward: all but what the positions before k have
     freed, and k's first nodes."""
-    if at.phase == "end":
-        return w.held
+    if at.phase in ("end", "buffers"):
+        return w.held if at.phase == "end" else 0
     if at.phase == "forward":
         return w.held - sum(w.freed[: at.k])
     return w.held - sum(w.freed[: at.k]) - w.early[at.k]
@@ -112,7 +113,7 @@ def buckets(w: Walk, at: At) -> int:
 def _running(units: tuple[Unit, ...], at: At) -> int:
     """The block units gathered at `at`: the one running and the next one, prefetched (the
     next in the forward is the one before in the backward's order)."""
-    if at.phase == "end":
+    if at.k is None:
         return 0
     after = at.k - 1 if at.phase == "forward" else at.k + 1
     return sum(u.nbytes for u in units if not u.root and u.first[0] in (at.k, after))
@@ -137,6 +138,15 @@ def receive(w: Walk, at: At) -> int:
     return w.receive
 
 
+def pipeline_zero(w: Walk, at: At) -> int:
+    """ZeRO-2/3 under a pipeline (`zero_pipeline.py`, which walks the schedule itself): what
+    of its buckets and gathered units is alive when the activations peak, at the forward's
+    end; at their own peak, the moment `moments` adds ("ZeRO buffers' peak")."""
+    if at.phase == "end":
+        return w.pipeline_zero[0]
+    return w.pipeline_zero[1] if at.phase == "buffers" else 0
+
+
 TERMS: tuple[tuple[str, Callable[[Walk, At], int]], ...] = (
     ("activations", activations),
     ("buckets", buckets),
@@ -154,9 +164,11 @@ def moments(w: Walk) -> tuple[Moment, ...]:
     blocks = [k for k, label in enumerate(w.labels) if label.startswith("block")]
     ats = [At("end")] + [At("forward", k) for k in reversed(blocks)]  # a tie: the end
     ats += [At("backward", k) for k in range(len(w.labels))]
+    ats += [At("buffers")] if w.pipeline_zero[1] else []
     out = []
     for at in ats:
-        name = "forward end" if at.k is None else f"{at.phase}: {w.labels[at.k]}"
+        name = {"end": "forward end", "buffers": "ZeRO buffers' peak"}.get(at.phase)
+        name = name or f"{at.phase}: {w.labels[at.k]}"
         out.append(Moment(name, tuple((t, f(w, at)) for t, f in TERMS)))
     return tuple(out)
 
