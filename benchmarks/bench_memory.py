@@ -99,6 +99,12 @@ LAYOUTS = [
         steps=4,
     ),
     Case(
+        "dp2 pp2 1f1b ZeRO-3",
+        "small-llama",
+        parallel={"dp": 2, "pp": 2, "zero": 3},
+        accum=4,
+    ),
+    Case(
         "tp2 partitioned activations, recompute full",
         parallel={"tp": 2, "partition_activations": True, "recompute": "full"},
     ),
