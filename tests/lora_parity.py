@@ -70,7 +70,7 @@ def _frozen_facts(trainer: Trainer) -> dict:
             assert p.grad is None or is_adapter(name), f"frozen {name} has a .grad"
     local = sum(4 * p.numel() for n, p in trainer.model.named_parameters() if is_adapter(n))
     memory = trainer.engine.memory
-    if memory is None:  # 2BW: plait's AdamW over whole trainable parameters, its own tracker
+    if trainer.cfg.parallel.two_bw:  # plait's AdamW over whole trainable parameters
         opt = trainer.engine.optimizer
         assert all(is_adapter(n) for g in opt.groups for n in g.names), "a frozen group"
         moments = [t for s in opt.states.states for k, t in s.items() if k != "master"]

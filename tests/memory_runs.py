@@ -33,6 +33,7 @@ class Case:
     parallel: dict[str, Any] = field(default_factory=dict)
     model: dict[str, Any] = field(default_factory=dict)
     accum: int = 2
+    steps: int = 2  # the run's steps; the second is measured (2BW: 4, so it is mid-stream)
 
     @property
     def world(self) -> int:
@@ -45,7 +46,12 @@ class Case:
             par["offload_dir"] = offload_dir
         dp = par.get("dp", 1)
         train = {"micro_batch": MB, "global_batch": MB * self.accum * dp, "seq_len": SEQ}
-        train |= {"steps": 2, "progress": False, "eval_every": 0, "out": "/tmp/plait-unused"}
+        train |= {
+            "steps": self.steps,
+            "progress": False,
+            "eval_every": 0,
+            "out": "/tmp/plait-unused",
+        }
         over = {"model": self.model, "parallel": par, "data": {"max_bytes": 300_000}}
         cfg = build_config(self.preset, over | {"train": train})
         cfg.validate(check_data=False)

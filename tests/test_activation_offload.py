@@ -120,7 +120,8 @@ def test_unknown_target_is_one_line_exit_2(capsys, monkeypatch):
 
 
 def run_two_bw(target: str, recompute: str) -> dict:
-    """2BW's losses every step and its latest weights after them (2BW has no meter)."""
+    """2BW's losses every step and its latest weights after them (its memory is held to the
+    estimate in test_estimate_measured.py)."""
     par = {"pp": 2, "schedule": "2bw", "recompute": recompute, "offload_activations": target}
     cfg = Case("2bw", parallel=par, model={"dropout": 0.1}, accum=4).config()
     cfg.train.steps = STEPS  # the 2BW stream is built for the run's steps

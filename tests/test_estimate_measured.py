@@ -1,6 +1,9 @@
 """The estimate against what runs measure (memory tracker by category), on a representative
-subset of layouts in one 2-rank world: model states within 2%, activations and the total
-within 10% (docs/memory.md has the whole table, from benchmarks/bench_memory.py)."""
+subset of layouts in one 2-rank world: model states, activations and the total within 2% in
+both directions (docs/memory.md has the whole table, from benchmarks/bench_memory.py). The
+total is the tracker's peak, which falls at different moments of the step on different
+layouts (forward end, a backward with buckets and gathered units alive): the estimate's
+moments (estimate/peak.py) must find it, not only bound it."""
 
 from __future__ import annotations
 
@@ -32,8 +35,27 @@ SUBSET = [
         parallel={"pp": 2, "schedule": "interleaved", "virtual_stages": 2},
         accum=4,
     ),
+    # the moment of the peak: a bucket, or ZeRO-3's gathered units, alive in the backward
+    Case("dp2 zero2 bf16", "small-llama", parallel={"dp": 2, "zero": 2, "precision": "bf16"}),
+    Case("dp2 zero3 cpu-offload", "small-llama", parallel={"dp": 2, "zero": 3, "offload": "cpu"}),
+    Case("dp2 zero3 full-recompute", parallel={"dp": 2, "zero": 3, "recompute": "full"}),
+    Case("dp2 activation-offload", parallel={"dp": 2, "offload_activations": "cpu"}),
+    Case("pp2 zb-h1", parallel={"pp": 2, "schedule": "zb-h1"}, accum=4),
+    Case("pp2 2bw", parallel={"pp": 2, "schedule": "2bw"}, accum=4, steps=4),  # measured mid-stream
+    Case(
+        "pp2 2bw offload",
+        parallel={"pp": 2, "schedule": "2bw", "offload_activations": "cpu"},
+        accum=4,
+        steps=4,
+    ),
+    Case("tp2 partitioned", parallel={"tp": 2, "partition_activations": True, "recompute": "full"}),
+    Case(
+        "tp2 sp bf16 light-loss",
+        "small-llama",
+        parallel={"tp": 2, "sequence_parallel": True, "precision": "bf16"},
+    ),
 ]
-LIMITS = {"activations": 0.10, "total": 0.10}  # model states: 0.02
+LIMIT = 0.02  # every compared term: model states by category, activations, the total
 
 
 @pytest.mark.parametrize("layout", SUBSET, ids=[x.name for x in SUBSET])
@@ -41,8 +63,7 @@ def test_estimate_matches_measurement(world2, layout):
     est = estimate(layout.config())
     for measured in world2.run(measure, layout):
         for term, pair in compare(est, measured).items():
-            limit = LIMITS.get(term, 0.02)
-            assert abs(error(pair)) <= limit, (layout.name, measured["pp_rank"], term, pair)
+            assert abs(error(pair)) <= LIMIT, (layout.name, measured["pp_rank"], term, pair)
         assert _small_collectives(measured) == _planned(layout, measured["pp_rank"])
 
 

@@ -27,7 +27,7 @@ from plait.plan.hardware import load_hardware
 from plait.plan.step_time import Memo, step_time
 from plait.plan.traffic import Links, dp_traffic, tp_tables
 from plait.schedule.stages import rank_plans
-from test_estimate_measured import LIMITS, STEP_TAGS, _planned, _small_collectives
+from test_estimate_measured import LIMIT, STEP_TAGS, _planned, _small_collectives
 
 ALL = {"lora_rank": 4, "lora_targets": "all"}
 LAYOUTS = [
@@ -46,6 +46,8 @@ LAYOUTS = [
     Case("lora dp2 zero3", "small-llama", parallel={"dp": 2, "zero": 3}, model=ALL),
     Case("lora dp2 zero3 bf16", "small-llama",
          parallel={"dp": 2, "zero": 3, "precision": "bf16", "base_dtype": "bf16"}, model=ALL),
+    Case("lora dp2 zero3 recompute full", "small-llama",  # its peak: a forward's block done
+         parallel={"dp": 2, "zero": 3, "recompute": "full"}, model=ALL),
 ]  # fmt: skip
 
 
@@ -56,8 +58,7 @@ def test_lora_estimate_matches_measurement(world2, layout):
         pairs = compare(est, measured)
         assert pairs["frozen_base"][1] > 0
         for term, pair in pairs.items():
-            limit = LIMITS.get(term, 0.02)
-            assert abs(error(pair)) <= limit, (layout.name, measured["pp_rank"], term, pair)
+            assert abs(error(pair)) <= LIMIT, (layout.name, measured["pp_rank"], term, pair)
             if term not in ("activations", "total") and layout.parallel.get("zero") == 3:
                 assert pair[0] == pair[1], (layout.name, term, pair)  # the base's shards too
         assert _small_collectives(measured) == _planned(layout, measured["pp_rank"])

@@ -249,8 +249,7 @@ class Trainer:
         `meter_activations`: count the bytes autograd saves for backward during the step
         (the memory tracker's `activations` peak). Off by default: the hook on every saved
         tensor costs time (about 1 ms a step on the lessons' CPU models, 3-20% of their step,
-        more the more is saved), and the step is the same code either way. No-op where
-        memory is not tracked (2BW)."""
+        more the more is saved), and the step is the same code either way."""
         memory = self.engine.memory
         meter = memory.activations() if meter_activations and memory else nullcontext()
         with meter:

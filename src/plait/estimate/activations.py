@@ -88,6 +88,22 @@ def layer_bytes(cfg: ModelConfig, x: Shape, recompute: str) -> int:
     return total
 
 
+def first_freed_bytes(cfg: ModelConfig, x: Shape, recompute: str) -> int:
+    """What a block's backward frees before its first gradient arrives (the moment
+    `estimate/peak.py` counts a block at): the output dropout's mask and the MLP down
+    projection's input, F·e, saved by the nodes it runs first; under full recomputation
+    nothing the meter sees."""
+    if recompute == "full":
+        return 0
+    return x.b * x.s * cfg.ffn_dim // x.t * x.e + (x.res(cfg) if cfg.dropout > 0.0 else 0)
+
+
+def head_first_freed_bytes(cfg: ModelConfig, x: Shape) -> int:
+    """What the loss's backward frees before the head's gradient arrives: its saves but
+    the row indices (`target_rows_bytes` less n·8)."""
+    return target_rows_bytes(cfg, x) - x.b * x.s * INDEX
+
+
 def received_input_bytes(cfg: ModelConfig, x: Shape, recompute: str) -> int:
     """What a non-first pipeline stage would save of its received input, which the tracker
     counts as a receive buffer instead (a leaf): LayerNorm's input, RMSNorm's fp32 input

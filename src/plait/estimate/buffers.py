@@ -1,70 +1,100 @@
-"""Communication buffers: what exists only while data moves.
+"""Communication buffers: what exists only while data moves, as units of the backward walk.
 
 - ZeRO-2/3 gradient buckets: full-size reduction buffers in the reduction dtype, allocated
   when a bucket's first gradient arrives and freed once its reduce-scatter is done; at most
-  `MAX_INFLIGHT_BUCKETS` in flight plus the one filling (`zero/reducer.py`). Stages 0-1 keep
-  their buckets as the gradients themselves, so they add nothing here.
-- ZeRO-3 gathered layers: the root unit (embedding, final norm, head) stays gathered for the
-  whole forward, with the current block and the prefetched next one (`zero/flat_params.py`);
+  `MAX_INFLIGHT_BUCKETS` in flight plus those filling (`zero/reducer.py`). Under ZeRO-3 the
+  root's bucket fills from the head's gradients to the embedding's, the whole backward.
+  Stages 0-1 keep their buckets as the gradients themselves, so they add nothing here.
+- ZeRO-3 gathered units: the root unit (embedding, final norm, head) in the forward and the
+  whole backward, the current block and the prefetched next one (`zero/flat_params.py`);
   a LoRA run trains nothing at the root (no root group), and gathers its frozen base's units
-  beside the adapters' (`estimate/frozen_base.py`).
+  beside the adapters' (`zero/frozen.py`).
 - Under a pipeline, stages 2-3 reduce once per step and stage 3 keeps (or regathers) a
-  stage's parameters: `estimate/zero_pipeline.py` (`rank_zero_buffers` picks).
+  stage's parameters: `estimate/zero_pipeline.py` gives what of them is alive when the
+  activations peak and at their own peak (`pipeline_buffers`), two constants of the walk.
 - Pipeline receive buffers: each received stage input lives until its backward (the
   schedule's in-flight count on non-first chunks), plus one received output gradient. The
   memory tracker does not see these (they are plain tensors of the runtime); they are part of
   the estimate, and of the allocator's peak on CUDA.
+
+When each is alive is `estimate/peak.py`'s: this file says what the units are.
 """
 
 from __future__ import annotations
 
 from plait.config import Config
 from plait.estimate.frozen_base import FrozenBase
-from plait.estimate.lines import Line
-from plait.estimate.model_states import Precision, States
+from plait.estimate.lines import Line, Moment
+from plait.estimate.model_states import Precision, States, group_units
+from plait.estimate.peak import BUFFERS, Unit, Walk, param_clock, units
+from plait.estimate.rank_params import ParamSpec
 from plait.estimate.zero_pipeline import pipeline_zero_buffers
-from plait.parallel.zero.layout import MAX_INFLIGHT_BUCKETS
 from plait.schedule.actions import Schedule
 from plait.schedule.simulate import peak_held
 from plait.schedule.stages import StagePlan
 
 
-def zero_buffers(
-    stage: int, groups: list[tuple[int, int]], prec: Precision, root: bool = True
-) -> tuple[int, int, int]:
-    """(gradient bucket bytes, ZeRO-3 gathered bytes) at their own peaks, and what is
-    alive when the activations peak (the backward's start: the gathered layers and the
-    first bucket filling; stage 2 has launched no bucket yet). `root`: whether the last
-    group is the root unit (not under LoRA, whose root trains nothing)."""
+def zero_units(
+    cfg: Config,
+    params: list[ParamSpec],
+    labels: tuple[str, ...],
+    groups: list[tuple[int, int]],
+    prec: Precision,
+) -> dict[str, tuple[Unit, ...]]:
+    """The gradient buckets (stages 2-3) and ZeRO-3's gathered units of this rank, as
+    `Walk` fields; `groups`: (numel, padded) of its flat groups (`model_states`)."""
+    par = cfg.parallel
+    if par.zero < 2 or not groups or _pipelined(cfg):
+        return {}
+    clock = param_clock(labels, params)
+    members = group_units(params, par.zero, par.bucket_mb)
     padded = [p for _, p in groups]
-    if stage < 2 or not padded:
-        return 0, 0, 0
-    largest = sorted(padded, reverse=True)
-    buckets = sum(largest[: MAX_INFLIGHT_BUCKETS + 1]) * prec.reduce
-    if stage < 3:
-        return buckets, 0, 0
-    root, blocks = (padded[-1], padded[:-1]) if root else (0, padded)
-    blocks = sorted(blocks, reverse=True)
-    gathered = (root + sum(blocks[:2])) * prec.param
-    return buckets, gathered, gathered + largest[0] * prec.reduce
+    out = {"buckets": units(members, padded, prec.reduce, clock)}
+    if par.zero == 3:
+        out["gathered"] = units(members, padded, prec.param, clock)
+    return out
 
 
-def rank_zero_buffers(
+def frozen_units(cfg: Config, base: FrozenBase | None, labels: tuple[str, ...]) -> tuple[Unit, ...]:
+    """A LoRA base's units under ZeRO-3 (engine order: blocks last to first, then the
+    root), at the positions of the blocks they belong to."""
+    if base is None or base.stage != 3 or _pipelined(cfg):
+        return ()
+    blocks = [k for k, label in enumerate(labels) if label.startswith("block")]
+    padded = [p * base.element for _, p in base.units]
+    root = padded.pop() if base.has_root else None
+    out = [Unit((k, 0), (k, 0), b) for k, b in zip(blocks, padded, strict=False)]
+    end = (len(labels), 0)
+    return tuple(out) + ((Unit((0, 0), end, root, True),) if root is not None else ())
+
+
+def _pipelined(cfg: Config) -> bool:
+    """A synchronous pipeline: its ZeRO-2/3 buffers are `pipeline_buffers`'."""
+    return cfg.parallel.pp > 1 and not cfg.parallel.two_bw
+
+
+def pipeline_buffers(
     cfg: Config,
     states: States,
     prec: Precision,
     plans: list[StagePlan],
     schedule: Schedule | None,
     rank: int,
-    root: bool = True,
-) -> tuple[int, int, int]:
-    """`zero_buffers`, or under a synchronous pipeline `pipeline_zero_buffers`."""
+    base: FrozenBase | None = None,
+) -> tuple[int, int]:
+    """Under a synchronous pipeline, the ZeRO-2/3 buckets and gathered units (a frozen
+    base's too) alive when the activations peak, and at their own peak
+    (`zero_pipeline.py`); (0, 0) otherwise."""
     par = cfg.parallel
-    if schedule is None or par.two_bw:
-        return zero_buffers(par.zero, states.groups, prec, root)
-    return pipeline_zero_buffers(
-        par.zero, states, prec, plans, schedule, rank, par.reshard_after_forward
-    )
+    if schedule is None or not _pipelined(cfg):
+        return 0, 0
+    reshard = par.reshard_after_forward
+    trained = pipeline_zero_buffers(par.zero, states, prec, plans, schedule, rank, reshard)
+    at_peak, own = trained[2], trained[0] + trained[1]
+    if base is not None:
+        at_peak += base.gathered_at_activation_peak()
+        own += base.gathered_peak()
+    return at_peak, own
 
 
 def receive_buffers(
@@ -81,36 +111,16 @@ def receive_buffers(
     return int(inputs) + grads
 
 
-def buffer_lines(
-    cfg: Config,
-    states: States,
-    plans: list[StagePlan],
-    schedule: Schedule | None,
-    rank: int,
-    prec: Precision,
-    base: FrozenBase | None = None,
-) -> list[Line]:
-    """The 'comm_buffers' line (what the memory tracker registers) and the
-    'pipeline_buffers' line (receive buffers, which it does not); `base`: a LoRA run's
-    frozen base, whose gathered units (stage 3) are buffers too."""
-    buckets, gathered, _ = rank_zero_buffers(cfg, states, prec, plans, schedule, rank, base is None)
-    once = schedule is not None and not cfg.parallel.two_bw  # reduced once per step
-    keep = once and cfg.parallel.reshard_after_forward != "always"
-    parts = []
-    if buckets:
-        what = "the stage's full gradient" if once else f"{MAX_INFLIGHT_BUCKETS + 1} largest"
-        parts.append(f"{what} buckets {buckets:,} B")
-    if gathered:
-        what = "2 largest adapter blocks" if base else "root + 2 largest blocks"
-        what = "the stage's groups" if keep else what
-        parts.append(f"ZeRO-3 {what} gathered {gathered:,} B")
-    frozen = base.gathered_peak() if base else 0
-    if frozen:
-        parts.append(f"frozen base root + 2 largest blocks gathered {frozen:,} B")
-        gathered += frozen
-    recv = receive_buffers(cfg, plans, schedule, rank, prec)
-    why = "stage inputs held until their backward + 1 gradient" if recv else "none"
+def buffer_lines(walk: Walk, moments: tuple[Moment, ...]) -> list[Line]:
+    """The 'comm_buffers' line (buckets and gathered units at their fullest moment) and the
+    'pipeline_buffers' line (receive buffers, which the memory tracker does not register)."""
+    fullest = max(moments, key=lambda m: sum(b for t, b in m.terms if t in BUFFERS))
+    parts = [f"{t} {b:,} B" for t, b in fullest.terms if t in BUFFERS and b]
+    comm = sum(b for t, b in fullest.terms if t in BUFFERS)
+    why = f"{'; '.join(parts)} (at {fullest.name})" if comm else "none"
+    recv = walk.receive
+    recv_why = "stage inputs held until their backward + 1 gradient" if recv else "none"
     return [
-        Line("comm_buffers", buckets + gathered, formula="; ".join(parts) or "none"),
-        Line("pipeline_buffers", recv, formula=why),
+        Line("comm_buffers", comm, formula=why),
+        Line("pipeline_buffers", recv, formula=recv_why),
     ]

@@ -17,7 +17,13 @@ from plait.config import Config
 from plait.errors import ConfigError
 from plait.estimate import activations as act
 from plait.estimate.adapters import lora_head_bytes, lora_layer_bytes
-from plait.estimate.buffers import buffer_lines, rank_zero_buffers
+from plait.estimate.buffers import (
+    buffer_lines,
+    frozen_units,
+    pipeline_buffers,
+    receive_buffers,
+    zero_units,
+)
 from plait.estimate.formulas import (
     mixed_precision_adam_bytes,
     sixteen_bit_finetune_bytes,
@@ -32,13 +38,15 @@ from plait.estimate.model_states import (
     States,
     model_states,
 )
-from plait.estimate.partitioned import held_saving
+from plait.estimate.partitioned import block_saving, is_partitioned
+from plait.estimate.peak import Walk, moments, positions
 from plait.estimate.rank_params import (
     padded_vocab,
     rank_params,
     total_parameters,
     tp_contract,
 )
+from plait.estimate.two_bw import Stream, two_bw_moments, two_bw_streams
 from plait.models.contract import ModelContract
 from plait.schedule.actions import Schedule
 from plait.schedule.schedules import build_schedule
@@ -61,8 +69,16 @@ def estimate(cfg: Config, schedule: Schedule | None = None) -> Estimate:
     sizes = par.stage_layer_counts()
     schedule = schedule or _schedule(cfg)
     split = tp_contract(m, par.tp)  # what each pipeline rank holds a part of
+    streams = two_bw_streams(par.pp, cfg.accumulation) if par.two_bw else None
     ranks = tuple(
-        _rank(cfg, split, r, rank_plans(m.n_layers, par.pp, par.virtual_stages, r, sizes), schedule)
+        _rank(
+            cfg,
+            split,
+            r,
+            rank_plans(m.n_layers, par.pp, par.virtual_stages, r, sizes),
+            schedule,
+            streams[r] if streams else None,
+        )
         for r in range(par.pp)
     )
     psi = total_parameters(m) if m.lora is None else total_parameters(m, trainable=False)
@@ -91,22 +107,37 @@ def chunk_activation_bytes(cfg: Config, plan: StagePlan) -> int:
 def chunk_activation_places(cfg: Config, plan: StagePlan) -> tuple[int, int]:
     """(device, host) saved bytes of one micro-batch on one chunk: under activation offload
     the blocks' go to the host (a received input, a leaf, stays) and the ends' stay."""
+    pieces = chunk_activation_pieces(cfg, plan)
+    return sum(p[0] for p in pieces), sum(p[1] for p in pieces)
+
+
+def chunk_activation_pieces(cfg: Config, plan: StagePlan) -> list[tuple[int, int, int]]:
+    """(device, host, early) saved bytes of one micro-batch on one chunk, piece by piece in
+    the order its backward frees them: the head and loss (last stage), each block from the
+    last, the embedding (first stage); a block's under activation offload on the host.
+    `early`: the device bytes a piece frees before its first gradient arrives."""
     m, x, mode = cfg.model, _shape(cfg), cfg.parallel.recompute
-    blocks = sum(_layer_bytes(cfg, x, i > 0) for i in plan.layers)
-    ends = 0
-    if plan.first:
-        ends += act.embedding_bytes(m, x) if m.lora is None else 0  # a frozen embedding
-    else:
-        blocks -= act.received_input_bytes(m, x, mode)
-    blocks -= held_saving(cfg, x, plan)  # --partition-activations (partitioned.py)
+    offload = cfg.parallel.offload_activations != "none"
+    plain = m.lora is None  # LoRA's first gradients (an adapter's B) free next to nothing
+    pieces = []
     if plan.last:
-        head = act.head_bytes if m.lora is None else lora_head_bytes
-        ends += head(m, x, padded_vocab(m, x.t) // x.t)
-    if cfg.parallel.offload_activations == "none":
-        return blocks + ends, 0
-    if mode == "full":  # each checkpoint saves the dropout keys too: one host copy a block
-        blocks += len(plan.layers) * x.b * act.INDEX
-    return ends, blocks
+        head = act.head_bytes if plain else lora_head_bytes
+        early = act.head_first_freed_bytes(m, x) if plain else 0
+        pieces.append((head(m, x, padded_vocab(m, x.t) // x.t), 0, early))
+    early = act.first_freed_bytes(m, x, mode) if plain and not offload else 0
+    saving = block_saving(cfg, x)
+    for i in reversed(plan.layers):
+        block = _layer_bytes(cfg, x, i > 0)
+        if i == plan.layers[0] and not plan.first:
+            block -= act.received_input_bytes(m, x, mode)
+        if is_partitioned(cfg, plan, i):  # --partition-activations (partitioned.py)
+            block -= saving
+        if offload and mode == "full":  # the checkpoint saves the dropout keys: a host copy
+            block += x.b * act.INDEX
+        pieces.append((0, block, 0) if offload else (block, 0, early))
+    if plan.first:  # a frozen embedding (LoRA) saves nothing
+        pieces.append((act.embedding_bytes(m, x) if plain else 0, 0, 0))
+    return pieces
 
 
 def _layer_bytes(cfg: Config, x: act.Shape, grad_in: bool = True) -> int:
@@ -124,13 +155,15 @@ def _rank(
     r: int,
     plans: list[StagePlan],
     schedule: Schedule | None,
+    stream: Stream | None = None,
 ) -> RankEstimate:
     par = cfg.parallel
     prec = Precision.of(par.precision, par.reduce_dtype)
     params = rank_params(split, plans)
     states = model_states(params, par.zero, par.dp, prec, par.offload, par.bucket_mb)
+    grad_set = 0
     if par.two_bw:  # two weight versions, plain fp32 Adam (WeightVersions)
-        states = _two_bw_states(states)
+        grad_set = _two_bw_states(states)
     places = [chunk_activation_places(cfg, plan) for plan in plans]
     if schedule is None:
         held, host, in_flight = places[0][0], places[0][1], 1
@@ -145,19 +178,52 @@ def _rank(
         base = frozen_base(params, cfg, prec)
         lines.append(frozen_line(base, cfg))
     lines.append(_activation_line(cfg, plans, held, host, in_flight))
-    lines += buffer_lines(cfg, states, plans, schedule, r, prec, base)
+    walk = _walk(cfg, plans, params, held, states, prec, base, schedule, r)
+    at = moments(walk)
+    lines += buffer_lines(walk, at)
+    if stream is not None:  # 2BW's moments: gradient sets come and go (estimate/two_bw.py)
+        at = two_bw_moments(stream, places[0][0], grad_set, walk.receive)
     layers = tuple(i for plan in plans for i in plan.layers)
-    at_peak = rank_zero_buffers(cfg, states, prec, plans, schedule, r, base is None)[2]
-    at_peak += base.gathered_at_activation_peak() if base else 0
     held_params = sum(p.numel for p in params)
-    return RankEstimate(r, layers, held_params, in_flight, tuple(lines), at_peak)
+    return RankEstimate(r, layers, held_params, in_flight, tuple(lines), at)
 
 
-def _two_bw_states(states: States) -> States:
-    """PipeDream-2BW keeps a second fp32 weight version; its gradients and moments as DP."""
+def _walk(
+    cfg: Config,
+    plans: list[StagePlan],
+    params: list,
+    held: int,
+    states: States,
+    prec: Precision,
+    base: FrozenBase | None,
+    schedule: Schedule | None,
+    r: int,
+) -> Walk:
+    """This rank's backward, position by position (`estimate/peak.py`): the activations
+    each position frees (the last chunk's micro-batch: the one whose backward comes at the
+    peak), and the buffers (`estimate/buffers.py`)."""
+    layers = tuple(i for plan in plans for i in plan.layers)
+    labels = positions(layers, any(p.first for p in plans), any(p.last for p in plans))
+    pieces = [p for plan in reversed(plans) for p in chunk_activation_pieces(cfg, plan)]
+    return Walk(
+        labels,
+        held,
+        tuple(p[0] for p in pieces),
+        tuple(p[2] for p in pieces),
+        frozen=frozen_units(cfg, base, labels),
+        receive=receive_buffers(cfg, plans, schedule, r, prec),
+        pipeline_zero=pipeline_buffers(cfg, states, prec, plans, schedule, r, base),
+        **zero_units(cfg, params, labels, states.groups, prec),
+    )
+
+
+def _two_bw_states(states: States) -> int:
+    """PipeDream-2BW keeps a second fp32 weight version, moments as DP; its gradients are no
+    fixed state (one or two sets alive, `estimate/two_bw.py`): taken out, their bytes
+    (one set) returned."""
     params = states.bytes.get("parameters", {}).get("device", 0)
     states.add("parameters", "device", params)
-    return states
+    return states.bytes.pop("gradients", {}).get("device", 0)
 
 
 def _state_lines(states: States, cfg: Config, prec: Precision) -> list[Line]:
@@ -169,7 +235,8 @@ def _state_lines(states: States, cfg: Config, prec: Precision) -> list[Line]:
         "parameters": f"{shard if stage == 3 else full:,} el x {prec.param} B"
         + (" (ZeRO-3: 1/N)" if stage == 3 else ""),
         "gradients": f"{full if stage <= 1 else shard:,} el x {prec.reduce} B"
-        + (" (ZeRO-2/3: 1/N)" if stage >= 2 else ""),
+        + (" (ZeRO-2/3: 1/N)" if stage >= 2 else "")
+        + (": 2BW, 1-2 sets alive, counted in the total's moments" if par.two_bw else ""),
         "master_weights": f"{shard:,} el x {FP32} B fp32 copy"
         + ("" if prec.param != FP32 or par.offload != "none" else ": none, fp32 params are it"),
         "optimizer_states": f"{ADAM_STATES} x {shard:,} el x {FP32} B (Adam moments"

@@ -35,6 +35,19 @@ class Line:
 
 
 @dataclass(frozen=True)
+class Moment:
+    """One moment of a step (`estimate/peak.py`) and the bytes alive then beyond the model
+    states, term by term."""
+
+    name: str
+    terms: tuple[tuple[str, int], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b for _, b in self.terms)
+
+
+@dataclass(frozen=True)
 class RankEstimate:
     """The memory of one rank of pipeline stage `pp_rank` (any dp and tp coordinate)."""
 
@@ -43,7 +56,7 @@ class RankEstimate:
     parameters_held: int  # elements of this rank's parameters (its tp shard, its stages)
     in_flight: int  # (micro-batch, chunk) activations held at once, from the schedule
     lines: tuple[Line, ...]
-    buffers_at_peak: int = 0  # comm buffers alive when the activations peak
+    moments: tuple[Moment, ...] = ()  # what is alive beyond model states, moment by moment
 
     def line(self, name: str) -> Line:
         return next(x for x in self.lines if x.name == name)
@@ -53,14 +66,16 @@ class RankEstimate:
         return sum(x.at(place) for x in self.lines if x.name == FROZEN)
 
     def total(self, place: str = "device") -> int:
-        """The peak of the sum, not the sum of the peaks: activations peak at the end of the
-        forward, the gradient buckets later, in a backward that frees activations; the
-        device total takes the larger of the two moments."""
+        """The peak of the sum, not the sum of the peaks: model states plus what is alive at
+        the step's fullest moment (activations peak when the forward ends, the buckets and
+        gathered units in a backward that is freeing activations: `estimate/peak.py`)."""
         if place != "device":
             return sum(x.at(place) for x in self.lines)
-        act, comm = self.line("activations").device, self.line("comm_buffers").device
-        moments = max(act + self.buffers_at_peak, comm)
-        return self.model_states() + moments + self.line("pipeline_buffers").device
+        return self.model_states() + self.peak_moment().nbytes
+
+    def peak_moment(self) -> Moment:
+        """The moment of the step at which the device holds the most."""
+        return max(self.moments, key=lambda m: m.nbytes)
 
     def model_states(self, place: str = "device") -> int:
         """Parameters, gradients, masters and moments, and a LoRA run's frozen base."""
@@ -83,4 +98,5 @@ class Estimate:
         out = asdict(self)
         for rank, r in zip(out["ranks"], self.ranks, strict=True):
             rank["total"] = {p: r.total(p) for p in PLACES}
+            rank["peak_moment"] = r.peak_moment().name
         return out

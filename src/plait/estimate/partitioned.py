@@ -33,18 +33,24 @@ def input_bytes(cfg: Config, x: act.Shape) -> int:
 
 
 def partitioned_blocks(cfg: Config, plan: StagePlan) -> int:
-    """Blocks of one chunk whose saved input is partitioned: all but a received input's (the
-    pipeline keeps that buffer) and, under LoRA without full recomputation, block 0's (fed
-    by the frozen embedding, it needs no input gradient, so its frozen norm saves nothing)."""
+    """Blocks of one chunk whose saved input is partitioned (`is_partitioned`)."""
+    return sum(is_partitioned(cfg, plan, i) for i in plan.layers)
+
+
+def is_partitioned(cfg: Config, plan: StagePlan, layer: int) -> bool:
+    """Whether block `layer` of the chunk has its saved input partitioned: all but a received
+    input's (the pipeline keeps that buffer) and, under LoRA without full recomputation, block
+    0's (fed by the frozen embedding, it needs no input gradient, so its frozen norm saves
+    nothing)."""
     lora_first = cfg.model.lora is not None and cfg.parallel.recompute != "full"
     skips_first = not plan.first or lora_first
-    return len(plan.layers) - (1 if skips_first and plan.layers else 0)
+    return not (skips_first and layer == plan.layers[0])
 
 
-def held_saving(cfg: Config, x: act.Shape, plan: StagePlan) -> int:
-    """Bytes one micro-batch on `plan`'s chunk saves less: (1 - 1/t) of each input."""
+def block_saving(cfg: Config, x: act.Shape) -> int:
+    """Bytes one partitioned block saves less for one micro-batch: (1 - 1/t) of its input."""
     whole = input_bytes(cfg, x)
-    return partitioned_blocks(cfg, plan) * (whole - whole // x.t)
+    return whole - whole // x.t
 
 
 def gathers_per_step(cfg: Config, pp_rank: int = 0) -> tuple[int, int]:

@@ -23,7 +23,9 @@ def rank_table(r: RankEstimate, pp: int) -> Table:
         table.add_column(col, justify="right" if col in PLACES else "left")
     for line in r.lines:
         table.add_row(line.name, *(gib(line.at(p)) for p in PLACES), line.formula)
-    why = "states + max(activations + buffers then alive, comm buffers) + pipeline buffers"
+    peak = r.peak_moment()
+    alive = ", ".join(f"{t} {gib(b)}" for t, b in peak.terms if b)
+    why = f"model states + what is alive at the peak ({peak.name}: {alive or 'nothing'})"
     totals = (gib(r.total(p)) for p in PLACES)
     table.add_row("total", *totals, why, style="bold")
     return table

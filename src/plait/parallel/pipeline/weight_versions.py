@@ -39,7 +39,7 @@ from torch import Tensor, nn
 
 from plait.comm import Comm
 from plait.config import TrainConfig
-from plait.memory_tracker import MemoryTracker
+from plait.memory_tracker import MemoryTracker, tensor_bytes
 from plait.models.transformer import Transformer
 from plait.parallel.activation_offload import apply_activation_offload
 from plait.parallel.activation_recompute import apply_recompute
@@ -57,7 +57,6 @@ class WeightVersions:
     """Two copies of this rank's stages and the optimizer that steps between them."""
 
     last_step_skipped = False  # fp32 only: a step is never skipped
-    memory = None  # the 2BW tests measure its storages directly (`storages`)
     loss_scale = 1.0
 
     def __init__(
@@ -85,12 +84,42 @@ class WeightVersions:
         self.names = [n for n, _ in trainable(list(model.named_parameters()))]
         self.held = [0, None]  # the version each copy holds (copy 1 holds nothing yet)
         self.latest = 0
-        # A tracker of its own: 2BW reports no memory (`memory` is None; tests measure storages).
-        tracker = MemoryTracker(comm.mesh.device)
-        self.optimizer = WholeAdamW(self.names, self.params[0], AdamW.from_train(train), tracker)
+        self.memory = self._track(model)
+        self.optimizer = WholeAdamW(
+            self.names, self.params[0], AdamW.from_train(train), self.memory
+        )
         self._grads: list[Tensor] | None = None  # the step being updated, from `take`
         self._busy: set[int] = set()
         self._coef = 1.0
+
+    def _track(self, model: Transformer) -> MemoryTracker:
+        """The memory tracker of this rank, as every engine has one: both weight versions and
+        the frozen base (once) as parameters; each gradient from its first accumulation on a
+        copy until the update that consumes it (`zero_grad`), transient: a step's sealed
+        gradients wait for their update while the next step's accumulate (on the other copy,
+        or on the same one for steps 0 and 1, which both run on version 0).
+        The optimizer registers the moments (its masters are the copies' own tensors)."""
+        tracker = MemoryTracker(self.comm.mesh.device)
+        for c, params in enumerate(self.params):
+            tracker.track(f"version:{c}", "parameters", sum(tensor_bytes(p) for p in params))
+        frozen = {
+            p.untyped_storage().data_ptr(): p for p in model.parameters() if not p.requires_grad
+        }
+        if frozen:
+            tracker.track("frozen", "parameters", sum(tensor_bytes(p) for p in frozen.values()))
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._on_grad(c, i))
+            for c, params in enumerate(self.params)
+            for i, p in enumerate(params)
+        ]
+        self._stepped = 0  # the step whose sealed gradients the pending update consumes
+        return tracker
+
+    def _on_grad(self, c: int, i: int):
+        def hook(p: nn.Parameter) -> None:
+            self.memory.track(f"grad:{c}:{i}", "gradients", p.grad, transient=True)
+
+        return hook
 
     def model(self, version: int) -> Transformer:
         """The copy that holds `version` (raises if it has been overwritten or not made yet)."""
@@ -110,10 +139,12 @@ class WeightVersions:
     def seal(self, step: int) -> list[Tensor]:
         """Take step `step`'s accumulated gradients off its copy, so the next step starts at
         zero; every backward of the step on this rank is done (STEP follows them)."""
-        grads = []
-        for p in self.params[weights_of(step) % 2]:
+        grads, c = [], weights_of(step) % 2
+        for i, p in enumerate(self.params[c]):
             grads.append(torch.zeros_like(p) if p.grad is None else p.grad)
             p.grad = None
+            self.memory.release(f"grad:{c}:{i}")  # the copy's next gradients are another's
+            self.memory.track(f"sealed:{step}:{i}", "gradients", grads[-1], transient=True)
         return grads
 
     def take(self, step: int, grads: list[Tensor], busy: set[int]) -> None:
@@ -122,10 +153,11 @@ class WeightVersions:
         if step != self.latest:
             raise RuntimeError(f"update of step {step} but the latest version is {self.latest}")
         self._grads, self._busy = grads, busy
+        self._stepped = step
 
     # -- the optimizer-engine surface ------------------------------------------------------
     def begin_step(self) -> None:
-        pass
+        self.memory.begin_step()
 
     def micro_batch(self, is_last: bool) -> None:
         pass  # the stream accumulates on the copy each micro-batch ran with
@@ -165,6 +197,8 @@ class WeightVersions:
 
     def zero_grad(self) -> None:
         self._grads = None  # sealed gradients were taken off the copies already
+        for i in range(len(self.params[0])):
+            self.memory.release(f"sealed:{self._stepped}:{i}")
 
     # -- checkpoints -----------------------------------------------------------------------
     saved_states = ("master", "exp_avg", "exp_avg_sq", "previous")
@@ -207,7 +241,9 @@ class WeightVersions:
         self.latest = k
 
     def close(self) -> None:
-        pass
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
 
     def storages(self) -> int:
         """Distinct parameter storages on this rank (the optimizer's masters are views of
