@@ -68,7 +68,8 @@ TRAIN = [
     (["--global-batch", "4096"], "one global batch needs 4096"),  # the sampler
     (["--val-fraction", "0.9999"], "one global batch needs 16 training"),  # the sampler
     (["--vocab-size", "100"], "smaller than the byte tokenizer's 256"),  # the embedding
-    (["--zero", "3", "--pp", "2", "--model", "tiny-gpt"], "zero stage 3 with pipeline"),
+    (["--zero", "3", "--pp", "2", "--schedule", "2bw", "--model", "tiny-gpt"],
+     "it does not run on the ZeRO engine (got zero=3"),  # 2BW's own weight versions
     (["--precision", "fp8"], "precision must be one of"),
     (["--resume", "{missing}"], "does not exist"),  # the checkpoint load
     (["--init-from", "{missing}"], "is not a folder"),  # the weight load
