@@ -31,7 +31,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-PRELOAD = ["harness", "torch", "torch.distributed", "plait.cli"]  # plait.cli imports the rest
+# plait.cli imports the rest of plait; the checkpoint library it imports at the first save
+PRELOAD = ["harness", "torch", "torch.distributed", "torch.distributed.checkpoint", "plait.cli"]
 
 
 def _context() -> mp.context.BaseContext:
