@@ -31,7 +31,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-PRELOAD = ["harness", "torch", "torch.distributed", "plait.cli"]  # plait.cli imports the rest
+# plait.cli.dispatch (every command's parser) imports the rest of plait (plait.cli alone stays
+# light for the command's start); the checkpoint library plait imports at the first save
+PRELOAD = [
+    "harness", "torch", "torch.distributed", "torch.distributed.checkpoint", "plait.cli.dispatch"
+]  # fmt: skip
 
 
 def _context() -> mp.context.BaseContext:

@@ -90,6 +90,9 @@ def test_train_stops_cleanly_at_each_phase(case, tmp_path):
     err = ended(proc)
     _clean(err, marker, proc.returncode, signum)
     assert line.format(out=out) in err
+    if phase in ("evaluate", "save"):  # the summary names the signal, also one sent to the
+        name = signal.Signals(signum).name  # launcher alone (the workers get its forward)
+        assert f"3 of 4 (stopped by {name})" in err
     assert _checkpoints(out) == left
     if phase == "sample":
         assert json.loads((out / "summary.json").read_text())["steps_done"] == 4

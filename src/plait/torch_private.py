@@ -63,6 +63,19 @@ def _box(offsets: Sequence[int], sizes: Sequence[int], rank: int, device: str) -
     return ShardMetadata(list(offsets), list(sizes), f"rank:{rank}/{device}")
 
 
+def embedding_left_unset(num: int, dim: int) -> nn.Embedding:
+    """An `nn.Embedding` whose weight is the tensor allocated for it, not drawn from N(0, 1).
+
+    Why private: `nn.Embedding(..., _weight=w)` takes `w` as the weight and skips
+    `reset_parameters`. plait builds every model on the meta device and fills the values
+    itself (`train.build_model`); on meta, `normal_` runs through torch's Python
+    decompositions, whose first use imports torch's compiler stack (torch._dynamo, sympy:
+    over a second of start-up in every worker, the launched ones and a test world's alike)
+    to draw nothing. Public alternative: `torch.nn.utils.skip_init`, which builds the module
+    on meta too, so it pays the same import."""
+    return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+
+
 def replace_tensors(module: nn.Module, fn: Callable[[Tensor], Tensor]) -> None:
     """Replace every parameter and buffer of `module` by `fn(tensor)`, one at a time.
 

@@ -12,12 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
 from plait.checkpoint import store
 from plait.checkpoint.base import check_available, describe, saved_base, targets_text
-from plait.checkpoint.io import one_process_is_fine, saved_shapes
+from plait.checkpoint.io import dcp_module, one_process_is_fine, saved_shapes
 from plait.models.architecture import ModelConfig
 from plait.models.declare import is_adapter
 from plait.models.hf.load import hf_source
@@ -71,7 +70,7 @@ def read_masters(path: Path) -> dict[str, torch.Tensor]:
     shapes = {k: s for k, s in saved_shapes(path).items() if k.startswith("master/")}
     request = {k: torch.empty(s, dtype=torch.float32) for k, s in shapes.items()}
     with one_process_is_fine():
-        dcp.load(request, checkpoint_id=str(path), no_dist=True)
+        dcp_module().load(request, checkpoint_id=str(path), no_dist=True)
     return {k.removeprefix("master/"): t.contiguous() for k, t in request.items()}
 
 

@@ -17,9 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from plait.checkpoint.state import (
     full_request,
@@ -53,6 +51,7 @@ def save(
     comm.barrier()
     boxes = owned_boxes(engine, model, rules, mesh)
     state = sharded_state(boxes, global_shapes(engine, model), comm)
+    dcp = dcp_module()
     with one_process_is_fine():
         dcp.save(state, checkpoint_id=str(path), no_dist=mesh.world_size == 1)
     if before_commit is not None:
@@ -69,6 +68,7 @@ def load(
 ) -> None:
     """Fill the engine (masters, moments, step count, loss scaler) and the parameters."""
     request = full_request(engine, model, set(saved_shapes(path)))
+    dcp = dcp_module()
     with one_process_is_fine():
         dcp.load(request, checkpoint_id=str(path), no_dist=comm.mesh.world_size == 1)
     engine.load_state_dict(
@@ -83,10 +83,21 @@ def load(
 def saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """Every tensor the checkpoint holds, by key, with its single-process shape (DCP's own
     metadata: nothing of plait's is unpickled)."""
-    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = dcp_module().FileSystemReader(str(path)).read_metadata().state_dict_metadata
     return {
         key: tuple(m.size) for key, m in metadata.items() if isinstance(m, TensorStorageMetadata)
     }
+
+
+def dcp_module() -> Any:
+    """`torch.distributed.checkpoint`, imported at the first save or load: importing it
+    (DTensor, sympy) takes about a second, which every `plait` process paid at start-up,
+    the launcher and each command that never touches a checkpoint included."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
 
 
 @contextmanager

@@ -34,6 +34,7 @@ from plait.models.light_loss import head_is_plain, target_rows_loss
 from plait.models.lora import Linear, LoRASpec
 from plait.models.loss import LMLoss
 from plait.models.packing import Packing
+from plait.torch_private import embedding_left_unset
 
 # Dropout site ids: the embedding owns site 0, block i owns 4 * i + kind.
 SITE_EMBED, SITE_ATTN_PROBS, SITE_ATTN_OUT, SITE_MLP_OUT = 0, 1, 2, 3
@@ -220,15 +221,24 @@ class Block(nn.Module):
         return x + self.mlp_drop(self.mlp(self.mlp_norm(x), keys), keys)  # (b, s, h)
 
 
+def _table(rows: int, dim: int) -> nn.Embedding:
+    """An embedding table; built on the meta device (`train.build_model`, which fills every
+    value after) it skips torch's random draw, whose first run on meta costs a second of
+    imports. Elsewhere torch's own initialization stays (and its use of the global RNG)."""
+    if torch.get_default_device().type == "meta":
+        return embedding_left_unset(rows, dim)
+    return nn.Embedding(rows, dim)
+
+
 class Embedding(nn.Module):
     """Token embedding, plus learned positions for GPT-2 (per token in packed rows), then
     dropout."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.tok = _table(cfg.vocab_size, cfg.d_model)
         if cfg.pos == "learned":
-            self.pos = nn.Embedding(cfg.max_seq_len, cfg.d_model)
+            self.pos = _table(cfg.max_seq_len, cfg.d_model)
         self.drop = KeyedDropout(cfg.dropout, SITE_EMBED)
 
     def forward(
