@@ -84,6 +84,7 @@ def measure(
     drawn.targets.clear()
     trainer.train_step(meter_activations=True)
     states = {c: {p: tracker.persistent(c, p) for p in PLACES} for c in MODEL_STATES}
+    last = mesh.coord.pp == cfg.parallel.pp - 1  # the stage with the loss
     out = {
         "pp_rank": mesh.coord.pp,
         "states": states,
@@ -93,7 +94,7 @@ def measure(
         "allocator_peak": peak_allocated_bytes(mesh.device),
         "comm": trainer.comm.stats.as_rows(),  # the second step's collectives
         "frozen_base": frozen_bytes(trainer),
-        "no_target_bytes": no_target_bytes(cfg, drawn.targets) if case.packed else 0,
+        "no_target_bytes": no_target_bytes(cfg, drawn.targets) if case.packed and last else 0,
     }
     trainer.close()
     return out
@@ -119,9 +120,9 @@ class _Counted:
 
 def no_target_bytes(cfg: Config, targets: list[int]) -> int:
     """The lighter loss saves per target row only (models/light_loss.py); the estimate
-    counts every position (it cannot know the data's targets). On one stage without a
-    pipeline the micro-batch with the most targets makes the peak: the estimate's excess
-    is its rows without a target."""
+    counts every position (it cannot know the data's targets). The last stage holds one
+    micro-batch's loss at a time, and the one with the most targets makes the peak: the
+    estimate's excess is its rows without a target."""
     par, t = cfg.parallel, cfg.train
     e = Precision.of(par.precision, par.reduce_dtype).param
     x = Shape(t.micro_batch, t.seq_len, par.tp, par.sequence_parallel, e)
