@@ -7,6 +7,7 @@ of a harness world; `compare` lines its result up with `plait.estimate` for that
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,9 +17,12 @@ import torch
 from plait.config import Config, build_config
 from plait.device import peak_allocated_bytes
 from plait.estimate import Estimate, RankEstimate
+from plait.estimate.activations import Shape, target_rows_bytes
+from plait.estimate.model_states import Precision
 from plait.memory_tracker import MODEL_STATES, PLACES
 from plait.mesh import build_mesh
-from plait.train import Trainer
+from plait.models.loss import IGNORE
+from plait.train import Trainer, load_corpus
 from reference import corpus_for
 
 MB, SEQ = 2, 64
@@ -34,13 +38,15 @@ class Case:
     model: dict[str, Any] = field(default_factory=dict)
     accum: int = 2
     steps: int = 2  # the run's steps; the second is measured (2BW: 4, so it is mid-stream)
+    packed: bool = False  # instruction data: an examples folder's packed rows (vocabulary 400)
 
     @property
     def world(self) -> int:
         p = self.parallel
         return p.get("dp", 1) * p.get("pp", 1) * p.get("tp", 1)
 
-    def config(self, offload_dir: str | None = None) -> Config:
+    def config(self, offload_dir: str | None = None, examples: str | None = None) -> Config:
+        """The layout's config; a packed case reads the examples folder `examples`."""
         par = {"bucket_mb": 0.25, "comm_timeout": 60, **self.parallel}
         if par.get("offload") == "nvme":
             par["offload_dir"] = offload_dir
@@ -52,22 +58,33 @@ class Case:
             "eval_every": 0,
             "out": "/tmp/plait-unused",
         }
-        over = {"model": self.model, "parallel": par, "data": {"max_bytes": 300_000}}
+        model, data = dict(self.model), {"max_bytes": 300_000}
+        if self.packed:
+            model["vocab_size"], data["path"] = 400, examples
+        over = {"model": model, "parallel": par, "data": data}
         cfg = build_config(self.preset, over | {"train": train})
         cfg.validate(check_data=False)
         return cfg
 
 
-def measure(case: Case, offload_dir: str | None = None) -> dict[str, Any]:
+def measure(
+    case: Case, offload_dir: str | None = None, examples: str | None = None
+) -> dict[str, Any]:
     """This rank's memory in the second step (the first allocates lazily): model states by
-    category and place, the peak of saved activations, buffers and the total."""
-    cfg = case.config(offload_dir and str(Path(offload_dir) / "nvme"))
+    category and place, the peak of saved activations, buffers and the total; for packed
+    rows also what the estimate's every-position-a-target head counts beyond the measured
+    micro-batches' targets (`no_target_bytes`)."""
+    cfg = case.config(offload_dir and str(Path(offload_dir) / "nvme"), examples)
     mesh = build_mesh(cfg.parallel.layout, torch.device("cpu"), 60)
-    trainer = Trainer(cfg, mesh, corpus_for(cfg))
+    corpus = load_corpus(cfg) if case.packed else corpus_for(cfg)
+    drawn = _Counted(corpus.train)
+    trainer = Trainer(cfg, mesh, dataclasses.replace(corpus, train=drawn))
     tracker = trainer.engine.memory
     trainer.train_step()
+    drawn.targets.clear()
     trainer.train_step(meter_activations=True)
     states = {c: {p: tracker.persistent(c, p) for p in PLACES} for c in MODEL_STATES}
+    last = mesh.coord.pp == cfg.parallel.pp - 1  # the stage with the loss
     out = {
         "pp_rank": mesh.coord.pp,
         "states": states,
@@ -77,9 +94,39 @@ def measure(case: Case, offload_dir: str | None = None) -> dict[str, Any]:
         "allocator_peak": peak_allocated_bytes(mesh.device),
         "comm": trainer.comm.stats.as_rows(),  # the second step's collectives
         "frozen_base": frozen_bytes(trainer),
+        "no_target_bytes": no_target_bytes(cfg, drawn.targets) if case.packed and last else 0,
     }
     trainer.close()
     return out
+
+
+class _Counted:
+    """Training rows that remember each drawn micro-batch's target count."""
+
+    def __init__(self, rows: Any) -> None:
+        self.rows, self.targets = rows, []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.rows, name)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def draw(self, idx: torch.Tensor):
+        x, y, seg = self.rows.draw(idx)
+        self.targets.append(int((y != IGNORE).sum()))
+        return x, y, seg
+
+
+def no_target_bytes(cfg: Config, targets: list[int]) -> int:
+    """The lighter loss saves per target row only (models/light_loss.py); the estimate
+    counts every position (it cannot know the data's targets). The last stage holds one
+    micro-batch's loss at a time, and the one with the most targets makes the peak: the
+    estimate's excess is its rows without a target."""
+    par, t = cfg.parallel, cfg.train
+    e = Precision.of(par.precision, par.reduce_dtype).param
+    x = Shape(t.micro_batch, t.seq_len, par.tp, par.sequence_parallel, e)
+    return target_rows_bytes(cfg.model, x) - target_rows_bytes(cfg.model, x, max(targets))
 
 
 def frozen_bytes(trainer: Trainer) -> int:
@@ -108,10 +155,11 @@ def compare(est: Estimate, measured: dict[str, Any]) -> dict[str, tuple[int, int
         if c == "parameters":  # the ZeRO engine registers a frozen base as parameters
             est_bytes += rank.frozen()
         out[c] = (est_bytes, sum(measured["states"][c].values()))
-    out["activations"] = (rank.line("activations").device, measured["activations"])
+    excess = measured.get("no_target_bytes", 0)  # packed rows: positions without a target
+    out["activations"] = (rank.line("activations").device - excess, measured["activations"])
     if rank.frozen() or measured["frozen_base"]:
         out["frozen_base"] = (rank.frozen(), measured["frozen_base"])
-    out["total"] = (rank.total() - untracked(rank), measured["total"])
+    out["total"] = (rank.total() - untracked(rank) - excess, measured["total"])
     return out
 
 

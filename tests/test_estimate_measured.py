@@ -3,13 +3,19 @@ subset of layouts in one 2-rank world: model states, activations and the total w
 both directions (docs/memory.md has the whole table, from benchmarks/bench_memory.py). The
 total is the tracker's peak, which falls at different moments of the step on different
 layouts (forward end, a backward with buckets and gathered units alive): the estimate's
-moments (estimate/peak.py) must find it, not only bound it."""
+moments (estimate/peak.py) must find it, not only bound it. Packed instruction rows (an
+examples folder): one block-causal mask per micro-batch for all layers, per-token positions;
+the estimate counts every position a target, the run only its targets (memory_runs.py
+takes the difference out, so the rest must still agree)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
+from instruct_data import LLAMA_TEMPLATE, tokenizer_folder, write_jsonl
 from memory_runs import Case, compare, error, measure
+from plait.data.instruct import InstructJob, prepare_examples
 from plait.estimate import estimate
 from plait.plan.traffic import step_collectives
 from plait.schedule.stages import rank_plans
@@ -55,15 +61,64 @@ SUBSET = [
         parallel={"tp": 2, "sequence_parallel": True, "precision": "bf16"},
     ),
 ]
+# Instruction data: the mask saved once per micro-batch and chunk (fused, selective), none
+# (explicit path, full recomputation), once per block on the host (activation offload);
+# exact, but tp2+SP and full recomputation 32 bytes under as their text twins.
+PACKED = [
+    Case("dp2 packed", parallel={"dp": 2}, packed=True),
+    Case("dp2 packed offload", parallel={"dp": 2, "offload_activations": "cpu"}, packed=True),
+    Case(
+        "pp2 interleaved packed",
+        "small-llama",
+        parallel={"pp": 2, "schedule": "interleaved", "virtual_stages": 2},
+        accum=4,
+        packed=True,
+    ),
+    Case(
+        "tp2 sp packed selective dropout",
+        "small-llama",
+        parallel={"tp": 2, "sequence_parallel": True, "recompute": "selective"},
+        model={"dropout": 0.1},
+        packed=True,
+    ),
+    Case(
+        "dp2 packed dropout bf16",
+        "small-llama",
+        parallel={"dp": 2, "precision": "bf16"},
+        model={"dropout": 0.1},
+        packed=True,
+    ),
+]
 LIMIT = 0.02  # every compared term: model states by category, activations, the total
 
 
-@pytest.mark.parametrize("layout", SUBSET, ids=[x.name for x in SUBSET])
-def test_estimate_matches_measurement(world2, layout):
-    est = estimate(layout.config())
-    for measured in world2.run(measure, layout):
+@pytest.fixture(scope="module")
+def examples(tmp_path_factory) -> str:
+    """A prepared Alpaca examples folder (rows of 64 tokens: two or three examples each)."""
+    tmp = tmp_path_factory.mktemp("sft")
+    rng = np.random.default_rng(3)
+    words = ["fox", "dog", "jumps", "over", "the", "lazy", "quick", "brown", "numbers"]
+    rows = [
+        {"instruction": " ".join(rng.choice(words, rng.integers(1, 3))), "input": "",
+         "output": " ".join(rng.choice(words, rng.integers(1, 8)))}
+        for _ in range(120)
+    ]  # fmt: skip
+    tok = tokenizer_folder(tmp / "tok", LLAMA_TEMPLATE)
+    prepare_examples(InstructJob(str(write_jsonl(tmp / "a.jsonl", rows)), tmp / "sft",
+                                 "alpaca", str(tok)))  # fmt: skip
+    return str(tmp / "sft")
+
+
+@pytest.mark.parametrize("layout", SUBSET + PACKED, ids=[x.name for x in SUBSET + PACKED])
+def test_estimate_matches_measurement(world2, examples, layout):
+    path = examples if layout.packed else None
+    est = estimate(layout.config(examples=path))
+    for measured in world2.run(measure, layout, None, path):
         for term, pair in compare(est, measured).items():
             assert abs(error(pair)) <= LIMIT, (layout.name, measured["pp_rank"], term, pair)
+        if layout.packed and "tp" not in layout.parallel:  # the mask once, targets out
+            pair = compare(est, measured)["activations"]
+            assert pair[0] == pair[1], (layout.name, measured["pp_rank"], pair)
         assert _small_collectives(measured) == _planned(layout, measured["pp_rank"])
 
 

@@ -19,6 +19,10 @@ Per block, no recomputation:
   out projection:  Hc·e
   MLP:             GELU 2·F·e; SwiGLU 4·F·e
   dropout masks:   2·Hr bytes (when dropout > 0)
+Packed rows (instruction data, `Shape.packed`): RoPE's cos and sin are per token,
+2·b·s·(h/a)·4; the explicit path adds the block-causal mask (nothing saved) instead of
+masking with the causal s² one; the mask itself, b·s²·e, is one tensor for all the layers of
+a chunk (`mask_bytes`); learned positions are per token, b·s·8.
 Selective recomputation keeps q, k, v and drops the core's own tensors; full keeps the
 block input Hr·e only. The embedding, final norm, head and loss add their own (`extras`).
 Plait saves the all-gathered Linear inputs under SP where Megatron re-gathers them, and its
@@ -43,6 +47,7 @@ class Shape:
     t: int
     sp: bool
     e: int  # bytes of the compute dtype
+    packed: bool = False  # packed instruction rows: a block-causal mask, per-token positions
 
     def res(self, cfg: ModelConfig) -> int:
         """Hr: residual-stream elements (sequence-sharded under SP)."""
@@ -68,7 +73,29 @@ def core_bytes(cfg: ModelConfig, x: Shape, recompute: str) -> int:
     if cfg.dropout == 0.0:
         return x.b * heads * x.s * 4
     scores = x.b * heads * x.s * x.s
-    return x.s * x.s + scores * (4 + 1 + x.e)
+    causal = 0 if x.packed else x.s * x.s  # packed rows add their mask: no bool is saved
+    return causal + scores * (4 + 1 + x.e)
+
+
+def rope_bytes(cfg: ModelConfig, x: Shape) -> int:
+    """RoPE's fp32 cos and sin, which each layer makes and its rotations save: (s, h/a)
+    each for text windows, per token (b, 1, s, h/a) for packed rows (positions restart)."""
+    if cfg.pos != "rope":
+        return 0
+    return 2 * (x.b if x.packed else 1) * x.s * cfg.head_dim * 4
+
+
+def mask_bytes(cfg: ModelConfig, x: Shape, recompute: str) -> int:
+    """Packed rows' additive block-causal mask (b, 1, s, s) of the compute dtype, once per
+    micro-batch and chunk: one tensor (models/packing.py) that every layer's fused attention
+    saves, or selective recomputation's checkpoint as the core's input, so one storage
+    however many layers. Nothing saves it under full recomputation (the checkpoint saves the
+    block input only) nor on the explicit dropout path (an addition saves nothing)."""
+    if not x.packed or recompute == "full":
+        return 0
+    if cfg.dropout > 0.0 and recompute != "selective":
+        return 0
+    return x.b * x.s * x.s * x.e
 
 
 def layer_bytes(cfg: ModelConfig, x: Shape, recompute: str) -> int:
@@ -79,9 +106,7 @@ def layer_bytes(cfg: ModelConfig, x: Shape, recompute: str) -> int:
     col = full // x.t
     mlp = x.b * x.s * cfg.ffn_dim // x.t
     total = 2 * norm_bytes(cfg, x) + 2 * full * x.e + 3 * col * x.e + col * x.e
-    total += core_bytes(cfg, x, recompute)
-    if cfg.pos == "rope":
-        total += 2 * x.s * cfg.head_dim * 4
+    total += core_bytes(cfg, x, recompute) + rope_bytes(cfg, x)
     total += (4 if cfg.mlp == "swiglu" else 2) * mlp * x.e
     if cfg.dropout > 0.0:
         total += 2 * x.res(cfg)
@@ -114,11 +139,13 @@ def received_input_bytes(cfg: ModelConfig, x: Shape, recompute: str) -> int:
 
 
 def embedding_bytes(cfg: ModelConfig, x: Shape) -> int:
-    """The first stage: token ids (tp: local ids and the foreign mask), positions, dropout."""
+    """The first stage: token ids (tp: local ids and the foreign mask), positions, dropout.
+    Packed rows' positions are per token (b, s), and a sequence-parallel shard's are a view
+    of them: the whole storage is saved."""
     bs = x.b * x.s
     total = bs * INDEX + (bs if x.t > 1 else 0)
     if cfg.pos == "learned":
-        total += x.s // (x.t if x.sp else 1) * INDEX
+        total += bs * INDEX if x.packed else x.s // (x.t if x.sp else 1) * INDEX
     if cfg.dropout > 0.0:
         total += x.res(cfg)
     return total

@@ -15,7 +15,7 @@ it (tests/test_lora_estimate.py).
 
 from __future__ import annotations
 
-from plait.estimate.activations import Shape, core_bytes, target_rows_bytes
+from plait.estimate.activations import Shape, core_bytes, rope_bytes, target_rows_bytes
 from plait.models.architecture import ModelConfig
 from plait.models.lora import ROW_PARALLEL, LoRASpec
 
@@ -77,7 +77,7 @@ def lora_layer_bytes(cfg: ModelConfig, x: Shape, recompute: str, grad_in: bool) 
     kept_out = attn_grad and recompute != "selective" and cfg.dropout == 0.0
     if attn_grad:
         total += 3 * col * x.e + core_bytes(cfg, x, recompute)
-        total += 2 * x.s * cfg.head_dim * 4 if cfg.pos == "rope" else 0
+        total += rope_bytes(cfg, x)
     total += col * x.e if kept_out else 0
     if "attn.wo" in mine:
         total += _read_by_a(spec, ["attn.wo"], col, x, attn_grad, kept=kept_out)

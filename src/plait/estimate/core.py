@@ -14,6 +14,7 @@ loaded rank of that stage.
 from __future__ import annotations
 
 from plait.config import Config
+from plait.data.examples import is_examples_dir
 from plait.errors import ConfigError
 from plait.estimate import activations as act
 from plait.estimate.adapters import lora_head_bytes, lora_layer_bytes
@@ -94,9 +95,12 @@ def _schedule(cfg: Config) -> Schedule | None:
 
 
 def _shape(cfg: Config) -> act.Shape:
+    """The micro-batch's symbols; packed when the run reads instruction data (an examples
+    folder: packed or padded, its rows carry segments and so a block-causal mask)."""
     par, t = cfg.parallel, cfg.train
     e = Precision.of(par.precision, par.reduce_dtype).param
-    return act.Shape(t.micro_batch, t.seq_len, par.tp, par.sequence_parallel, e)
+    packed = is_examples_dir(cfg.data.path)
+    return act.Shape(t.micro_batch, t.seq_len, par.tp, par.sequence_parallel, e, packed)
 
 
 def chunk_activation_bytes(cfg: Config, plan: StagePlan) -> int:
@@ -115,7 +119,9 @@ def chunk_activation_pieces(cfg: Config, plan: StagePlan) -> list[tuple[int, int
     """(device, host, early) saved bytes of one micro-batch on one chunk, piece by piece in
     the order its backward frees them: the head and loss (last stage), each block from the
     last, the embedding (first stage); a block's under activation offload on the host.
-    `early`: the device bytes a piece frees before its first gradient arrives."""
+    `early`: the device bytes a piece frees before its first gradient arrives. Packed rows'
+    mask (`act.mask_bytes`) is freed with the chunk's first block; under activation offload
+    each block makes its own host copy of it."""
     m, x, mode = cfg.model, _shape(cfg), cfg.parallel.recompute
     offload = cfg.parallel.offload_activations != "none"
     plain = m.lora is None  # LoRA's first gradients (an adapter's B) free next to nothing
@@ -126,8 +132,10 @@ def chunk_activation_pieces(cfg: Config, plan: StagePlan) -> list[tuple[int, int
         pieces.append((head(m, x, padded_vocab(m, x.t) // x.t), 0, early))
     early = act.first_freed_bytes(m, x, mode) if plain and not offload else 0
     saving = block_saving(cfg, x)
+    mask = act.mask_bytes(m, x, mode)
     for i in reversed(plan.layers):
         block = _layer_bytes(cfg, x, i > 0)
+        block += mask if offload or i == plan.layers[0] else 0
         if i == plan.layers[0] and not plan.first:
             block -= act.received_input_bytes(m, x, mode)
         if is_partitioned(cfg, plan, i):  # --partition-activations (partitioned.py)
@@ -264,6 +272,8 @@ def _activation_line(
         what += "; the blocks' on the host (--offload-activations cpu), the ends' on the device"
     if cfg.parallel.partition_activations:  # estimate/partitioned.py
         what += f"; less (1 - 1/{x.t}) of each block input (--partition-activations)"
+    if act.mask_bytes(cfg.model, x, mode):  # instruction data (estimate/activations.py)
+        what += f"; packed rows: one {act.mask_bytes(cfg.model, x, mode):,} B mask per chunk"
     return Line("activations", held, host=host, formula=what)
 
 

@@ -12,6 +12,7 @@ instruction data. Here both losses run on the same micro-batch and weights, mete
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
@@ -118,11 +119,17 @@ def expected_saved(cfg: Config, targets: int) -> dict[str, int]:
     }
 
 
+def text_config(cfg: Config) -> Config:
+    """The run's config reading text windows: the estimator then prices plain causal rows
+    (no mask, one set of positions), as the lesson's text-window passes run."""
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=None))
+
+
 def section(runs: dict[str, Run], out: Path) -> Section:
     sec = Section(NAME, TITLE, __doc__.strip())
     run = runs["instruction"]
     rec = run.records[0]
-    text = expected_saved(run.cfg, rec["positions"])  # every position a target
+    text = expected_saved(text_config(run.cfg), rec["positions"])  # every position a target
     for p in PATHS:
         formula = "plait estimate" if p == PATHS[1] else "plait estimate, full-logits head"
         sec.rows.append(Row(f"text windows, {p}: saved activations", formula, text[p],
@@ -135,7 +142,9 @@ def section(runs: dict[str, Run], out: Path) -> Section:
                         measured[PATHS[0]] - measured[PATHS[1]], exact=True))  # fmt: skip
     for p in PATHS:
         what = f"instruction rows, {p}: saved activations"
-        sec.rows.append(Row(what, "measured (packed rows: see the notes)", None, measured[p]))
+        formula = "plait estimate" + ("" if p == PATHS[1] else ", full-logits head")
+        sec.rows.append(Row(what, f"{formula}, the rows' targets", expected[p], measured[p],
+                            exact=True))  # fmt: skip
     states = estimate(run.cfg).ranks[0].model_states()
     peak = {p: states + measured[p] for p in PATHS}
     sec.rows.append(
@@ -154,8 +163,7 @@ def section(runs: dict[str, Run], out: Path) -> Section:
     sec.rows.append(Row("instruction rows: forward + backward time, lighter / full logits",
                         "measured (backward recomputes the target rows' logits)", None,
                         times[PATHS[1]] / times[PATHS[0]], unit="x"))  # fmt: skip
-    gap = (measured[PATHS[1]] - expected[PATHS[1]]) // run.cfg.model.n_layers
-    sec.notes.append(_note(run.cfg, rec, states, gap))
+    sec.notes.append(_note(run.cfg, rec, states, measured[PATHS[1]] - expected[PATHS[1]]))
     sec.figures.append(figures.bars(
         out / "light-loss.png", list(PATHS),
         {"saved activations": [measured[p] / 1e6 for p in PATHS],
@@ -166,18 +174,22 @@ def section(runs: dict[str, Run], out: Path) -> Section:
 
 
 def _note(cfg: Config, rec: dict[str, Any], states: int, gap: int) -> str:
+    """The run's figures; `gap`: measured minus estimated saved bytes of the packed rows
+    under the lighter loss (0 when the estimator prices packed rows as they run)."""
     m, t = cfg.model, cfg.train
     losses = ", ".join(f"{p} {rec[p]['loss']:.6f}" for p in PATHS)
     b, s = t.micro_batch, t.seq_len
+    agree = "equal the estimate to the byte" if gap == 0 else f"differ by {gap:+,} B"
     return (
         f"Rank 0's micro-batch: {b} packed rows of {s} tokens, {rec['targets']:,} target "
         f"tokens of {rec['positions']:,} positions (the rest prompts and pads); V = "
         f"{m.vocab_size:,}, h = {m.d_model}; model states {states:,} B (fp32 Adam, the "
         f"estimate). Losses: {losses} (the sums over rows add in another order). The text "
         "windows are the same tokens as plain causal rows, every position a target: there "
-        "both figures equal the formulas. Packed rows' attention saves "
-        f"{gap:,} B per layer more than the estimator counts (b·s²·4 = {b * s * s * 4:,} is "
-        "a (b, 1, s, s) fp32 mask's size), the same under both losses: the estimator prices "
-        "text windows (issue 23, item 5). The meter counts what autograd saves; the full path "
-        "also holds all logits for a moment in the forward, the lighter one chunk's."
+        "both figures equal the formulas. On the packed rows both figures "
+        f"{agree} given the rows' target count: the block-causal mask, b·s²·4 = "
+        f"{b * s * s * 4:,} B, is one tensor every layer's attention saves (counted once; "
+        "SDPA given the boolean mask made and saved a copy per layer), and the positions "
+        "are per token. The meter counts what autograd saves; the full path also holds all "
+        "logits for a moment in the forward, the lighter one chunk's."
     )

@@ -14,7 +14,8 @@ threaded through every forward so that masks depend on the sample, never on the 
 
 Packed rows: `segments` (b, s) (see packing.py) become a `Packing` once per forward, whose
 per-token positions feed the learned positions or RoPE and whose block-causal mask feeds
-attention; every layer gets the same object. Without segments nothing changes (is_causal).
+attention; every layer gets the same object, and the same additive mask tensor. Without
+segments nothing changes (is_causal).
 """
 
 from __future__ import annotations
@@ -99,8 +100,11 @@ class CoreAttention(nn.Module):
 
     Parameter-free and separate so that selective recomputation can wrap exactly the
     part whose activations (b, a, s, s) dominate memory (Korthikanti et al., 2022).
-    `mask` (b, 1, s, s), True where a query may see a key (packed rows: block-causal),
-    replaces the causal mask; None keeps SDPA's is_causal kernel.
+    `mask` (b, 1, s, s), packed rows' block-causal mask as an additive float mask (0 where
+    a query may see a key, -inf elsewhere: `Packing.additive`), replaces the causal mask;
+    None keeps SDPA's is_causal kernel. Every layer gets the same mask tensor, so what SDPA
+    saves of it is one storage; the explicit path adds it (what masked_fill with -inf
+    gives), and an addition saves nothing for backward.
     """
 
     def __init__(self, p: float, site: int) -> None:
@@ -118,8 +122,10 @@ class CoreAttention(nn.Module):
         s = q.shape[-2]
         scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # (b, a, s, s)
         if mask is None:
-            mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~mask, float("-inf"))
+            causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+            scores = scores.masked_fill(~causal, float("-inf"))
+        else:
+            scores = scores + mask  # -inf where hidden, as masked_fill; 0 leaves the score
         probs = scores.float().softmax(dim=-1).type_as(q)  # (b, a, s, s)
         return self.drop(probs, keys) @ v  # (b, a, s, hd)
 
@@ -165,7 +171,8 @@ class Attention(nn.Module):
             k = k.repeat_interleave(rep, dim=1)  # (b, a, s, hd)
             v = v.repeat_interleave(rep, dim=1)  # (b, a, s, hd)
         if cache is None:
-            y = self.core(q, k, v, keys, None if pack is None else pack.mask)  # (b, a, s, hd)
+            mask = None if pack is None else pack.additive(q.dtype)  # one for all layers
+            y = self.core(q, k, v, keys, mask)  # (b, a, s, hd)
         else:  # decoding (no dropout): the new positions see every cached one
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(start, s, x.device))
         y = y.transpose(1, 2).reshape(b, s, -1)  # (b, s, a*hd)
