@@ -2,9 +2,10 @@
 
 benchmarks/bench_memory.py prints the table from this list; the tests hold the estimate to
 the memory tracker on every row of it (2% in both directions, every model-state category,
-activations and the total): tests/test_estimate_measured.py runs the rows without LoRA,
-tests/test_lora_estimate.py the LoRA rows (where it also counts the base's gathers). A row
-added here is measured by the bench and asserted by a test without another edit.
+activations and the total): tests/test_estimate_measured.py runs the 2-rank rows without
+LoRA, tests/test_lora_estimate.py the LoRA rows (where it also counts the base's gathers),
+tests/test_zero_pipelines.py the 4-rank rows (in its 4-rank world). A row added here is
+measured by the bench and asserted by a test without another edit.
 """
 
 from __future__ import annotations
