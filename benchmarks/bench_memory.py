@@ -7,7 +7,8 @@ the tracker's peak total against the estimate's (model states plus what is alive
 step's fullest moment, which the table names: estimate/peak.py). DeepSpeed's ZeRO-2/3
 model-state formulas and Megatron's theoretical memory (transcribed in
 plait/estimate/published.py) are printed for the same configuration.
-Writes the markdown table of docs/memory.md.
+Writes the markdown table of docs/memory.md; its layouts are tests/memory_table.py's list,
+which the tests assert row by row.
 
     .venv/bin/python benchmarks/bench_memory.py > benchmarks/results/memory_table.md
 """
@@ -22,102 +23,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from harness import World  # noqa: E402
 from memory_runs import Case, compare, error, measure  # noqa: E402
+from memory_table import TABLE  # noqa: E402
 from plait.estimate import estimate  # noqa: E402
 from plait.estimate import published as pub  # noqa: E402
 from plait.estimate.rank_params import total_parameters  # noqa: E402
 
-LORA = {"lora_rank": 4, "lora_targets": "all"}
-LAYOUTS = [
-    Case("dp2", parallel={"dp": 2}),
-    Case("dp2 ZeRO-1 bf16", parallel={"dp": 2, "zero": 1, "precision": "bf16"}),
-    Case("dp2 ZeRO-2 bf16", "small-llama", parallel={"dp": 2, "zero": 2, "precision": "bf16"}),
-    Case("dp2 ZeRO-3 bf16", parallel={"dp": 2, "zero": 3, "precision": "bf16"}),
-    Case("dp2 ZeRO-2 cpu offload", "small-llama", parallel={"dp": 2, "zero": 2, "offload": "cpu"}),
-    Case("dp2 ZeRO-1 nvme offload", parallel={"dp": 2, "zero": 1, "offload": "nvme"}),
-    Case("dp2 recompute full", parallel={"dp": 2, "recompute": "full"}),
-    Case(
-        "dp2 recompute selective, dropout",
-        "small-llama",
-        parallel={"dp": 2, "recompute": "selective"},
-        model={"dropout": 0.1},
-    ),
-    Case("tp2", parallel={"tp": 2}),
-    Case("tp2 SP", parallel={"tp": 2, "sequence_parallel": True}),
-    Case(
-        "tp2 SP bf16 selective",
-        "small-llama",
-        parallel={
-            "tp": 2,
-            "sequence_parallel": True,
-            "precision": "bf16",
-            "recompute": "selective",
-        },
-    ),
-    Case("pp2 gpipe", parallel={"pp": 2, "schedule": "gpipe"}, accum=4),
-    Case("pp2 1f1b", parallel={"pp": 2, "schedule": "1f1b"}, accum=4),
-    Case(
-        "pp2 interleaved v2",
-        "small-llama",
-        parallel={"pp": 2, "schedule": "interleaved", "virtual_stages": 2},
-        accum=4,
-    ),
-    Case(
-        "dp2 tp2 SP ZeRO-1 bf16",
-        parallel={"dp": 2, "tp": 2, "sequence_parallel": True, "zero": 1, "precision": "bf16"},
-    ),
-    Case("dp2 pp2 1f1b ZeRO-1", "small-llama", parallel={"dp": 2, "pp": 2, "zero": 1}, accum=4),
-    Case("pp4 1f1b", parallel={"pp": 4}, accum=8),
-    # issue 23: the moment of the peak, and the new features
-    Case("dp2 ZeRO-3 cpu offload", "small-llama", parallel={"dp": 2, "zero": 3, "offload": "cpu"}),
-    Case("dp2 ZeRO-3 recompute full", parallel={"dp": 2, "zero": 3, "recompute": "full"}),
-    Case("LoRA dp2 ZeRO-3", "small-llama", parallel={"dp": 2, "zero": 3}, model=LORA),
-    Case(
-        "LoRA dp2 ZeRO-3 bf16",
-        "small-llama",
-        parallel={"dp": 2, "zero": 3, "precision": "bf16", "base_dtype": "bf16"},
-        model=LORA,
-    ),
-    Case(
-        "LoRA dp2 ZeRO-3 recompute full",
-        "small-llama",
-        parallel={"dp": 2, "zero": 3, "recompute": "full"},
-        model=LORA,
-    ),
-    Case("dp2 offload activations", parallel={"dp": 2, "offload_activations": "cpu"}),
-    Case(
-        "pp2 offload activations, recompute full",
-        "small-llama",
-        parallel={"pp": 2, "offload_activations": "cpu", "recompute": "full"},
-        accum=4,
-    ),
-    Case("pp2 zb-h1", parallel={"pp": 2, "schedule": "zb-h1"}, accum=4),
-    Case("pp2 2bw", parallel={"pp": 2, "schedule": "2bw"}, accum=4, steps=4),
-    Case(
-        "pp2 2bw offload activations",
-        parallel={"pp": 2, "schedule": "2bw", "offload_activations": "cpu"},
-        accum=4,
-        steps=4,
-    ),
-    Case(
-        "dp2 pp2 1f1b ZeRO-3",
-        "small-llama",
-        parallel={"dp": 2, "pp": 2, "zero": 3},
-        accum=4,
-    ),
-    Case(
-        "tp2 partitioned activations, recompute full",
-        parallel={"tp": 2, "partition_activations": True, "recompute": "full"},
-    ),
-    Case(
-        "dp2 tp2 ZeRO-3 partitioned, recompute full",
-        parallel={"dp": 2, "tp": 2, "zero": 3, "partition_activations": True, "recompute": "full"},
-    ),
-    Case(
-        "tp2 SP bf16 (lighter loss)",
-        "small-llama",
-        parallel={"tp": 2, "sequence_parallel": True, "precision": "bf16"},
-    ),
-]
 STATES = ("parameters", "gradients", "master_weights", "optimizer_states")
 
 
@@ -158,7 +68,7 @@ def main() -> None:
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     with tempfile.TemporaryDirectory() as tmp:
-        for layout in LAYOUTS:
+        for layout in TABLE:
             world = worlds.get(layout.world) or worlds.setdefault(layout.world, World(layout.world))
             est = estimate(layout.config(str(Path(tmp) / "nvme")))
             seen = set()

@@ -1,7 +1,8 @@
 """Estimate vs measurement: run a layout for real, read the memory tracker, compare.
 
-Shared by tests/test_estimate_measured.py (a representative subset) and
-benchmarks/bench_memory.py (the whole table of docs/memory.md). `measure` runs on every rank
+Shared by the tests that hold the estimate to the meter (tests/test_estimate_measured.py,
+test_lora_estimate.py, test_zero_pipelines.py) and benchmarks/bench_memory.py (the table of
+docs/memory.md, whose layouts are tests/memory_table.py's list). `measure` runs on every rank
 of a harness world; `compare` lines its result up with `plait.estimate` for that rank.
 """
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from memory_runs import Case, compare, error, measure
+from memory_table import TABLE, is_lora
 from plait.cli import main
 from plait.config import build_config
 from plait.estimate import estimate
@@ -43,12 +44,9 @@ LAYOUTS = [
          accum=4),
     Case("lora dp2 recompute full", "small-llama", parallel={"dp": 2, "recompute": "full"},
          model={"lora_rank": 4, "lora_targets": "mlp"}),
-    Case("lora dp2 zero3", "small-llama", parallel={"dp": 2, "zero": 3}, model=ALL),
-    Case("lora dp2 zero3 bf16", "small-llama",
-         parallel={"dp": 2, "zero": 3, "precision": "bf16", "base_dtype": "bf16"}, model=ALL),
-    Case("lora dp2 zero3 recompute full", "small-llama",  # its peak: a forward's block done
-         parallel={"dp": 2, "zero": 3, "recompute": "full"}, model=ALL),
-]  # fmt: skip
+    # then docs/memory.md's LoRA rows (tests/memory_table.py): ZeRO-3 in fp32 and bf16, and
+    # with full recomputation (its peak: a forward's block done)
+] + [c for c in TABLE if is_lora(c)]  # fmt: skip
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[x.name for x in LAYOUTS])

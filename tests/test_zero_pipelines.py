@@ -9,9 +9,10 @@ flat groups reduce-scattered once per step, and all-gathered once per step (stag
 the update; stage 3 keep) or, regathering, each block once per forward and once per
 gradient pass of each micro-batch (the ends kept through the step), and what `plait plan`
 prices. In the same world: a LoRA run under ZeRO-2/3 (its base's gathers counted too),
-bf16/fp16 against the fp32 run, the estimator against the memory tracker, and a ZeRO-3
-checkpoint resumed in its own layout and under ZeRO-2; without a world: the planner's
-offer of both ZeRO-3 policies, and bad `--reshard-after-forward` values (one line, exit 2).
+bf16/fp16 against the fp32 run, the estimator against the memory tracker (also on
+docs/memory.md's 4-rank rows), and a ZeRO-3 checkpoint resumed in its own layout and under
+ZeRO-2; without a world: the planner's offer of both ZeRO-3 policies, and bad
+`--reshard-after-forward` values (one line, exit 2).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 from lora_parity import lora_config
 from memory_runs import Case, compare, error, measure
+from memory_table import TABLE
 from plait.cli import main
 from plait.config import build_config
 from plait.errors import ConfigError
@@ -39,6 +41,7 @@ from plait.plan.traffic import base_elements, dp_elements
 from plait.train import Trainer
 from reference import assert_matches_reference, corpus_for, reference_run, small_config
 from test_checkpoint import AT, STEPS, _params_by_name, _phase, _reference
+from test_estimate_measured import check_layout
 
 PARAM_ATOL = 5e-5  # see test_pp_parity.py
 
@@ -213,6 +216,16 @@ def test_estimate_matches_measurement(world4, layout):
         for term, pair in compare(est, measured).items():
             limit = 0.10 if term == "activations" else 0.02
             assert abs(error(pair)) <= limit, (layout.name, measured["pp_rank"], term, pair)
+
+
+TABLE4 = [c for c in TABLE if c.world == 4]
+
+
+@pytest.mark.parametrize("layout", TABLE4, ids=[x.name for x in TABLE4])
+def test_memory_table_rows_on_four_ranks(world4, tmp_path, layout):
+    """docs/memory.md's 4-rank rows (tests/memory_table.py) in this module's world, held as
+    test_estimate_measured.py holds the 2-rank ones (every term within 2%, collectives)."""
+    check_layout(world4, layout, str(tmp_path))
 
 
 @pytest.mark.parametrize(
