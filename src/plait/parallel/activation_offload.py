@@ -18,8 +18,6 @@ offloaded, so the meter counts it in place host.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
@@ -27,29 +25,28 @@ from plait.composition import check_activation_offload
 from plait.device import HostCopies
 from plait.memory_tracker import mark_offloaded
 from plait.models.transformer import Block, Transformer
-from plait.torch_private import outer_saved_tensors_hooks, tensor_version, view_base
+from plait.parallel.saved_tensors import Hooks, grad_leaf, saved_key, wrap_forward
+from plait.torch_private import view_base
 
 
 def _stays(t: torch.Tensor) -> bool:
-    """Parameters (and views of them) and grad-requiring leaves are not activations."""
-    base = view_base(t)
-    return isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad)
+    """Parameters (frozen ones too, and views of them) and grad-requiring leaves are not
+    activations."""
+    return isinstance(view_base(t), nn.Parameter) or grad_leaf(t)
 
 
-def _hooks(
-    outer: tuple[Callable, Callable] | None, copier: HostCopies
-) -> tuple[Callable, Callable, dict]:
+def _hooks(x: torch.Tensor, outer: Hooks, copier: HostCopies):
     """Pack and unpack that move a saved tensor to the host and back, through `outer`, and
-    the cache that makes one host copy of a tensor several nodes save (a norm's output,
-    the input of q, k and v). The cache holds the device tensor too, until the block's
-    forward ends, so its memory cannot be reused by another tensor with the same key."""
-    outer_pack, outer_unpack = outer or (lambda t: t, lambda t: t)
+    what lets go of the cache that makes one host copy of a tensor several nodes save (a
+    norm's output, the input of q, k and v). The cache holds the device tensor too, until the
+    block's forward ends, so its memory cannot be reused by another tensor with the same key."""
+    outer_pack, outer_unpack = outer
     copies: dict[tuple, tuple[torch.Tensor, torch.Tensor, object | None]] = {}
 
     def pack(t: torch.Tensor):
         if _stays(t):
             return (None, None, outer_pack(t))
-        key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), tensor_version(t))
+        key = saved_key(t)
         if key not in copies:
             host, done = copier.to_host(t.detach())
             copies[key] = (t, mark_offloaded(host), done)
@@ -61,25 +58,13 @@ def _hooks(
         t = outer_unpack(inner)
         return t if device is None else copier.from_host(t, done, device)
 
-    return pack, unpack, copies
+    return pack, unpack, copies.clear
 
 
 def offload_module(module: nn.Module, copier: HostCopies) -> None:
     """Run `module`'s forward (recompute wrapper included) under the offload hooks, copying
     with `copier` (on a GPU its side stream, shared by the rank's blocks)."""
-    inner: Callable = module.forward
-
-    def forward(*args, **kwargs):
-        if not torch.is_grad_enabled():
-            return inner(*args, **kwargs)
-        pack, unpack, copies = _hooks(outer_saved_tensors_hooks(), copier)
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-                return inner(*args, **kwargs)
-        finally:
-            copies.clear()
-
-    module.forward = forward  # instance attribute: this module only, torch untouched
+    wrap_forward(module, lambda x, outer: _hooks(x, outer, copier))
 
 
 def apply_activation_offload(model: Transformer, target: str) -> list[nn.Module]:

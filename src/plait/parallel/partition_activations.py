@@ -30,27 +30,15 @@ pipeline keeps that buffer anyway, to send its gradient back.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import Tensor, nn
 
 from plait.comm import Comm
 from plait.models.transformer import Block, Transformer
-from plait.torch_private import outer_saved_tensors_hooks, tensor_version, view_base
+from plait.parallel.saved_tensors import Hooks, grad_leaf, saved_key, wrap_forward
 
 TAG = "partition-activations"
 """The comm layer's tag for the gathers (CommStats.total(tag=TAG))."""
-
-
-def _key(t: Tensor) -> tuple:
-    return (t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), tensor_version(t))
-
-
-def _received(t: Tensor) -> bool:
-    """A pipeline stage's received input: a leaf that requires grad (kept by the pipeline)."""
-    base = view_base(t)
-    return base.is_leaf and base.requires_grad
 
 
 def this_part(t: Tensor, comm: Comm, axis: str = "tp") -> Tensor:
@@ -69,15 +57,15 @@ def gather_whole(part: Tensor, shape: torch.Size, comm: Comm, axis: str = "tp") 
     return out.view(shape)
 
 
-def _hooks(x: Tensor, comm: Comm, outer: tuple[Callable, Callable] | None):
+def _hooks(x: Tensor, outer: Hooks, comm: Comm):
     """Pack and unpack that partition the block input `x` wherever it is saved, chained to
-    `outer`; and the cache they share (cleared when the block's forward ends)."""
-    outer_pack, outer_unpack = outer or (lambda t: t, lambda t: t)
-    key = None if _received(x) else _key(x)
+    `outer`; and what lets go of the slice they share when the block's forward ends."""
+    outer_pack, outer_unpack = outer
+    key = None if grad_leaf(x) else saved_key(x)  # a received input stays whole
     cache: dict = {"part": None, "whole": None, "left": 0}
 
     def pack(t: Tensor):
-        if key is None or _key(t) != key:
+        if key is None or saved_key(t) != key:
             return (None, outer_pack(t))
         if cache["part"] is None:
             cache["part"] = this_part(t, comm)
@@ -96,24 +84,15 @@ def _hooks(x: Tensor, comm: Comm, outer: tuple[Callable, Callable] | None):
         cache["whole"] = whole if cache["left"] > 0 else None
         return whole
 
-    return pack, unpack, cache
+    def done() -> None:
+        cache["part"] = None  # the saved entries hold the slice; the cache lets go
+
+    return pack, unpack, done
 
 
 def partition_module(block: nn.Module, comm: Comm) -> None:
     """Run `block`'s forward (recompute wrapper included) under the partitioning hooks."""
-    inner: Callable = block.forward
-
-    def forward(x: Tensor, *args, **kwargs):
-        if not torch.is_grad_enabled():
-            return inner(x, *args, **kwargs)
-        pack, unpack, cache = _hooks(x, comm, outer_saved_tensors_hooks())
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-                return inner(x, *args, **kwargs)
-        finally:
-            cache["part"] = None  # the saved entries hold the slice; the cache lets go
-
-    block.forward = forward  # instance attribute: this module only, torch untouched
+    wrap_forward(block, lambda x, outer: _hooks(x, outer, comm))
 
 
 def apply_partition_activations(model: Transformer, comm: Comm, enabled: bool) -> list[nn.Module]:

@@ -134,6 +134,7 @@ class Gatherer:
         self.root: int | None = len(store.groups) - 1 if has_root else None
         self.handles: dict[int, Handle | None] = {}  # gathered groups -> in-flight handle
         self.backward = False
+        self.keep = False  # blocks stay gathered after their forward (a pipeline's policy)
         self._hooks = [
             model.register_forward_pre_hook(self._root_pre),
             model.register_forward_hook(self._root_post),
@@ -144,6 +145,11 @@ class Gatherer:
 
     def group_of(self, block: int) -> int:
         return len(self.blocks) - 1 - block
+
+    def _runs_after(self, i: int, j: int) -> bool:
+        """Whether block `j`'s forward directly follows block `i`'s in one run, so its gather
+        may be prefetched: any next block of the model (a pipeline: of the same chunk)."""
+        return 0 <= j < len(self.blocks)
 
     # -- gather / release ------------------------------------------------------------
     def prefetch(self, gi: int) -> None:
@@ -194,14 +200,14 @@ class Gatherer:
     def _block_pre(self, i: int):
         def hook(module, args) -> None:
             self.ensure(self.group_of(i))
-            if not self.backward and i + 1 < len(self.blocks):
+            if not self.backward and self._runs_after(i, i + 1):
                 self.prefetch(self.group_of(i + 1))
 
         return hook
 
     def _block_post(self, i: int):
         def hook(module, args, output) -> None:
-            if self.backward:  # a recomputation inside backward: keep it for the gradients
+            if self.backward or self.keep:  # a recomputation, or kept through the step
                 return
             self.release(self.group_of(i))
             if isinstance(output, Tensor) and output.requires_grad:

@@ -56,7 +56,7 @@ class PipelineGatherer(Gatherer):
             if any(True for _ in module.parameters()):  # held here, not `Absent`
                 self._hooks.append(module.register_forward_pre_hook(self._ends_pre))
 
-    def _same_chunk(self, i: int, j: int) -> bool:
+    def _runs_after(self, i: int, j: int) -> bool:
         return 0 <= j < len(self.blocks) and self.chunk[i] == self.chunk[j]
 
     # -- the walker's calls ------------------------------------------------------------
@@ -97,34 +97,16 @@ class PipelineGatherer(Gatherer):
     def _root_post(self, module, args, output) -> None:
         pass
 
-    def _block_pre(self, i: int):
-        def hook(module, args) -> None:
-            self.ensure(self.group_of(i))
-            if not self.backward and self._same_chunk(i, i + 1):
-                self.prefetch(self.group_of(i + 1))
-
-        return hook
-
-    def _block_post(self, i: int):
-        def hook(module, args, output) -> None:
-            if self.backward or self.keep:  # a recomputation, or kept through the step
-                return
-            self.release(self.group_of(i))
-            if isinstance(output, Tensor) and output.requires_grad:
-                output.register_hook(self.pre_backward(i))
-
-        return hook
-
     def pre_backward(self, block: int | None):
         """Regather: block `block`'s backward starts, so the one after it in the chunk
         (whose backward produced this gradient) is done: free it, gather this one."""
 
         def hook(grad: Tensor) -> None:
             self.backward = True
-            if self._same_chunk(block, block + 1):
+            if self._runs_after(block, block + 1):
                 self.release(self.group_of(block + 1))
             self.ensure(self.group_of(block))
-            if self._same_chunk(block, block - 1):
+            if self._runs_after(block, block - 1):
                 self.prefetch(self.group_of(block - 1))
 
         return hook
