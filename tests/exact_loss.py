@@ -7,10 +7,10 @@ import torch
 
 from packed_rows import packed_corpus
 from plait.mesh import build_mesh
-from plait.parallel.tp.sharding import full_tensor, param_shard_specs
 from plait.train import Trainer, load_corpus
 from reference import assert_matches_reference, small_config
 from test_pp_2bw import delayed_reference, two_bw_config
+from whole_params import whole_params
 
 RTOL = 1e-5
 PARAM_ATOL = 5e-5  # as test_pp_parity.py: Adam amplifies rounding-order differences
@@ -48,12 +48,7 @@ def exact_parity(
     trainer = Trainer(cfg, mesh, corpus)
     results = [trainer.train_step() for _ in range(steps)]
     val = trainer.evaluate()
-    specs = param_shard_specs(trainer.model)  # tp shards gathered to full tensors
-    with trainer.engine.unsharded():
-        params = {
-            n: full_tensor(p, specs[n], trainer.comm) if n in specs else p.detach().clone()
-            for n, p in trainer.model.named_parameters()
-        }
+    params = whole_params(trainer)
     trainer.close()
     if not two_bw:
         assert_matches_reference(cfg, corpus, results, params, val, PARAM_ATOL)

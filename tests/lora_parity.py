@@ -16,10 +16,10 @@ import torch
 from plait.config import Config, ParallelConfig
 from plait.mesh import build_mesh
 from plait.models.declare import is_adapter
-from plait.parallel.tp.sharding import full_tensor, param_shard_specs
 from plait.train import Trainer
 from reference import assert_matches_reference, corpus_for, small_config
 from test_pp_2bw import delayed_reference, two_bw_config
+from whole_params import whole_params
 
 RTOL = 1e-5
 PARAM_ATOL = 5e-5  # as test_pp_parity.py: Adam turns rounding-order differences into ~1e-6
@@ -48,16 +48,6 @@ def lora_config(
     if not two_bw:  # 2BW passes the trainer's own checks only (see two_bw_config)
         cfg.validate(check_data=False)
     return cfg
-
-
-def _gathered(trainer: Trainer) -> dict[str, torch.Tensor]:
-    """Every parameter of this rank's stages as a full tensor (tp shards gathered)."""
-    specs = param_shard_specs(trainer.model)
-    with trainer.engine.unsharded():
-        return {
-            n: full_tensor(p, specs[n], trainer.comm) if n in specs else p.detach().clone()
-            for n, p in trainer.model.named_parameters()
-        }
 
 
 def _frozen_facts(trainer: Trainer) -> dict:
@@ -117,10 +107,10 @@ def lora_parity(steps: int = 4, **kw) -> dict:
     corpus = corpus_for(cfg)
     mesh = build_mesh(cfg.parallel.layout, torch.device("cpu"), cfg.parallel.comm_timeout)
     trainer = Trainer(cfg, mesh, corpus)
-    start = _gathered(trainer)
+    start = whole_params(trainer)
     results = [trainer.train_step() for _ in range(steps)]
     val = trainer.evaluate()
-    params = _gathered(trainer)
+    params = whole_params(trainer)
     facts = _frozen_facts(trainer)
     trainer.close()
     for name, p in params.items():  # the base never moves; every adapter trained

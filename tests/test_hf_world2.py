@@ -18,9 +18,10 @@ from plait.models.hf.load import hf_source, load_config
 from plait.models.init import canonical_name, fill_parameters
 from plait.models.transformer import Transformer
 from plait.parallel.pipeline.stage import run_stage
-from plait.parallel.tp.sharding import full_tensor, param_shard_specs, split_spec
+from plait.parallel.tp.sharding import full_tensor, split_spec
 from plait.train import Trainer
 from reference import corpus_for, small_config
+from whole_params import whole_params
 
 pytest.importorskip("transformers")
 
@@ -67,12 +68,7 @@ def _load(folder: str, layout: dict, tokens: torch.Tensor) -> dict:
     logits = _logits(trainer, tokens) if not layout.get("dp") else None
     loss = trainer.evaluate()
     batches = [(mb.tokens, mb.targets) for mb in trainer.batches.validation(1)]
-    specs = param_shard_specs(trainer.model)
-    with trainer.engine.unsharded():
-        params = {
-            n: (full_tensor(p, specs[n], trainer.comm) if n in specs else p.detach()).clone()
-            for n, p in trainer.model.named_parameters()
-        }
+    params = whole_params(trainer)
     trainer.close()
     return {"loss": loss, "batches": batches, "params": params, "logits": logits}
 

@@ -19,10 +19,10 @@ from plait.estimate.partitioned import gathers_per_step
 from plait.mesh import build_mesh
 from plait.parallel.activation_recompute import checkpoint_module
 from plait.parallel.partition_activations import TAG, gather_whole, partition_module, this_part
-from plait.parallel.tp.sharding import full_tensor, param_shard_specs
 from plait.topology import Layout
 from plait.train import Trainer
 from reference import assert_matches_reference, corpus_for, small_config
+from whole_params import whole_params
 
 STEPS = 3
 
@@ -52,10 +52,7 @@ def _train(cfg) -> dict:
             peaks = {p: tracker.peak("activations", p) for p in ("device", "host")}
             gathers = trainer.comm.stats.total(op="all_gather", tag=TAG)
     val = trainer.evaluate()
-    specs = param_shard_specs(trainer.model)
-    with trainer.engine.unsharded():
-        params = {n: full_tensor(p, specs[n], trainer.comm) if n in specs else p.detach().clone()
-                  for n, p in trainer.model.named_parameters()}  # fmt: skip
+    params = whole_params(trainer)
     trainer.close()
     return {"results": results, "val": val, "params": params, "peaks": peaks,
             "gathers": gathers, "pp_rank": mesh.coord.pp, "corpus": corpus,

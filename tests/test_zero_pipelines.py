@@ -32,7 +32,6 @@ from plait.estimate import estimate
 from plait.mesh import build_mesh
 from plait.models.declare import is_adapter
 from plait.models.presets import get_preset
-from plait.parallel.tp.sharding import full_tensor, param_shard_specs
 from plait.plan.enumerate import Request, knobs, shapes
 from plait.plan.hardware import load_hardware
 from plait.plan.search import config_of
@@ -42,17 +41,9 @@ from plait.train import Trainer
 from reference import assert_matches_reference, corpus_for, reference_run, small_config
 from test_checkpoint import AT, STEPS, _params_by_name, _phase, _reference
 from test_estimate_measured import check_layout
+from whole_params import whole_params
 
 PARAM_ATOL = 5e-5  # see test_pp_parity.py
-
-
-def _full_params(trainer: Trainer) -> dict[str, torch.Tensor]:
-    specs = param_shard_specs(trainer.model)
-    with trainer.engine.unsharded():
-        return {
-            n: full_tensor(p, specs[n], trainer.comm) if n in specs else p.detach().clone()
-            for n, p in trainer.model.named_parameters()
-        }
 
 
 def _expected_gathers(trainer: Trainer, reshard: str, gatherer=None) -> int:
@@ -96,7 +87,7 @@ def _parity(zero: int, reshard: str = "default", sequence_parallel: bool = False
     planned = dp_elements(cfg, trainer.pipeline.plans)  # what plait plan prices
     assert {op: n * 4 for op, (n, _) in planned.items()} == expected, (planned, expected)
     val = trainer.evaluate()
-    params = _full_params(trainer)
+    params = whole_params(trainer)
     trainer.close()
     assert_matches_reference(cfg, corpus, results, params, val, PARAM_ATOL)
     return {"counted": counted, "expected": expected, "loss": results[-1].loss}
@@ -137,7 +128,7 @@ def _lora_parity(zero: int, reshard: str, **kw) -> dict:
     corpus = corpus_for(cfg)
     mesh = build_mesh(cfg.parallel.layout, torch.device("cpu"), cfg.parallel.comm_timeout)
     trainer = Trainer(cfg, mesh, corpus)
-    start = _full_params(trainer)
+    start = whole_params(trainer)
     results = [trainer.train_step() for _ in range(cfg.train.steps)]
     frozen = trainer.comm.stats.total("all_gather", "frozen", "dp")[2]
     expected = 0
@@ -146,7 +137,7 @@ def _lora_parity(zero: int, reshard: str, **kw) -> dict:
         planned = base_elements(cfg, trainer.pipeline.plans)[0] * 4  # what plait plan prices
         assert planned == expected, (planned, expected)
     val = trainer.evaluate()
-    params = _full_params(trainer)
+    params = whole_params(trainer)
     trainer.close()
     for name, p in params.items():
         assert torch.equal(p, start[name]) != is_adapter(name), name

@@ -17,9 +17,9 @@ import torch
 from plait.config import build_config
 from plait.errors import ConfigError
 from plait.mesh import build_mesh
-from plait.parallel.tp.sharding import full_tensor, param_shard_specs
 from plait.train import Trainer
 from reference import assert_matches_reference, corpus_for, reference_run, small_config
+from whole_params import whole_params
 
 PARAM_ATOL = 5e-5  # see test_pp_parity.py
 
@@ -34,21 +34,11 @@ def _trainer(zero: int, precision: str = "fp32", sequence_parallel: bool = False
     return cfg, corpus, Trainer(cfg, mesh, corpus)
 
 
-def _full_params(trainer: Trainer) -> dict[str, torch.Tensor]:
-    """This rank's parameters with dp shards (stage 3) and tp shards gathered."""
-    specs = param_shard_specs(trainer.model)
-    with trainer.engine.unsharded():
-        return {
-            n: full_tensor(p, specs[n], trainer.comm) if n in specs else p.detach().clone()
-            for n, p in trainer.model.named_parameters()
-        }
-
-
 def _zero_split_parity(zero: int, **kw) -> dict:
     cfg, corpus, trainer = _trainer(zero, **kw)
     results = [trainer.train_step() for _ in range(cfg.train.steps)]
     val = trainer.evaluate()
-    params = _full_params(trainer)
+    params = whole_params(trainer)
     groups = [g.names for g in trainer.engine.groups]
     trainer.close()
     assert_matches_reference(cfg, corpus, results, params, val, PARAM_ATOL)
