@@ -185,3 +185,13 @@ def test_command_writes_jsonl_and_refuses_bad_input(source: Path, tmp_path: Path
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "x").exists()
+
+
+def test_a_statement_with_a_non_str_name_is_not_a_definition() -> None:
+    """Python 3.12's `type Alias = int` parses to ast.TypeAlias, whose `name` is an ast.Name
+    node: `plait data instructions` crashed on the 3.12 standard library (seen on a GPU host).
+    The statement is built by hand so the test runs on 3.10 and 3.11 too."""
+    alias = ast.Assign(targets=[], value=ast.Constant(1))
+    alias.name = ast.Name(id="Alias")  # the shape of ast.TypeAlias
+    fn = ast.parse("def f():\n    '''Doc.'''\n").body[0]
+    assert [(o, n.name) for o, n in si._definitions([alias, fn])] == [(None, "f")]

@@ -104,11 +104,16 @@ def _definitions(
     """(class name or None, function) for the public functions of a module body and the
     public methods of its public classes (nested classes too), in source order."""
     for node in body:
-        public = not getattr(node, "name", "_").startswith("_")
-        if public and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            yield owner, node
-        elif public and isinstance(node, ast.ClassDef):
+        # Only definitions have a str name: Python 3.12's `type X = ...` (ast.TypeAlias) has a
+        # `name` that is an ast.Name node.
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        if node.name.startswith("_"):
+            continue
+        if isinstance(node, ast.ClassDef):
             yield from _definitions(node.body, f"{owner}.{node.name}" if owner else node.name)
+        else:
+            yield owner, node
 
 
 def function_source(

@@ -1,0 +1,371 @@
+"""The GPU check: what plait's CUDA path does on one NVIDIA GPU, in a few minutes.
+
+Everything else in plait is proved on CPU and gloo; this script is the one place that runs the
+same code on a GPU and says what it saw. A person with one CUDA GPU runs
+
+    .venv/bin/python benchmarks/gpu_check.py --out runs/gpu-check
+
+(under 8 minutes on an H100/H200) and gets a table and `gpu_check.json`. The checks, each
+independent (one that breaks is reported with its traceback and the rest still run):
+
+- `parity`: a tiny LLaMA in fp32 trained on the CPU and on the GPU from the same seed; the
+  loss of every step and the parameters at the end agree to rounding (cuBLAS sums in another
+  order than the CPU's kernels, so not bitwise).
+- `text`: a 1.1B LLaMA (TinyLlama's shape) in bf16 on text rows: step time, tokens/s, MFU
+  against the card's dense bf16 peak, whether attention can run on SDPA's flash kernel, and
+  the allocator's peak (`max_memory_allocated`) next to `plait estimate`'s total for the
+  same config.
+- `offload_exact`: the same model with full recompute, with and without
+  `--offload-activations cpu` (the side-stream copies of `device.HostCopies`), in torch's
+  deterministic mode: the losses must be equal bit for bit (offload moves tensors, it changes
+  no arithmetic; two plain runs are compared too, to show the mode is deterministic).
+- `offload_memory`: with and without offload, without and with full recompute: the device
+  peak must drop; shown next to the estimate and the meter's saved bytes (device, host).
+- `packed`: instruction rows (the standard library's docstrings as Alpaca data, byte
+  tokens) packed with the block-causal mask: tokens/s and the peak against the estimate.
+- `cli`: `plait train --device cuda` as a user runs it, end to end (launch, summary, MFU).
+
+On a machine without CUDA it says so in one line and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from plait.config import Config, build_config
+from plait.device import (
+    cuda_available,
+    peak_allocated_bytes,
+    peak_flops,
+    reset_peak,
+    synchronize,
+)
+from plait.estimate import estimate
+from plait.mesh import build_mesh
+from plait.models.transformer import matmul_flops_per_token
+from plait.train import Trainer
+
+# TinyLlama-1.1B's shape (22 layers, hidden 2048, 32 heads over 4 KV heads, SwiGLU 5632,
+# vocabulary 32,000): a 1B-class model whose full AdamW states fit one 80 GB card.
+ONE_B = dict(
+    n_layers=22, d_model=2048, n_heads=32, n_kv_heads=4, ffn_hidden=5632,
+    vocab_size=32000, max_seq_len=2048,
+)  # fmt: skip
+SEQ, MICRO, GLOBAL = 2048, 2, 8  # 4 micro-batches of 2 x 2048 tokens per step
+# torchtitan's published single-node figure (docs/performance.md there): Llama 3.1 8B on 8
+# H100s (FSDP, local batch 2, selective activation checkpointing, bf16, no torch.compile).
+TORCHTITAN = "Llama-3.1-8B, 8xH100, FSDP bf16: 5,762 tokens/s/GPU, 33-39% MFU"
+
+
+def one_b_config(
+    steps: int, parallel: dict[str, Any] | None = None, device: str = "cuda", **train: Any
+) -> Config:
+    """The 1.1B model's config; `parallel` and `train` add to the defaults."""
+    par = {"precision": "bf16", "device": device, **(parallel or {})}
+    base = {"steps": steps, "micro_batch": MICRO, "global_batch": GLOBAL, "seq_len": SEQ}
+    base |= {"lr": 4e-4, "min_lr": 4e-5, "warmup_steps": 2}  # TinyLlama's peak rate
+    base |= {"progress": False, "eval_every": 0, "out": "/tmp/plait-gpu-check-unused"}
+    data = {"max_bytes": 4_000_000}
+    if "data" in train:
+        data["path"] = train.pop("data")
+    return _config("llama-7b", dict(ONE_B), par, data, base | train)
+
+
+def tiny_config(device: str, steps: int) -> Config:
+    """The parity check's tiny LLaMA in fp32."""
+    train = {"steps": steps, "micro_batch": 4, "global_batch": 8, "seq_len": 128}
+    train |= {"progress": False, "eval_every": 0, "out": "/tmp/plait-gpu-check-unused"}
+    par = {"precision": "fp32", "device": device}
+    return _config("small-llama", {}, par, {"max_bytes": 400_000}, train)
+
+
+def _config(preset: str, model: dict, par: dict, data: dict, train: dict) -> Config:
+    device = par.pop("device")
+    train["device"] = device
+    cfg = build_config(preset, {"model": model, "parallel": par, "data": data, "train": train})
+    cfg.validate(check_data=False)
+    return cfg
+
+
+def run_steps(
+    cfg: Config, device: torch.device, params: bool = False, meter: bool = False
+) -> dict[str, Any]:
+    """Train `cfg.train.steps` steps in this process on `device`; the first two are warm-up.
+    Returns losses, median step time, the allocator's peak from step 2 on (whole step, and
+    split at the end of the micro-batches: forward and backward, then the gradient norm,
+    clipping and the optimizer), the tracker's, and (`params`) the trained parameters on the
+    CPU in fp32. `meter`: count the bytes saved for backward from step 2 on (device and
+    host), at the meter's cost in time."""
+    mesh = build_mesh(cfg.parallel.layout, device, 300)
+    trainer = Trainer(cfg, mesh)
+    phases = _phase_peaks(trainer, device)
+    losses, times = [], []
+    for k in range(cfg.train.steps):
+        phases["on"] = k >= 2
+        reset_peak(device)
+        synchronize(device)
+        t0 = time.perf_counter()
+        losses.append(trainer.train_step(meter_activations=meter and k >= 2).loss)
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+        if phases["on"]:
+            phases["optimizer"] = max(phases["optimizer"], peak_allocated_bytes(device) or 0)
+    memory = trainer.engine.memory
+    out = {
+        "losses": losses,
+        "step_s": statistics.median(times[2:] or times),
+        "allocator_peak": max(phases["micro_batches"], phases["optimizer"]) or None,
+        "peak_micro_batches": phases["micro_batches"],
+        "peak_optimizer": phases["optimizer"],
+        "tracked_peak": memory.peak() if memory else None,
+        "host_peak": memory.peak(place="host") if memory else None,
+        "saved_device": memory.peak("activations") if memory else None,
+        "saved_host": memory.peak("activations", "host") if memory else None,
+    }
+    if params:
+        out["params"] = {n: p.detach().float().cpu() for n, p in trainer.model.named_parameters()}
+    trainer.close()
+    return out
+
+
+def _phase_peaks(trainer: Trainer, device: torch.device) -> dict[str, Any]:
+    """Split each step's allocator peak where the engine finishes the micro-batches' gradients
+    (a diagnostic: the benchmark wraps that one method of this trainer's engine)."""
+    phases: dict[str, Any] = {"on": False, "micro_batches": 0, "optimizer": 0}
+    finish = trainer.engine.finish
+
+    def finish_and_mark() -> None:
+        finish()
+        if phases["on"]:
+            synchronize(device)
+            peak = peak_allocated_bytes(device) or 0
+            phases["micro_batches"] = max(phases["micro_batches"], peak)
+            reset_peak(device)
+
+    trainer.engine.finish = finish_and_mark
+    return phases
+
+
+def throughput(cfg: Config, step_s: float, device: torch.device) -> dict[str, Any]:
+    tokens = cfg.train.global_batch * cfg.train.seq_len
+    tps = tokens / step_s
+    peak = peak_flops(device)
+    mfu = tps * matmul_flops_per_token(cfg.model, cfg.train.seq_len) / peak if peak else None
+    return {"tokens_per_s": round(tps), "mfu": mfu, "step_ms": round(step_s * 1e3, 1)}
+
+
+def memory_vs_estimate(cfg: Config, measured: int | None) -> dict[str, Any]:
+    est = estimate(cfg).ranks[0].total()
+    ratio = (measured / est) if measured and est else None
+    return {
+        "estimate_bytes": est,
+        "allocator_peak_bytes": measured,
+        "measured_over_estimate": ratio,
+    }
+
+
+def check_parity(device: torch.device, workdir: Path) -> dict[str, Any]:
+    steps = 6
+    cpu = run_steps(tiny_config("cpu", steps), torch.device("cpu"), params=True)
+    gpu = run_steps(tiny_config("cuda", steps), device, params=True)
+    rel = [abs(a - b) / abs(a) for a, b in zip(cpu["losses"], gpu["losses"], strict=True)]
+    worst = max(
+        float((gpu["params"][n] - p).abs().max() / p.abs().max().clamp_min(1e-12))
+        for n, p in cpu["params"].items()
+    )
+    ok = max(rel) < 1e-4 and worst < 1e-3
+    return {"ok": ok, "loss_max_rel_diff": max(rel), "param_max_rel_diff": worst,
+            "cpu_losses": cpu["losses"], "gpu_losses": gpu["losses"]}  # fmt: skip
+
+
+def flash_usable(cfg: Config, device: torch.device) -> bool:
+    """Whether one forward of the model runs with SDPA restricted to its flash kernel (an
+    explicit mask, or a layout flash cannot take, makes SDPA refuse)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    mesh = build_mesh(cfg.parallel.layout, device, 300)
+    trainer = Trainer(cfg, mesh)
+    x = torch.randint(0, 256, (1, cfg.train.seq_len), device=device)
+    try:
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]), torch.no_grad():
+            trainer.model(x)
+        return True
+    except RuntimeError:
+        return False
+    finally:
+        trainer.close()
+
+
+def check_text(device: torch.device, workdir: Path) -> dict[str, Any]:
+    cfg = one_b_config(steps=6)
+    run = run_steps(cfg, device)
+    out = {"ok": all(map(_finite, run["losses"])), "losses": run["losses"]}
+    out |= throughput(cfg, run["step_s"], device)
+    out |= memory_vs_estimate(cfg, run["allocator_peak"])
+    out |= {k: run[k] for k in ("peak_micro_batches", "peak_optimizer")}
+    out["flash"] = flash_usable(one_b_config(steps=1), device)
+    out["torchtitan"] = TORCHTITAN
+    return out
+
+
+def check_offload_exact(device: torch.device, workdir: Path) -> dict[str, Any]:
+    """Full recompute with and without activation offload, in torch's deterministic mode
+    (flash attention's and cuBLAS's default backward kernels may add in any order, so two
+    plain runs can differ in the last bit): twice plain, once offloaded, equal bit for bit."""
+    par = {"recompute": "full"}
+    torch.use_deterministic_algorithms(True)
+    try:
+        plain = run_steps(one_b_config(steps=3, parallel=par), device)
+        again = run_steps(one_b_config(steps=3, parallel=par), device)
+        off_par = par | {"offload_activations": "cpu"}
+        off = run_steps(one_b_config(steps=3, parallel=off_par), device)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    deterministic = plain["losses"] == again["losses"]
+    equal = plain["losses"] == off["losses"]
+    return {"ok": deterministic and equal, "plain_runs_equal": deterministic,
+            "offload_equal": equal, "plain": plain["losses"], "again": again["losses"],
+            "offload": off["losses"]}  # fmt: skip
+
+
+def check_offload_memory(device: torch.device, workdir: Path) -> dict[str, Any]:
+    """The device peak with and without `--offload-activations cpu`, without recompute (every
+    saved tensor moves) and with full recompute (the block inputs move), next to the estimate
+    and to the meter's saved bytes on the device and the host. Offload lowers the peak of the
+    micro-batches (what it moves lives there); the optimizer's peak is another matter."""
+    out: dict[str, Any] = {}
+    for recompute in ("none", "full"):
+        for where in ("none", "cpu"):
+            par = {"recompute": recompute, "offload_activations": where}
+            cfg = one_b_config(steps=4, parallel=par)
+            run = run_steps(cfg, device, meter=True)
+            out[f"recompute={recompute},offload={where}"] = {
+                "allocator_peak": run["allocator_peak"],
+                "peak_micro_batches": run["peak_micro_batches"],
+                "peak_optimizer": run["peak_optimizer"],
+                "estimate": estimate(cfg).ranks[0].total(),
+                "saved_device": run["saved_device"],
+                "saved_host": run["saved_host"],
+                "step_ms": round(run["step_s"] * 1e3, 1),
+                "losses": run["losses"],
+            }
+    peak = {name: row["peak_micro_batches"] for name, row in out.items()}
+    drops = [peak[f"recompute={r},offload=cpu"] < peak[f"recompute={r},offload=none"]
+             for r in ("none", "full")]  # fmt: skip
+    return {"ok": all(drops), **out}
+
+
+def prepare_instructions(workdir: Path) -> Path:
+    """Alpaca rows from this Python's standard library (`plait data instructions`), tokenized
+    by a 32,000-token BPE trained on its sources, as the fine-tuning recipe does, in `workdir`."""
+    rows, tok, out = workdir / "ins.jsonl", workdir / "tok.json", workdir / "sft"
+    plait = [sys.executable, "-m", "plait.cli"]
+    steps = [
+        ["data", "instructions", "--out", str(rows), "--overwrite"],
+        ["tokenizer", "train", "--vocab-size", "32000", "--out", str(tok), "--no-progress"],
+        ["data", "prepare", "--format", "alpaca", "--data", str(rows), "--tokenizer", str(tok),
+         "--out", str(out), "--seq-len", str(SEQ), "--overwrite", "--no-progress"],
+    ]  # fmt: skip
+    for argv in steps:
+        subprocess.run([*plait, *argv], check=True)
+    return out
+
+
+def check_packed(device: torch.device, workdir: Path) -> dict[str, Any]:
+    """Packed instruction rows (block-causal attention through the dense additive mask, and
+    every other `--packed-attention` mode this plait offers, each against the mask)."""
+    folder = prepare_instructions(workdir)
+    cfg = one_b_config(steps=5, data=str(folder))
+    run = run_steps(cfg, device)
+    out = {"ok": all(map(_finite, run["losses"])), "losses": run["losses"]}
+    out |= throughput(cfg, run["step_s"], device)
+    return out | memory_vs_estimate(cfg, run["allocator_peak"])
+
+
+def check_cli(device: torch.device, workdir: Path) -> dict[str, Any]:
+    out = workdir / "cli-run"
+    cmd = [sys.executable, "-m", "plait.cli", "train", "--device", "cuda", "--precision", "bf16"]
+    cmd += ["--model", "small-llama", "--steps", "20", "--out", str(out), "--overwrite"]
+    done = subprocess.run([*cmd, "--no-progress"], capture_output=True, text=True)
+    summary = out / "summary.json"
+    s = json.loads(summary.read_text()) if summary.exists() else {}
+    keep = ("final_loss", "val_loss", "tokens_per_s", "mfu", "peak_flops")
+    return {"ok": done.returncode == 0 and bool(s), "rc": done.returncode,
+            "stderr_tail": done.stderr[-2000:], **{k: s.get(k) for k in keep}}  # fmt: skip
+
+
+CHECKS: dict[str, Callable[[torch.device, Path], dict[str, Any]]] = {
+    "parity": check_parity,
+    "text": check_text,
+    "offload_exact": check_offload_exact,
+    "offload_memory": check_offload_memory,
+    "packed": check_packed,
+    "cli": check_cli,
+}
+
+
+def _finite(x: float) -> bool:
+    return x == x and abs(x) != float("inf")
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    props = torch.cuda.get_device_properties(device)  # benchmarks may ask torch.cuda
+    return {"torch": torch.__version__, "device": props.name,
+            "memory_gib": round(props.total_memory / 2**30, 1),
+            "capability": f"{props.major}.{props.minor}",
+            "peak_flops": peak_flops(device)}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="runs/gpu-check", help="folder for gpu_check.json")
+    ap.add_argument("--only", default="", help="comma-separated checks: " + ",".join(CHECKS))
+    args = ap.parse_args(argv)
+    if not cuda_available():
+        print("gpu_check: no CUDA device here (torch.cuda.is_available() is False); "
+              "run it on a machine with an NVIDIA GPU")  # fmt: skip
+        return 2
+    names = [n for n in args.only.split(",") if n] or list(CHECKS)
+    unknown = sorted(set(names) - set(CHECKS))
+    if unknown:
+        print(f"gpu_check: unknown check(s) {', '.join(unknown)}; known: {', '.join(CHECKS)}")
+        return 2
+    device = torch.device("cuda", 0)
+    results: dict[str, Any] = {"environment": environment(device)}
+    print(json.dumps(results["environment"]), flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            t0 = time.perf_counter()
+            try:
+                res = CHECKS[name](device, Path(tmp))
+            except Exception:
+                res = {"ok": False, "error": traceback.format_exc()[-3000:]}
+            res["wall_s"] = round(time.perf_counter() - t0, 1)
+            results[name] = res
+            print(name, json.dumps(res, default=str), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_check.json").write_text(json.dumps(results, indent=1, default=str))
+    failed = [n for n in names if not results[n]["ok"]]
+    print("gpu_check:", "all passed" if not failed else f"failed: {', '.join(failed)}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    # cuBLAS's deterministic mode (check_offload_exact) needs this before CUDA starts
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    sys.exit(main())
