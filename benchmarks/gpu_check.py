@@ -21,8 +21,10 @@ independent (one that breaks is reported with its traceback and the rest still r
   no arithmetic; two plain runs are compared too, to show the mode is deterministic).
 - `offload_memory`: with and without offload, without and with full recompute: the device
   peak must drop; shown next to the estimate and the meter's saved bytes (device, host).
-- `packed`: instruction rows (the standard library's docstrings as Alpaca data, byte
-  tokens) packed with the block-causal mask: tokens/s and the peak against the estimate.
+- `packed`: instruction rows (the standard library's docstrings as Alpaca data, a 32k BPE)
+  packed under each `--packed-attention` mode (the dense block-causal mask, one causal call
+  per document, flash attention's varlen kernel): tokens/s and the peak against the
+  estimate, and each mode's loss and gradients against the mask's on one batch.
 - `cli`: `plait train --device cuda` as a user runs it, end to end (launch, summary, MFU).
 
 On a machine without CUDA it says so in one line and exits 2.
@@ -55,8 +57,9 @@ from plait.device import (
 )
 from plait.estimate import estimate
 from plait.mesh import build_mesh
+from plait.models.presets import get_preset
 from plait.models.transformer import matmul_flops_per_token
-from plait.train import Trainer
+from plait.train import Trainer, build_model
 
 # TinyLlama-1.1B's shape (22 layers, hidden 2048, 32 heads over 4 KV heads, SwiGLU 5632,
 # vocabulary 32,000): a 1B-class model whose full AdamW states fit one 80 GB card.
@@ -284,15 +287,53 @@ def prepare_instructions(workdir: Path) -> Path:
     return out
 
 
+PACKED_MODES = ("mask", "per-document", "varlen")
+DOCUMENTS = (512, 300, 700, 536)  # a 2,048-token row of four documents
+
+
 def check_packed(device: torch.device, workdir: Path) -> dict[str, Any]:
-    """Packed instruction rows (block-causal attention through the dense additive mask, and
-    every other `--packed-attention` mode this plait offers, each against the mask)."""
+    """Packed instruction rows under each `--packed-attention` mode: tokens/s and the peak
+    against the estimate (the dense mask costs (b, 1, s, s); the others do not), the first
+    step's loss (same weights and rows) equal across modes to bf16 rounding; then one batch's
+    loss and gradients per mode against the mask (`packed_attention_gaps`)."""
     folder = prepare_instructions(workdir)
-    cfg = one_b_config(steps=5, data=str(folder))
-    run = run_steps(cfg, device)
-    out = {"ok": all(map(_finite, run["losses"])), "losses": run["losses"]}
-    out |= throughput(cfg, run["step_s"], device)
-    return out | memory_vs_estimate(cfg, run["allocator_peak"])
+    out: dict[str, Any] = {}
+    for mode in PACKED_MODES:
+        cfg = one_b_config(steps=4, parallel={"packed_attention": mode}, data=str(folder))
+        run = run_steps(cfg, device)
+        out[mode] = {"losses": run["losses"], **throughput(cfg, run["step_s"], device)}
+        out[mode] |= memory_vs_estimate(cfg, run["allocator_peak"])
+    first = [out[m]["losses"][0] for m in PACKED_MODES]
+    out["first_loss_spread"] = (max(first) - min(first)) / first[0]
+    out["gaps"] = packed_gaps(device)
+    worst = max(g["loss_gap"] for g in out["gaps"].values())
+    out["ok"] = out["first_loss_spread"] < 2e-3 and worst < 2e-3
+    return out
+
+
+def packed_gaps(device: torch.device) -> dict[str, Any]:
+    """One row of four documents through a 4-layer model of the 1.1B's width: fp32 mask
+    against per-document (exact to rounding), then bf16 mask and per-document against varlen."""
+    from plait.models.packed_compare import packed_attention_gaps
+
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 32000, (1, SEQ), generator=gen)
+    targets = torch.randint(0, 32000, (1, SEQ), generator=gen)
+    segments = torch.cat([torch.full((n,), i) for i, n in enumerate(DOCUMENTS)])[None]
+    batch = [t.to(device) for t in (tokens, targets, segments)]
+    out = {}
+    shape = get_preset("llama-7b")
+    for key, value in (ONE_B | {"n_layers": 4}).items():
+        setattr(shape, key, value)
+    for dtype, modes in ((torch.float32, PACKED_MODES[:2]), (torch.bfloat16, PACKED_MODES)):
+        model = build_model(shape, device, seed=0).to(dtype).train()
+        for gap in packed_attention_gaps(model, *batch, modes=modes)[1:]:
+            out[f"{dtype}:{gap.mode}-vs-mask"] = {
+                "loss": gap.loss, "loss_gap": gap.loss_gap,
+                "grad_gap": gap.grad_gap, "worst": gap.worst,
+            }  # fmt: skip
+        del model
+    return out
 
 
 def check_cli(device: torch.device, workdir: Path) -> dict[str, Any]:
