@@ -1,6 +1,7 @@
 """Packed attention by document (models/packed_attention.py) against the dense mask, in one
 process (fp32, rtol 1e-5): rows of one, two and many documents and padding, learned positions
-and RoPE with grouped-query attention, no, selective and full recomputation; the runs as
+and RoPE with grouped-query attention, no, selective and full recomputation, activation
+offload; the runs as
 offsets and documents; which path each mode takes where; varlen's refusals; and the mode
 comparison the GPU check runs (models/packed_compare.py). Every layout in a world is checked
 through the exact-loss tests, whose single-process reference attends through the mask."""
@@ -18,6 +19,7 @@ from plait.models.packed_attention import attention_path, varlen_attention, varl
 from plait.models.packed_compare import packed_attention_gaps
 from plait.models.packing import Packing
 from plait.models.presets import get_preset
+from plait.parallel.activation_offload import apply_activation_offload
 from plait.parallel.activation_recompute import apply_recompute
 from plait.train import build_model
 
@@ -41,11 +43,12 @@ def _batch():
     return x, y, seg
 
 
-def _model(preset: str, recompute: str = "none", dropout: float = 0.0):
+def _model(preset: str, recompute: str = "none", dropout: float = 0.0, offload: str = "none"):
     cfg = get_preset(preset)
     cfg.dropout = dropout
     model = build_model(cfg, torch.device("cpu"), seed=3)
     apply_recompute(model, recompute)
+    apply_activation_offload(model, offload)  # saved tensors through hooks of its own
     return model.train()
 
 
@@ -58,12 +61,13 @@ def _run(model, mode: str, *batch):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-CASES = [(p, r) for p in ("tiny-gpt", "tiny-llama") for r in ("none", "selective", "full")]
+CASES = [(p, r, "none") for p in ("tiny-gpt", "tiny-llama") for r in ("none", "selective", "full")]
+CASES += [("tiny-llama", "none", "cpu"), ("tiny-llama", "full", "cpu")]  # activation offload
 
 
-@pytest.mark.parametrize(("preset", "recompute"), CASES)
-def test_per_document_equals_the_mask(preset, recompute):
-    model, batch = _model(preset, recompute), _batch()
+@pytest.mark.parametrize(("preset", "recompute", "offload"), CASES)
+def test_per_document_equals_the_mask(preset, recompute, offload):
+    model, batch = _model(preset, recompute, offload=offload), _batch()
     loss, grads = _run(model, "mask", *batch)
     doc_loss, doc_grads = _run(model, "per-document", *batch)
     auto_loss, _ = _run(model, "auto", *batch)  # on CPU: per-document
