@@ -1,10 +1,10 @@
 """Packed attention by document (models/packed_attention.py) against the dense mask, in one
 process (fp32, rtol 1e-5): rows of one, two and many documents and padding, learned positions
 and RoPE with grouped-query attention, no, selective and full recomputation, activation
-offload; the runs as
-offsets and documents; which path each mode takes where; varlen's refusals; and the mode
-comparison the GPU check runs (models/packed_compare.py). Every layout in a world is checked
-through the exact-loss tests, whose single-process reference attends through the mask."""
+offload; the runs as offsets and documents; which path each mode takes where; varlen's
+refusals; and the mode comparison the GPU check runs (models/packed_compare.py). Every layout
+in a world is checked through the exact-loss tests, whose single-process reference attends
+through the mask."""
 
 from __future__ import annotations
 
