@@ -8,14 +8,22 @@ through the mask."""
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 from plait.composition import check_packed_attention
 from plait.errors import ConfigError
 from plait.models.dropout import sample_keys
 from plait.models.loss import IGNORE
-from plait.models.packed_attention import attention_path, varlen_attention, varlen_kernel
+from plait.models.packed_attention import (
+    attention_path,
+    varlen_attention,
+    varlen_kernel,
+    varlen_through,
+)
 from plait.models.packed_compare import packed_attention_gaps
 from plait.models.packing import Packing
 from plait.models.presets import get_preset
@@ -112,6 +120,42 @@ def test_which_path_each_mode_takes():
     for mode in ("auto", "per-document", "varlen"):
         assert attention_path(mode, "cuda", bf16, True) == "mask"  # keyed dropout
     assert attention_path("mask", "cpu", f32, False) == "mask"
+
+
+def _kernel(query, key, value, cu_q, cu_k, max_q, max_k, *, window_size=(-1, -1)):
+    """varlen_attn's contract on the CPU: (T, a, hd) in and out, causal per document."""
+    assert window_size == (-1, 0) and torch.equal(cu_q, cu_k) and cu_q.dtype == torch.int32
+    bounds = cu_q.tolist()
+    assert max_q == max_k == max(z - a for a, z in pairwise(bounds))
+    out = torch.empty_like(query)
+    for a, z in pairwise(bounds):
+        doc = (t[a:z].transpose(0, 1) for t in (query, key, value))  # (a, l, hd)
+        out[a:z] = F.scaled_dot_product_attention(*doc, is_causal=True).transpose(0, 1)
+    return out
+
+
+def _kernel_2_10(query, key, value, cu_q, cu_k, max_q, max_k, is_causal=False):
+    """torch 2.10's signature: causality as a flag."""
+    assert is_causal
+    return _kernel(query, key, value, cu_q, cu_k, max_q, max_k, window_size=(-1, 0))
+
+
+@pytest.mark.parametrize("kernel", [_kernel, _kernel_2_10])
+def test_varlen_glue_flattens_and_restores_the_rows(kernel):
+    """What varlen_attention hands the kernel and makes of its output (the kernel itself
+    runs on CUDA only): a reference kernel on the CPU gives per-document's values and
+    gradients, on rows of one, two and many documents and padding."""
+    pack = Packing.of(_batch()[2], "per-document")
+    gen = torch.Generator().manual_seed(2)
+    base = torch.randn(4, 32, 3, 4, 8, generator=gen, requires_grad=True)  # (b, s, 3, a, hd)
+    q, k, v = (base[:, :, i].transpose(1, 2) for i in range(3))  # (b, a, s, hd), a view
+    want = pack.attend(q, k, v)
+    (want_grad,) = torch.autograd.grad(want.square().sum(), base)
+    got = varlen_through(kernel, q, k, v, *pack.offsets())
+    (got_grad,) = torch.autograd.grad(got.square().sum(), base)
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=1e-6)
+    atol = RTOL * float(want_grad.abs().max())  # a first token's q gradient: 0 but rounding
+    torch.testing.assert_close(got_grad, want_grad, rtol=RTOL, atol=atol)
 
 
 def test_varlen_refusals():

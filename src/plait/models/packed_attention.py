@@ -114,12 +114,19 @@ def document_attention(q: Tensor, k: Tensor, v: Tensor, documents: list) -> Tens
 
 def varlen_attention(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, longest: int) -> Tensor:
     """Causal attention within each document through torch's varlen_attn: q, k, v (b, a, s,
-    hd) flattened to (b·s, a, hd) (a view where the heads' layout allows), `offsets` int32
-    (documents + 1,) into the b·s tokens, `longest` the longest document."""
+    hd), `offsets` int32 (documents + 1,) into the b·s tokens, `longest` the longest document;
+    a clear error where it cannot run."""
     refusal = varlen_refusal(q.device.type, q.dtype)
     if refusal is not None:
         raise ValueError(f"packed attention 'varlen' cannot run: {refusal}")
-    kernel = varlen_kernel()
+    return varlen_through(varlen_kernel(), q, k, v, offsets, longest)
+
+
+def varlen_through(
+    kernel: Callable, q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, longest: int
+) -> Tensor:
+    """`kernel` (varlen_attn's signature) on q, k, v (b, a, s, hd) flattened to (b·s, a, hd)
+    (a view where the heads' layout allows), and its output back to (b, a, s, hd)."""
     b, a, s, hd = q.shape
     flat = [t.transpose(1, 2).reshape(b * s, a, hd) for t in (q, k, v)]  # (b·s, a, hd)
     # Causality was `is_causal=True` in torch 2.10's varlen_attn; later ones take a window,
