@@ -185,3 +185,5 @@ def test_mode_gaps_as_the_gpu_check_reads_them():
     assert all(p.grad is None for p in model.parameters())
     with pytest.raises(ValueError, match="'varlen' cannot run"):
         packed_attention_gaps(model, *batch)
+    with pytest.raises(ValueError, match=r"dropout 0\.1 in training sends every packed-att"):
+        packed_attention_gaps(_model("tiny-gpt", dropout=0.1), *batch)

@@ -36,7 +36,14 @@ def packed_attention_gaps(
 ) -> list[ModeGap]:
     """Forward and backward of `model` on (tokens, targets, segments), (b, s) each, once per
     mode, on the model's device and dtype; one ModeGap per mode, the first's gaps 0. The
-    model's mode and gradients are as before (gradients cleared)."""
+    model's mode and gradients are as before (gradients cleared). Dropout must be off (eval
+    mode, or p = 0): with keyed dropout every mode takes the mask path, and the gaps would
+    say nothing."""
+    if model.training and model.cfg.dropout > 0:
+        raise ValueError(
+            f"dropout {model.cfg.dropout} in training sends every packed-attention mode through "
+            "the mask: compare in eval mode (model.eval()) or with dropout 0"
+        )
     kept, first = model.packed_attention, None
     out = []
     try:
