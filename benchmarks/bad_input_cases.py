@@ -50,7 +50,8 @@ def wrong_values() -> list[Case]:
              ("--precision", "fp8"),
              ("--nan-policy", "ignore"), ("--recompute", "some"), ("--device", "tpu"),
              ("--zero", "4"), ("--seq-len", "4096"), ("--global-batch", "0"),
-             ("--n-heads", "5"), ("--offload", "disk"), ("--dp-mode", "magic")]  # fmt: skip
+             ("--n-heads", "5"), ("--offload", "disk"), ("--dp-mode", "magic"),
+             ("--packed-attention", "varlen"), ("--packed-attention", "dense")]  # fmt: skip
     cases = [_train(v, *flags) for flags in train]
     cases += [_c(v, "estimate", *args) for args in (
         ["--model", "nope"], ["--dp", "0"], ["--device-memory", "-1"], ["--lr", "nan"],

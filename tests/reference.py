@@ -1,8 +1,9 @@
 """Single-process reference training: the plainest loop that defines the right answer.
 
 No plait parallel machinery at all: whole global batch in one forward, torch's own
-clip_grad_norm_, the same optimizer/schedule/data/dropout-key rules as the Trainer. Every
-parallel layout must reproduce its loss every step and its parameters at the end.
+clip_grad_norm_, the same optimizer/schedule/data/dropout-key rules as the Trainer; packed
+rows attend through the dense block-causal mask, which every --packed-attention mode must
+equal. Every parallel layout must reproduce its loss every step and its parameters at the end.
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ def reference_run(
 
 def _train(model, cfg: Config, corpus: Corpus):
     t = cfg.train
+    model.packed_attention = "mask"  # packed rows: the dense block-causal mask is the reference
     opt = build_optimizer(model, t)
     sampler = GlobalBatchSampler(len(corpus.train), t.global_batch, t.seed)
     losses, norms = [], []

@@ -58,6 +58,8 @@ TRAIN = [
     (["--offload", "nvme", "--zero", "1"], "needs a directory"),  # the NVMe store
     (["--model", "tiny-gpt", "--seq-len", "65"],
      "seq_len 65 exceeds the model's max_seq_len 64"),  # the position table
+    (["--packed-attention", "varlen"],
+     "--packed-attention varlen cannot run: "),  # varlen_attn: CUDA, bf16/fp16
     (["--model", "tiny-gpt", "--pp", "4"], "more pipeline stages"),  # split_layers
     (["--model", "tiny-gpt", "--pp", "2", "--stage-layers", "2,1"],
      "must be 2 numbers >= 1 summing to 2 layers"),  # split_layers

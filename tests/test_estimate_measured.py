@@ -6,7 +6,8 @@ activations and the total within 2% in both directions.
 The total is the tracker's peak, which falls at different moments of the step on different
 layouts (forward end, a backward with buckets and gathered units alive): the estimate's
 moments (estimate/peak.py) must find it, not only bound it. Packed instruction rows (an
-examples folder): one block-causal mask per micro-batch for all layers, per-token positions;
+examples folder): attended by document, or through one block-causal mask per micro-batch for
+all layers (--packed-attention mask, dropout); per-token positions;
 the estimate counts every position a target, the run only its targets (memory_runs.py
 takes the difference out, so the rest must still agree)."""
 
@@ -46,11 +47,20 @@ MORE = [
         model={"dropout": 0.1},
     ),
 ]
-# Instruction data: the mask saved once per micro-batch and chunk (fused, selective), none
-# (explicit path, full recomputation), once per block on the host (activation offload);
-# exact, but tp2+SP and full recomputation 32 bytes under as their text twins.
+# Instruction data, attended by document (the default on CPU: no mask, no log-sum-exp), or
+# through the mask (--packed-attention mask, and always under dropout): the mask saved once per
+# micro-batch and chunk (fused, selective), none (explicit path, full recomputation), once per
+# block on the host (activation offload); exact, but tp2+SP and full recomputation 32 bytes
+# under as their text twins.
 PACKED = [
     Case("dp2 packed", parallel={"dp": 2}, packed=True),
+    Case("dp2 packed mask", parallel={"dp": 2, "packed_attention": "mask"}, packed=True),
+    Case(
+        "tp2 sp packed selective",
+        "small-llama",
+        parallel={"tp": 2, "sequence_parallel": True, "recompute": "selective"},
+        packed=True,
+    ),
     Case("dp2 packed offload", parallel={"dp": 2, "offload_activations": "cpu"}, packed=True),
     Case(
         "pp2 interleaved packed",

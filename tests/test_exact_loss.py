@@ -5,7 +5,10 @@ every step, its final parameters and its validation loss (fp32, rtol 1e-5): data
 with accumulation, tensor + sequence parallelism, every pipeline schedule, 2BW (against its
 delayed rule), ZeRO 1-3 with CPU offload and naive data parallelism; and data parallelism
 with accumulation on a prepared Alpaca examples folder, as `plait train` loads it. The old
-per-micro-batch mean would differ on this data (test_no_cross_talk.py measures by how much)."""
+per-micro-batch mean would differ on this data (test_no_cross_talk.py measures by how much).
+The layouts attend packed rows by document (--packed-attention auto on CPU; the mask where
+dropout is on), the reference through the dense mask: so every layout here, and selective and
+full recomputation without dropout, also shows per-document attention equal to the mask."""
 
 from __future__ import annotations
 
@@ -33,6 +36,8 @@ CASES = [
     dict(pp=2, schedule="1f1b", micro=1, accum=4, preset="tiny-llama"),
     dict(pp=2, schedule="interleaved", virtual_stages=2, n_layers=4, micro=1, accum=4),
     dict(pp=2, schedule="zb-h1", micro=1, accum=4, recompute="full", dropout=0.1),
+    dict(tp=2, sequence_parallel=True, preset="tiny-llama", recompute="selective"),
+    dict(pp=2, schedule="1f1b", micro=1, accum=4, recompute="full", preset="tiny-llama"),
     dict(pp=2, schedule="2bw", micro=1, accum=4),
 ]
 

@@ -51,6 +51,7 @@ def delayed_reference(cfg: Config, corpus: Corpus, steps: int):
     """
     t = cfg.train
     cur = build_model(cfg.model, torch.device("cpu"), t.seed)  # W(k)
+    cur.packed_attention = "mask"  # packed rows: the dense mask is the reference
     prev = copy.deepcopy(cur)  # W(k-1)
     opt = build_optimizer(cur, t)
     sampler = GlobalBatchSampler(len(corpus.train), t.global_batch, t.seed)

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from plait.errors import ConfigError
 from plait.mixed_precision import parse_precision
 from plait.models.architecture import ModelConfig
+from plait.models.packed_attention import MODES, varlen_refusal
 from plait.schedule.schedules import build_schedule, two_bw
 from plait.schedule.stages import split_layers
 
@@ -178,4 +179,25 @@ def check_dp_mode(mode: str, tp: int, pp: int, zero: int, precision: str, offloa
             f"dp_mode naive is plain data parallelism with one coordinator: it needs tp=1, "
             f"pp=1, zero=0, precision fp32 and no offload; got tp={tp}, pp={pp}, zero={zero}, "
             f"precision={precision}, offload={offload}"
+        )
+
+
+def check_packed_attention(mode: str, device: str, precision: str, dropout: float) -> None:
+    """A packed-attention mode that exists and can run here (models/packed_attention.py):
+    varlen needs CUDA, a 16-bit precision and a torch that has varlen_attn; by document
+    (per-document, varlen) no attention dropout, which needs the mask path's probabilities."""
+    if mode not in MODES:
+        raise ConfigError(f"packed_attention must be one of {', '.join(MODES)}; got {mode!r}")
+    if mode == "varlen":
+        refusal = varlen_refusal(device, parse_precision(precision).param_dtype)
+        if refusal is not None:
+            raise ConfigError(
+                f"--packed-attention varlen cannot run: {refusal}; give auto (per-document "
+                "here) or mask"
+            )
+    if mode in ("per-document", "varlen") and dropout > 0:
+        raise ConfigError(
+            f"--packed-attention {mode} cannot apply dropout {dropout}: keyed attention dropout "
+            "needs the whole (b, a, s, s) probabilities of the mask path; give auto, mask or "
+            "--dropout 0"
         )

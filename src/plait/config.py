@@ -16,6 +16,7 @@ from typing import Any
 from plait.composition import (
     check_activation_offload,
     check_dp_mode,
+    check_packed_attention,
     check_partition_activations,
     check_pipeline,
     check_recompute,
@@ -129,6 +130,14 @@ class ParallelConfig:
         metadata={
             "help": "tensor parallel with recompute: hold each block's saved input 1/tp per "
             "rank and all-gather it in backward (ZeRO-R partitioned activations)"
+        },
+    )
+    packed_attention: str = field(
+        default="auto",
+        metadata={
+            "help": "packed rows' attention: auto (per-document on CPU, varlen on CUDA), mask "
+            "(dense block-causal, the reference), per-document (causal SDPA per example), "
+            "varlen (torch's varlen_attn: CUDA, bf16/fp16)"
         },
     )
     comm_timeout: float = field(
@@ -504,6 +513,8 @@ def validate_config(cfg: Config, check_data: bool = True) -> None:
         par.schedule,
     )
     check_reshard(par.reshard_after_forward, par.zero, par.pp)
+    check_packed_attention(par.packed_attention, device_kind(t.device), par.precision,
+                           cfg.model.dropout)  # fmt: skip
     _check_base_dtype(par, cfg.model.lora is not None)
     check_loss_average(t.loss_average)
     if t.nan_policy not in ("stop", "skip"):

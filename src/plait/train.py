@@ -186,6 +186,7 @@ class Trainer:
         )
         model = build_model(cfg.model, mesh.device, t.seed, self._parallelize,
                             not _streams_init(cfg), first_weights(cfg))  # fmt: skip
+        model.packed_attention = par.packed_attention  # models/packed_attention.py
         self.grad_rules = SplitGradRules.of(model, mesh)
         replica = (mesh.coord.dp, mesh.size("dp"))
         self.batches = StepBatches(

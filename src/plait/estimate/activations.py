@@ -20,9 +20,13 @@ Per block, no recomputation:
   MLP:             GELU 2·F·e; SwiGLU 4·F·e
   dropout masks:   2·Hr bytes (when dropout > 0)
 Packed rows (instruction data, `Shape.packed`): RoPE's cos and sin are per token,
-2·b·s·(h/a)·4; the explicit path adds the block-causal mask (nothing saved) instead of
-masking with the causal s² one; the mask itself, b·s²·e, is one tensor for all the layers of
-a chunk (`mask_bytes`); learned positions are per token, b·s·8.
+2·b·s·(h/a)·4; learned positions are per token, b·s·8. Attention takes the path
+`Shape.attention` names (models/packed_attention.py): on the mask path the explicit path adds
+the block-causal mask (nothing saved) instead of masking with the causal s² one, and the mask
+itself, b·s²·e, is one tensor for all the layers of a chunk (`mask_bytes`); by document no
+mask, and per-document no log-sum-exp either (its backward recomputes each document's
+forward); varlen saves what the fused kernel does, its offsets' (documents + 1)·4 bytes and a
+16-byte RNG state per layer left out (data-dependent, and negligible).
 Selective recomputation keeps q, k, v and drops the core's own tensors; full keeps the
 block input Hr·e only. The embedding, final norm, head and loss add their own (`extras`).
 Plait saves the all-gathered Linear inputs under SP where Megatron re-gathers them, and its
@@ -48,6 +52,7 @@ class Shape:
     sp: bool
     e: int  # bytes of the compute dtype
     packed: bool = False  # packed instruction rows: a block-causal mask, per-token positions
+    attention: str = "mask"  # packed rows' path: mask, per-document or varlen
 
     def res(self, cfg: ModelConfig) -> int:
         """Hr: residual-stream elements (sequence-sharded under SP)."""
@@ -70,8 +75,8 @@ def core_bytes(cfg: ModelConfig, x: Shape, recompute: str) -> int:
     if recompute == "selective":
         return 0
     heads = cfg.n_heads // x.t
-    if cfg.dropout == 0.0:
-        return x.b * heads * x.s * 4
+    if cfg.dropout == 0.0:  # the fused kernel's log-sum-exp; none per document
+        return 0 if x.packed and x.attention == "per-document" else x.b * heads * x.s * 4
     scores = x.b * heads * x.s * x.s
     causal = 0 if x.packed else x.s * x.s  # packed rows add their mask: no bool is saved
     return causal + scores * (4 + 1 + x.e)
@@ -90,8 +95,9 @@ def mask_bytes(cfg: ModelConfig, x: Shape, recompute: str) -> int:
     micro-batch and chunk: one tensor (models/packing.py) that every layer's fused attention
     saves, or selective recomputation's checkpoint as the core's input, so one storage
     however many layers. Nothing saves it under full recomputation (the checkpoint saves the
-    block input only) nor on the explicit dropout path (an addition saves nothing)."""
-    if not x.packed or recompute == "full":
+    block input only) nor on the explicit dropout path (an addition saves nothing), and
+    packed rows attended by document have none."""
+    if not x.packed or x.attention != "mask" or recompute == "full":
         return 0
     if cfg.dropout > 0.0 and recompute != "selective":
         return 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from plait.config import Config
 from plait.data.examples import is_examples_dir
+from plait.device import device_kind
 from plait.errors import ConfigError
 from plait.estimate import activations as act
 from plait.estimate.adapters import lora_head_bytes, lora_layer_bytes
@@ -48,7 +49,9 @@ from plait.estimate.rank_params import (
     tp_contract,
 )
 from plait.estimate.two_bw import Stream, two_bw_moments, two_bw_streams
+from plait.mixed_precision import parse_precision
 from plait.models.contract import ModelContract
+from plait.models.packed_attention import attention_path
 from plait.schedule.actions import Schedule
 from plait.schedule.schedules import build_schedule
 from plait.schedule.simulate import peak_held
@@ -96,11 +99,21 @@ def _schedule(cfg: Config) -> Schedule | None:
 
 def _shape(cfg: Config) -> act.Shape:
     """The micro-batch's symbols; packed when the run reads instruction data (an examples
-    folder: packed or padded, its rows carry segments and so a block-causal mask)."""
+    folder: packed or padded, its rows carry segments), attended as `packed_path` says."""
     par, t = cfg.parallel, cfg.train
     e = Precision.of(par.precision, par.reduce_dtype).param
     packed = is_examples_dir(cfg.data.path)
-    return act.Shape(t.micro_batch, t.seq_len, par.tp, par.sequence_parallel, e, packed)
+    return act.Shape(t.micro_batch, t.seq_len, par.tp, par.sequence_parallel, e, packed,
+                     packed_path(cfg))  # fmt: skip
+
+
+def packed_path(cfg: Config) -> str:
+    """The path packed rows' attention takes in training (models/packed_attention.py): the
+    mode, `auto` resolved on the run's device and compute dtype, the mask under dropout."""
+    par = cfg.parallel
+    dtype = parse_precision(par.precision, par.reduce_dtype).param_dtype
+    device = device_kind(cfg.train.device)
+    return attention_path(par.packed_attention, device, dtype, cfg.model.dropout > 0)
 
 
 def chunk_activation_bytes(cfg: Config, plan: StagePlan) -> int:
@@ -274,6 +287,8 @@ def _activation_line(
         what += f"; less (1 - 1/{x.t}) of each block input (--partition-activations)"
     if act.mask_bytes(cfg.model, x, mode):  # instruction data (estimate/activations.py)
         what += f"; packed rows: one {act.mask_bytes(cfg.model, x, mode):,} B mask per chunk"
+    elif x.packed and x.attention != "mask":
+        what += f"; packed rows attended {x.attention}: no mask"
     return Line("activations", held, host=host, formula=what)
 
 

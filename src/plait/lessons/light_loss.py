@@ -47,7 +47,10 @@ def cases(quick: bool, procs: int, work: Path) -> list[Case]:
     """Builds instruction examples under `work` (quick: 100 examples, a 1,024-token BPE),
     then one world at dp `procs`: each rank meters its replica's first micro-batch."""
     data = build_examples(work / "data", 100 if quick else 2000, 1024 if quick else 4096)
-    cfg = lesson_config(quick, {"dp": procs}, train={"seq_len": SEQ, "steps": 1},
+    # Packed rows through the block-causal mask, whose one shared tensor the section's text
+    # counts (by document, the default, there is none: docs/finetuning.md).
+    par = {"dp": procs, "packed_attention": "mask"}
+    cfg = lesson_config(quick, par, train={"seq_len": SEQ, "steps": 1},
                         model={"max_seq_len": SEQ, "dropout": 0.0}, micro=MICRO,
                         data={"path": str(data), "pack": True, "long": "drop"})  # fmt: skip
     return [Case("instruction", cfg, measure_both)]
@@ -56,7 +59,7 @@ def cases(quick: bool, procs: int, work: Path) -> list[Case]:
 def _full_logits(model: Transformer, tokens: Tensor, targets: Tensor, seg: Tensor | None) -> Tensor:
     """The plain computation the lighter loss replaced: the model's forward to the final
     norm, then logits for every position and the loss over them."""
-    pack = Packing.of(seg)
+    pack = Packing.of(seg, model.packed_attention)
     x = model.embed(tokens, None, pack=pack)
     for block in model.blocks:
         x = block(x, None, None, pack)
@@ -98,6 +101,7 @@ def measure_both(cfg: Config, mesh: Mesh) -> dict[str, Any]:
     tokens, targets, seg = rows.draw(micro)
     text = (tokens, torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1), None)
     model = build_model(cfg.model, torch.device("cpu"), seed=cfg.train.seed)
+    model.packed_attention = cfg.parallel.packed_attention
     out: dict[str, Any] = {"targets": int((targets != IGNORE).sum()), "positions": targets.numel()}
     for name, loss_of in zip(PATHS, (_full_logits, _lighter), strict=True):
         out[name] = _metered(model, loss_of, (tokens, targets, seg))

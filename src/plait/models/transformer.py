@@ -13,9 +13,9 @@ Dropout keys: `keys` is an int64 tensor (b,) of per-sample keys (see dropout.py)
 threaded through every forward so that masks depend on the sample, never on the rank.
 
 Packed rows: `segments` (b, s) (see packing.py) become a `Packing` once per forward, whose
-per-token positions feed the learned positions or RoPE and whose block-causal mask feeds
-attention; every layer gets the same object, and the same additive mask tensor. Without
-segments nothing changes (is_causal).
+per-token positions feed the learned positions or RoPE and whose runs bound attention, by
+the block-causal mask or by document (`packed_attention`); every layer gets the same object,
+and the same additive mask tensor if any. Without segments nothing changes (is_causal).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from plait.models.kv_cache import KVCache, causal_mask
 from plait.models.light_loss import head_is_plain, target_rows_loss
 from plait.models.lora import Linear, LoRASpec
 from plait.models.loss import LMLoss
-from plait.models.packing import Packing
+from plait.models.packing import Bound, Packing
 from plait.torch_private import embedding_left_unset
 
 # Dropout site ids: the embedding owns site 0, block i owns 4 * i + kind.
@@ -101,7 +101,8 @@ class CoreAttention(nn.Module):
     Parameter-free and separate so that selective recomputation can wrap exactly the
     part whose activations (b, a, s, s) dominate memory (Korthikanti et al., 2022).
     `mask` (b, 1, s, s), packed rows' block-causal mask as an additive float mask (0 where
-    a query may see a key, -inf elsewhere: `Packing.additive`), replaces the causal mask;
+    a query may see a key, -inf elsewhere: `Packing.additive`), replaces the causal mask; a
+    Packing attends within its documents instead (`Packing.attend`: models/packed_attention.py);
     None keeps SDPA's is_causal kernel. Every layer gets the same mask tensor, so what SDPA
     saves of it is one storage; the explicit path adds it (what masked_fill with -inf
     gives), and an addition saves nothing for backward.
@@ -111,10 +112,17 @@ class CoreAttention(nn.Module):
         super().__init__()
         self.drop = KeyedDropout(p, site)
 
+    @property
+    def explicit(self) -> bool:
+        """Whether the forward takes the explicit path (keyed dropout on the probabilities)."""
+        return self.training and self.drop.p > 0
+
     def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, keys: Tensor | None, mask: Tensor | None = None
+        self, q: Tensor, k: Tensor, v: Tensor, keys: Tensor | None, mask: Bound = None
     ) -> Tensor:
-        if not (self.training and self.drop.p > 0):
+        if isinstance(mask, Packing):  # packed rows by document (never explicit)
+            return mask.attend(q, k, v)  # (b, a, s, hd)
+        if not self.explicit:
             if mask is not None:
                 return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (b, a, s, hd)
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (b, a, s, hd)
@@ -171,7 +179,7 @@ class Attention(nn.Module):
             k = k.repeat_interleave(rep, dim=1)  # (b, a, s, hd)
             v = v.repeat_interleave(rep, dim=1)  # (b, a, s, hd)
         if cache is None:
-            mask = None if pack is None else pack.additive(q.dtype)  # one for all layers
+            mask = None if pack is None else pack.bound(q, self.core.explicit)  # or by doc
             y = self.core(q, k, v, keys, mask)  # (b, a, s, hd)
         else:  # decoding (no dropout): the new positions see every cached one
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(start, s, x.device))
@@ -274,6 +282,7 @@ class Transformer(nn.Module):
     the mean over target tokens, or their sum / `denom`)."""
 
     contract: ModelContract  # what parallel code may know about this model (contract.py)
+    packed_attention = "auto"  # how packed rows attend: the run's --packed-attention
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -319,7 +328,7 @@ class Transformer(nn.Module):
         `segments` (b, s): packed rows (packing.py); `denom`: the loss's divisor (loss.py)."""
         if cache is not None:  # generation: one process, the model's own modules
             return self._decode(tokens, cache)
-        pack = Packing.of(segments)  # once per forward: every layer reads it
+        pack = Packing.of(segments, self.packed_attention)  # once: every layer reads it
         x = self.embed(tokens, keys, pack=pack)  # (b, s, h)
         for block in self.blocks:
             x = block(x, keys, None, pack)  # (b, s, h)

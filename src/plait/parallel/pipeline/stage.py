@@ -61,7 +61,7 @@ def run_stage(
     of the targets' losses / `denom`, models/loss.py). `segments`: packed rows; every stage
     draws the same micro-batch, so each builds their positions and mask itself, once per
     call, and nothing about them travels between stages."""
-    pack = Packing.of(segments)
+    pack = Packing.of(segments, model.packed_attention)
     x = model.embed(inp, keys, pack=pack) if plan.first else inp  # (b, s, h)
     for i in plan.layers:
         x = model.blocks[i](x, keys, None, pack)  # (b, s, h)
