@@ -105,6 +105,7 @@ class ParallelLinear(nn.Module):
 
     @property
     def weight_spec(self) -> ShardSpec:
+        """This rank's slice of the weight (split by output or input features)."""
         spec = self.specs["weight"]
         assert spec is not None
         return spec
@@ -120,8 +121,8 @@ class ParallelLinear(nn.Module):
         if decls is None:
             bias = linear.bias is not None
             decls = cls.declare(linear.in_features, linear.out_features, comm, bias, pad)
-        layer = cls(linear.in_features, linear.out_features, comm, decls=decls,
-                    like=linear.get_parameter, **kw)  # fmt: skip
+        shape = (linear.in_features, linear.out_features)
+        layer = cls(*shape, comm, decls=decls, like=linear.get_parameter, **kw)
         for leaf, spec in layer.specs.items():
             copy_from_full(layer.get_parameter(leaf), linear.get_parameter(leaf), spec)
         if layer.adapted:
