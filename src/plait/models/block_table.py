@@ -35,7 +35,7 @@ from typing import Literal, Protocol
 
 Style = Literal["column", "row"]
 Width = Literal["h", "q", "kv", "f"]  # d_model, heads x head_dim, kv heads x head_dim, ffn
-COUNTS = {2: "two", 3: "three", 4: "four"}
+COUNTS = {2: "both", 3: "all three", 4: "all four"}  # how a message asks for every one
 
 
 class Shape(Protocol):

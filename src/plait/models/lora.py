@@ -112,7 +112,7 @@ def lora_spec(
         if any(r.path not in leaves for r in rows):
             raise ConfigError(
                 f"--lora-targets {targets!r}: {table.name} computes {count_words(words)} in "
-                f"one projection ({rows[0].hf.rpartition('.')[2]}); target all "
+                f"one projection ({rows[0].hf.rpartition('.')[2]}); target "
                 f"{COUNTS[len(rows)]} (or {rows[0].sublayer!r}) or none of them"
             )
     return LoRASpec(
