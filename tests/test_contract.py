@@ -20,7 +20,10 @@ from plait.errors import ConfigError
 from plait.estimate.rank_params import rank_params, tp_contract
 from plait.mesh import Mesh
 from plait.models.architecture import ModelConfig
+from plait.models.block_table import block_table
 from plait.models.contract import contract_of
+from plait.models.hf.mapping import block_pieces
+from plait.models.init import init_value
 from plait.models.presets import get_preset
 from plait.models.transformer import Transformer
 from plait.parallel.activation_recompute import apply_recompute
@@ -31,7 +34,7 @@ from plait.parallel.grads import (
     tp_replicated_params,
 )
 from plait.parallel.pipeline.stage import prune_to_stages
-from plait.parallel.tp.apply import apply_tensor_parallel
+from plait.parallel.tp.apply import apply_tensor_parallel, block_plan
 from plait.parallel.zero.layout import block_units, build_groups
 from plait.schedule.stages import rank_plans
 from plait.topology import Layout
@@ -160,7 +163,7 @@ def test_the_estimator_lists_what_a_rank_holds(name: str, tied: bool, tp: int, p
         alone = {id(p) for p in tied_embedding_params(model)} if pp > 1 else set()
         assert [s.isolated for s in specs] == [id(p) in alone for _, p in params]
         partial = [e.decl.sp_partial for e in contract_of(model).params()]
-        assert [s.tp_partial for s in specs] == partial
+        assert [s.sp_partial for s in specs] == partial
         blocks = [None if s.block is None else f"blocks.{s.block}." for s in specs]
         assert all(b is None or n.startswith(b) for b, (n, _) in zip(blocks, params, strict=True))
 
@@ -200,14 +203,56 @@ def test_an_undeclared_parameter_is_refused() -> None:
         contract_of(nn.Linear(2, 2))
 
 
-def test_parallel_code_does_not_probe_the_model() -> None:
-    """Parallel code and checkpoints learn about the model from its contract only."""
-    probes = re.compile(r"\bhasattr\(|\bgetattr\(|param_shards|tp_partial_grads")
-    found = [
+def _probes(folders: tuple[str, ...], probes: re.Pattern) -> list[str]:
+    return [
         f"{path.relative_to(SRC)}:{i}: {line.strip()}"
-        for folder in ("parallel", "checkpoint")
+        for folder in folders
         for path in sorted((SRC / folder).rglob("*.py"))
         for i, line in enumerate(path.read_text().splitlines(), 1)
         if probes.search(line)
     ]
-    assert found == []
+
+
+def test_parallel_code_does_not_probe_the_model() -> None:
+    """Parallel code and checkpoints learn about the model from its contract only."""
+    probes = re.compile(r"\bhasattr\(|\bgetattr\(|param_shards|tp_partial_grads|\b_parameters\b")
+    assert _probes(("parallel", "checkpoint"), probes) == []
+
+
+def test_the_model_does_not_probe_what_parallelism_made_of_it() -> None:
+    """The model, its declarations and its rules learn what a layer is from the block table
+    and the contract, never by looking for attributes (a parallelized head's `region_input`
+    or `gather_output`, an adapter's `lora_b`). A tokenizer's optional vocabulary size
+    (models/generate.py) is no part of the model."""
+    probes = re.compile(r"\bhasattr\(|\bgetattr\((?!tokenizer\b)|\b_parameters\b")
+    assert _probes(("models",), probes) == []
+
+
+@pytest.mark.parametrize(("name", "tied"), MODELS)
+def test_every_reader_of_the_block_follows_its_table(name: str, tied: bool) -> None:
+    """The block table (models/block_table.py) against what each reader derives from it: the
+    model's Linears (widths, bias), the declared split of every weight and adapter, the tp
+    plan's styles, the init's residual scaling and the Hugging Face names."""
+    cfg = replace(_cfg(name, tied), lora_rank=4, lora_targets="all")
+    table = block_table(cfg)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    decls = {d.leaf: d for d in model.contract.parts[1].params}
+    plan = block_plan(cfg, sequence_parallel=False)
+    hf = block_pieces(cfg, "")
+    for row in table.linears:
+        layer = model.blocks[0].get_submodule(row.path)
+        assert (layer.out_features, layer.in_features) == row.widths(cfg)
+        assert (layer.bias is not None) == row.has_bias(cfg) == (f"{row.path}.bias" in decls)
+        column = row.style == "column"
+        assert decls[f"{row.path}.weight"].split_dim == (0 if column else 1)
+        assert decls[f"{row.path}.lora_b"].split_dim == (0 if column else None)
+        a = decls.get(f"{row.path}.lora_a")
+        assert a is None or a.split_dim == (None if column else 1)
+        assert (a is None) == (table.fused(row.path)[0].path != row.path)  # GPT-2's k, v
+        assert plan[row.path].__name__ == ("colwise" if column else "rowwise")
+        assert hf[f"{row.path}.weight"].hf_name == f"{row.hf}.weight"
+        std = init_value(cfg, f"blocks.0.{row.path}.weight", (256, 256), 0).std().item()
+        assert abs(std - (0.01 if row.residual else 0.02)) < 0.02 * 0.05, row.path
+    entered = {path for path, style in plan.items() if style.__name__ == "enter"}
+    assert entered == {r.sublayer for r in table.linears if r.style == "column"}

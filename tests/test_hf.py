@@ -24,7 +24,7 @@ from plait.cli import main  # noqa: E402
 from plait.cli.models import stop_folder  # noqa: E402
 from plait.errors import ConfigError  # noqa: E402
 from plait.models.generate import stop_ids  # noqa: E402
-from plait.models.hf.config_json import model_config  # noqa: E402
+from plait.models.hf.config_json import from_hf_config  # noqa: E402
 from plait.models.hf.export import shard  # noqa: E402
 from plait.models.hf.load import hf_source, load_config  # noqa: E402
 from plait.models.init import fill_parameters, seeded, source_values  # noqa: E402
@@ -100,7 +100,7 @@ def test_what_plait_cannot_express_is_named(kind: str, over: dict, message: str)
     hf.update(over)
     hf = {k: v for k, v in hf.items() if v is not None}
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
-        model_config(hf)
+        from_hf_config(hf)
 
 
 def _train(folder: Path, out: Path, corpus: Path, *extra: str) -> int:

@@ -157,15 +157,17 @@ def test_init_value_kinds_and_residual_scaling() -> None:
     shape = (512, 512)
     std_q = init_value(cfg, "blocks.0.attn.wq.weight", shape, 0).std().item()
     assert abs(std_q - 0.02) < 0.02 * 0.02
-    for name in (
-        "blocks.0.attn.wo.weight",
-        "blocks.1.mlp.fc2.weight",
-        "blocks.0.mlp.w_down.weight",
+    llama = get_preset("tiny-llama")  # 2 layers too; the residual rows are its table's
+    for c, name in (
+        (cfg, "blocks.0.attn.wo.weight"),
+        (cfg, "blocks.1.mlp.fc2.weight"),
+        (llama, "blocks.0.mlp.w_down.weight"),
     ):
-        std = init_value(cfg, name, shape, 0).std().item()
+        std = init_value(c, name, shape, 0).std().item()
         assert abs(std - 0.01) < 0.01 * 0.02, name
-    with pytest.raises(ValueError, match="mystery"):
-        init_value(cfg, "blocks.0.mystery.weight", shape, 0)
+    for mystery in ("blocks.0.mystery.weight", "blocks.0.mlp.w_down.weight"):  # not GPT-2's
+        with pytest.raises(ValueError, match=mystery):
+            init_value(cfg, mystery, shape, 0)
 
 
 def test_model_validation_messages() -> None:

@@ -17,11 +17,8 @@ from __future__ import annotations
 
 from plait.estimate.activations import Shape, core_bytes, rope_bytes, target_rows_bytes
 from plait.models.architecture import ModelConfig
-from plait.models.lora import ROW_PARALLEL, LoRASpec
-
-QKV = ("attn.wq", "attn.wk", "attn.wv")
-IN_MLP = ("mlp.w_gate", "mlp.w_up", "mlp.fc1")  # the Linears that read the MLP norm
-DOWN = ("mlp.w_down", "mlp.fc2")
+from plait.models.block_table import block_table
+from plait.models.lora import LoRASpec
 
 
 def frozen_norm_bytes(cfg: ModelConfig, x: Shape) -> int:
@@ -47,11 +44,11 @@ def _read_by_a(spec: LoRASpec, leaves: list[str], n: int, x: Shape, grad: bool, 
 def _u_bytes(cfg: ModelConfig, spec: LoRASpec, leaves: list[str], x: Shape) -> int:
     """The u = A x each B saves: (b, s, r); a row-parallel target under tp saves its view of
     the collective's (out + r)-feature output (sequence-sharded under SP)."""
-    total = 0
+    total, rows = 0, block_table(cfg).style("row")
     for leaf in leaves:
         if not spec.has_a(leaf):
             continue  # GPT-2's k and v reuse q's u
-        if leaf in ROW_PARALLEL and x.t > 1:
+        if leaf in rows and x.t > 1:
             total += x.rows() * (cfg.d_model + spec.rank) * x.e
         else:
             total += x.b * x.s * spec.rank * x.e
@@ -63,13 +60,17 @@ def lora_layer_bytes(cfg: ModelConfig, x: Shape, recompute: str, grad_in: bool) 
     (False only for the model's block 0, fed by the frozen embedding)."""
     if recompute == "full":
         return x.res(cfg) * x.e  # the checkpoint keeps the block's input either way
-    spec = cfg.lora
+    spec, table = cfg.lora, block_table(cfg)
     assert spec is not None
     mine = list(spec.leaves)
+    # the block table's Linears by what they read: the attention's normed input, its heads,
+    # the MLP's normed input, its hidden features
+    attn_in, attn_out = table.style("column", "attn"), table.style("row", "attn")
+    mlp_in, mlp_out = table.style("column", "mlp"), table.style("row", "mlp")
     full, col = x.b * x.s * cfg.d_model, x.b * x.s * cfg.d_model // x.t
     mlp = x.b * x.s * cfg.ffn_dim // x.t
     # attention: norm, q/k/v (and their A), the core, the output projection
-    qkv = [leaf for leaf in mine if leaf in QKV]
+    qkv = [leaf for leaf in mine if leaf in attn_in]
     total = frozen_norm_bytes(cfg, x) if grad_in else 0
     total += _read_by_a(spec, qkv, full, x, grad_in, kept=False)
     attn_grad = grad_in or bool(qkv)
@@ -79,16 +80,16 @@ def lora_layer_bytes(cfg: ModelConfig, x: Shape, recompute: str, grad_in: bool) 
         total += 3 * col * x.e + core_bytes(cfg, x, recompute)
         total += rope_bytes(cfg, x)
     total += col * x.e if kept_out else 0
-    if "attn.wo" in mine:
-        total += _read_by_a(spec, ["attn.wo"], col, x, attn_grad, kept=kept_out)
-    out_grad = attn_grad or "attn.wo" in mine
+    wo = [leaf for leaf in mine if leaf in attn_out]
+    total += _read_by_a(spec, wo, col, x, attn_grad, kept=kept_out)
+    out_grad = attn_grad or bool(wo)
     total += x.res(cfg) if cfg.dropout > 0.0 and out_grad else 0  # its dropout mask
     # MLP: norm, the input projections (and their A), the activation, the down projection
-    ins = [leaf for leaf in mine if leaf in IN_MLP]
+    ins = [leaf for leaf in mine if leaf in mlp_in]
     total += frozen_norm_bytes(cfg, x) if out_grad else 0
     total += _read_by_a(spec, ins, full, x, out_grad, kept=False)
     total += _mlp_bytes(cfg, mine, mlp, x, out_grad)
-    down = [leaf for leaf in mine if leaf in DOWN]
+    down = [leaf for leaf in mine if leaf in mlp_out]
     mlp_grad = out_grad or bool(ins) or bool(down)
     total += _read_by_a(spec, down, mlp, x, out_grad or bool(ins), kept=False)
     total += x.res(cfg) if cfg.dropout > 0.0 and mlp_grad else 0  # its dropout mask
@@ -99,9 +100,10 @@ def _mlp_bytes(cfg: ModelConfig, mine: list[str], f: int, x: Shape, grad: bool) 
     """The MLP's own saved tensors between its projections (F = f elements each): SwiGLU's
     gate output (for silu), silu(gate) and up (for the product) when each needs a gradient;
     GELU's input when fc1's output needs one."""
+    targets = block_table(cfg).targets
     if cfg.mlp == "gelu":
-        return f * x.e if grad or "mlp.fc1" in mine else 0
-    gate, up = grad or "mlp.w_gate" in mine, grad or "mlp.w_up" in mine
+        return f * x.e if grad or targets["up"] in mine else 0
+    gate, up = grad or targets["gate"] in mine, grad or targets["up"] in mine
     return f * x.e * ((2 if gate else 0) + (1 if up else 0))
 
 

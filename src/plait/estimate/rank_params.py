@@ -31,7 +31,7 @@ class ParamSpec(NamedTuple):
     numel: int
     block: int | None
     isolated: bool = False  # a tied embedding copy on a pipeline end: a flat group alone
-    tp_partial: bool = False  # under sequence parallelism its gradient is summed over tp
+    sp_partial: bool = False  # under sequence parallelism its gradient is summed over tp
     trainable: bool = True  # False: a LoRA run's frozen base (no group, gradient or state)
 
 

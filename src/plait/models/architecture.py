@@ -1,4 +1,5 @@
-"""The model's configuration: one decoder-only family covering GPT-2 and LLaMA."""
+"""The model's configuration: one decoder-only family covering GPT-2 and LLaMA (the layers of
+each one's block are declared in models/block_table.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Literal
 
 from plait.domain import above, at_least, check_fields, fraction
 from plait.errors import ConfigError
+from plait.models.block_table import linear_widths
 from plait.models.lora import LoRASpec, check_rank, lora_spec
 
 
@@ -98,15 +100,6 @@ class ModelConfig:
             self.lora_rank, self.lora_alpha, self.lora_dropout, self.lora_targets, self.mlp
         )
 
-    def linear_widths(self) -> dict[str, tuple[int, int]]:
-        """(out, in) features of each Linear of a block, by its path in the block."""
-        h, f = self.d_model, self.ffn_dim
-        q, kv = self.n_heads * self.head_dim, self.kv_heads * self.head_dim
-        out = {"attn.wq": (q, h), "attn.wk": (kv, h), "attn.wv": (kv, h), "attn.wo": (h, q)}
-        if self.mlp == "swiglu":
-            return out | {"mlp.w_gate": (f, h), "mlp.w_up": (f, h), "mlp.w_down": (h, f)}
-        return out | {"mlp.fc1": (f, h), "mlp.fc2": (h, f)}
-
     @property
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
@@ -146,7 +139,7 @@ class ModelConfig:
             raise ConfigError(f"model.pos must be 'learned' or 'rope', got {self.pos!r}")
         spec = self.lora
         if spec is not None:
-            check_rank(spec, self.linear_widths())
+            check_rank(spec, linear_widths(self))
 
     def check_seq_len(self, seq_len: int) -> None:
         """Learned positions end at max_seq_len (a Hugging Face GPT-2's n_positions): a longer

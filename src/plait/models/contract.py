@@ -111,11 +111,11 @@ class ParamDecl:
         """Shape of the tensor a rank holds (padding included)."""
         return self.shard.shape if self.shard is not None else self.shape
 
-    def split(self, rank: int, size: int) -> ParamDecl:
-        """This declaration on tp rank `rank` of `size`."""
+    def split(self, rank: int, size: int, what: str = "") -> ParamDecl:
+        """This declaration on tp rank `rank` of `size` (`what` names it in an error)."""
         if self.split_dim is None:
             return self
-        spec = split_spec(self.shape, self.split_dim, rank, size, self.padded, self.leaf)
+        spec = split_spec(self.shape, self.split_dim, rank, size, self.padded, what or self.leaf)
         return replace(self, shard=spec)
 
 
@@ -169,6 +169,12 @@ class ModelContract:
             for d in part.params
         }
 
+    @cached_property
+    def plain_head(self) -> bool:
+        """Whether the head is declared one matmul by its weight (no bias, no adapter): then
+        the lighter loss (models/light_loss.py) may stand in for it."""
+        return [d.leaf for p in self.parts if p.kind == "head" for d in p.params] == ["weight"]
+
     def holds(self, part: Part) -> bool:
         return self.held is None or part.path in self.held
 
@@ -192,8 +198,13 @@ class ModelContract:
         return self._by_name[name]
 
     def canonical(self, name: str) -> str:
-        """The single-process name: a tied copy goes by the name of what it is tied to."""
-        return self._by_name[name].decl.tied_to or name
+        """The single-process name: a tied copy goes by the name of what it is tied to (its
+        declared `tied_to`, the one record of a tie); any other name is its own."""
+        return self._tied_copies.get(name, name)
+
+    @cached_property
+    def _tied_copies(self) -> dict[str, str]:
+        return {m.name: t for t, ms in self._ties.items() for m in ms if m.decl.tied_to}
 
     def params(self, parts: Iterable[Part] | None = None) -> list[Declared]:
         """Each parameter of `parts` (default: every held part) once, in registration order:

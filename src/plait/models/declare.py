@@ -3,16 +3,18 @@
 `describe(cfg)` lists every parameter of models/transformer.py in registration order, with
 what each means to parallel code (Shoeybi et al., 2019, section 3; Korthikanti et al., 2022):
 
-- column-parallel matrices (wq, wk, wv, fc1, w_gate, w_up) and their biases split dim 0, by
-  output features; row-parallel matrices (wo, fc2, w_down) split dim 1, by input features;
+- each Linear of the block table (models/block_table.py, which says which are which):
+  column-parallel weights and their biases split dim 0, by output features; row-parallel
+  weights split dim 1, by input features; LoRA's A and B split as their weight does;
 - the token embedding and the head split dim 0, the vocabulary, padded to a multiple of tp;
 - what acts on each position alone and is replicated (norm gains and biases, row-parallel
   biases, learned positions) has a partial gradient under sequence parallelism;
 - the head is tied to the token embedding when the config says so.
 
-This is the one place a parameter is declared. A new kind, such as a trainable adapter beside
-a frozen base weight, is a `ParamDecl` here (its leaf, shape, split dimension, `trainable`);
-the model must then register exactly that parameter (`ModelContract.check` says if not).
+This is the one place a parameter is declared (a block's rows come from its table). A new kind, such
+as a trainable adapter beside a frozen base weight, is a `ParamDecl` here (its leaf, shape, split
+dimension, `trainable`); the model must then register exactly that parameter (`ModelContract.check`
+says if not).
 """
 
 from __future__ import annotations
@@ -20,12 +22,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from plait.models.architecture import ModelConfig
+from plait.models.block_table import NormRow, Style, block_table
 from plait.models.contract import ModelContract, ParamDecl, Part
-
-
-def tied_names(cfg: ModelConfig) -> dict[str, str]:
-    """Tied copy -> the canonical name of the parameter it shares values with."""
-    return {"head.weight": "embed.tok.weight"} if cfg.tie_embeddings else {}
 
 
 def _norm(cfg: ModelConfig, leaf: str) -> tuple[ParamDecl, ...]:
@@ -37,33 +35,50 @@ def _norm(cfg: ModelConfig, leaf: str) -> tuple[ParamDecl, ...]:
     return tuple(out)
 
 
-def _linear(cfg: ModelConfig, leaf: str, out_f: int, in_f: int, row: bool) -> list[ParamDecl]:
-    """A Linear (out, in): column-parallel splits dim 0 (its bias too); row-parallel splits
-    dim 1 and adds its replicated bias to every position of the summed output. Then its
-    adapter, if LoRA targets it (`_adapter`)."""
-    out = [ParamDecl(f"{leaf}.weight", (out_f, in_f), split_dim=1 if row else 0)]
-    if cfg.bias:
-        bias = ParamDecl(f"{leaf}.bias", (out_f,), split_dim=None if row else 0, sp_partial=row)
-        out.append(bias)
-    return out + _adapter(cfg, leaf, out_f, in_f, row)
+def linear_params(
+    path: str,
+    widths: tuple[int, int],
+    style: Style,
+    bias: bool,
+    adapter: tuple[int, bool] | None = None,
+    padded: bool = False,
+) -> list[ParamDecl]:
+    """A Linear (out, in) at `path` ('' for the layer itself): column-parallel splits dim 0
+    (its bias too); row-parallel splits dim 1 and adds its replicated bias to every position
+    of the summed output. `adapter` (rank, whether it holds its A) adds LoRA's A and B, split
+    as the weight is (`adapter_params`). The tensor-parallel layers split these same
+    declarations (parallel/tp/layers.py)."""
+    out_f, in_f = widths
+    row = style == "row"
+    at = f"{path}." if path else ""
+    weight = ParamDecl(f"{at}weight", (out_f, in_f), split_dim=1 if row else 0, padded=padded)
+    out = [weight]
+    if bias:
+        split = None if row else 0
+        out.append(ParamDecl(f"{at}bias", (out_f,), split, padded and not row, sp_partial=row))
+    if adapter is not None:
+        out += adapter_params(weight, *adapter)
+    return out
 
 
-def _adapter(cfg: ModelConfig, leaf: str, out_f: int, in_f: int, row: bool) -> list[ParamDecl]:
-    """LoRA's A (r, in) and B (out, r) beside a targeted Linear, split as its base is
-    (docs/lora.md): column-parallel, A is replicated and B split by output, so each rank's
-    B sees its output slice and A's gradient is partial over tp (`tp_partial`); row-parallel,
-    A is split by input (its product is summed with the base's) and B is replicated and
-    applied per position (partial under SP, like the row-parallel bias)."""
-    spec = cfg.lora
-    if spec is None or leaf not in spec.leaves:
-        return []
-    r = spec.rank
+def adapter_params(weight: ParamDecl, rank: int, holds_a: bool) -> list[ParamDecl]:
+    """LoRA's A (r, in) and B (out, r) beside `weight` (out, in), each split along the
+    dimension it shares with the weight where the weight is split there, else replicated
+    (docs/lora.md; torchtitan's `_adapter_sharding` has the same rule). Column-parallel, B is
+    split by output, so each rank's B sees its output slice, and the replicated A feeds split
+    outputs, so its gradient is partial over tp (`tp_partial`); row-parallel, A is split by
+    input (its product is summed with the base's) and the replicated B is applied per
+    position (partial under SP, like the row-parallel bias)."""
+    at = weight.leaf.removesuffix("weight")
+    out_f, in_f = weight.shape
+    by_in, by_out = weight.split_dim == 1, weight.split_dim == 0
     out = []
-    if spec.has_a(leaf):
-        a = ParamDecl(f"{leaf}.lora_a", (r, in_f), split_dim=1 if row else None, tp_partial=not row)
-        out.append(a)
+    if holds_a:
+        split = 1 if by_in else None
+        out.append(ParamDecl(f"{at}lora_a", (rank, in_f), split, tp_partial=by_out))
+    split = 0 if by_out else None
     out.append(
-        ParamDecl(f"{leaf}.lora_b", (out_f, r), split_dim=None if row else 0, sp_partial=row)
+        ParamDecl(f"{at}lora_b", (out_f, rank), split, weight.padded and by_out, sp_partial=by_in)
     )
     return out
 
@@ -74,22 +89,18 @@ def is_adapter(leaf: str) -> bool:
 
 
 def block_params(cfg: ModelConfig) -> tuple[ParamDecl, ...]:
-    """One block's parameters (every block has the same), in registration order."""
-    h, f = cfg.d_model, cfg.ffn_dim
-    q, kv = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-    out = [*_norm(cfg, "attn_norm.")]
-    out += _linear(cfg, "attn.wq", q, h, row=False)
-    out += _linear(cfg, "attn.wk", kv, h, row=False)
-    out += _linear(cfg, "attn.wv", kv, h, row=False)
-    out += _linear(cfg, "attn.wo", h, q, row=True)
-    out += _norm(cfg, "mlp_norm.")
-    if cfg.mlp == "swiglu":
-        out += _linear(cfg, "mlp.w_gate", f, h, row=False)
-        out += _linear(cfg, "mlp.w_up", f, h, row=False)
-        out += _linear(cfg, "mlp.w_down", h, f, row=True)
-    else:
-        out += _linear(cfg, "mlp.fc1", f, h, row=False)
-        out += _linear(cfg, "mlp.fc2", h, f, row=True)
+    """One block's parameters (every block has the same), in registration order: the
+    block table's rows (models/block_table.py), each Linear with its adapter if targeted."""
+    spec = cfg.lora
+    out: list[ParamDecl] = []
+    for row in block_table(cfg).rows:
+        if isinstance(row, NormRow):
+            out += _norm(cfg, f"{row.path}.")
+            continue
+        adapter = None
+        if spec is not None and row.path in spec.leaves:
+            adapter = (spec.rank, spec.has_a(row.path))
+        out += linear_params(row.path, row.widths(cfg), row.style, row.has_bias(cfg), adapter)
     return tuple(out)
 
 
@@ -99,7 +110,7 @@ def describe(cfg: ModelConfig) -> ModelContract:
     embed = [ParamDecl("tok.weight", table, split_dim=0, padded=True)]
     if cfg.pos == "learned":  # added to each position's embedding
         embed.append(ParamDecl("pos.weight", (cfg.max_seq_len, cfg.d_model), sp_partial=True))
-    tied = tied_names(cfg).get("head.weight")
+    tied = "embed.tok.weight" if cfg.tie_embeddings else None  # the one tying rule
     head = ParamDecl("weight", table, split_dim=0, padded=True, tied_to=tied)
     block = _base_frozen(cfg, block_params(cfg))  # one tuple shared by every block
     return ModelContract(

@@ -15,12 +15,14 @@ import torch
 from torch import Tensor, nn
 
 from plait.models.architecture import ModelConfig
+from plait.models.block_table import block_table
 from plait.models.contract import contract_of
-from plait.models.declare import is_adapter, tied_names
+from plait.models.declare import describe, is_adapter
 from plait.models.lora import lora_a_value
+from plait.models.transformer import Transformer
 
-RESIDUAL_OUTPUTS = frozenset({"wo", "fc2", "w_down"})
-NORMAL_WEIGHTS = frozenset({"tok", "pos", "head", "wq", "wk", "wv", "fc1", "w_gate", "w_up"})
+MODEL_WEIGHTS = frozenset({"embed.tok", "embed.pos", "head"})
+"""The weights outside the blocks drawn from N(0, init_std); a block's come from its table."""
 # Name components that wrappers insert (DDP, torch.compile, checkpoint_wrapper, FSDP).
 WRAPPER_NAMES = frozenset(
     {"module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
@@ -28,9 +30,24 @@ WRAPPER_NAMES = frozenset(
 
 
 def canonical_name(cfg: ModelConfig, name: str) -> str:
-    """The single-process parameter name: wrapper components dropped, tied head -> tok."""
+    """The single-process parameter name: wrapper components dropped, a tied copy by the name
+    of what it is tied to (the contract's `canonical`, from its declarations)."""
     name = ".".join(part for part in name.split(".") if part not in WRAPPER_NAMES)
-    return tied_names(cfg).get(name, name)
+    return describe(cfg).canonical(name)
+
+
+def _weight_std(cfg: ModelConfig, owner: str) -> float | None:
+    """The std of the weight of module `owner` ('blocks.3.attn.wo', 'head'), None if it is
+    no Linear or embedding: init_std, over sqrt(2 n_layers) for a residual output (the
+    block table's `residual` rows)."""
+    if owner in MODEL_WEIGHTS:
+        return cfg.init_std
+    block, _, path = owner.partition(".")
+    rows = {r.path: r for r in block_table(cfg).linears}
+    if block != "blocks" or path.partition(".")[2] not in rows:
+        return None
+    row = rows[path.partition(".")[2]]
+    return cfg.init_std / math.sqrt(2 * cfg.n_layers) if row.residual else cfg.init_std
 
 
 def _seed_for(seed: int, name: str) -> int:
@@ -49,19 +66,16 @@ def init_value(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int) -
     (GPT-2, Radford et al., 2019), biases 0, norm weights 1.
     """
     name = canonical_name(cfg, name)
-    parts = name.split(".")
-    owner, leaf = (parts[-2] if len(parts) > 1 else ""), parts[-1]
+    owner, _, leaf = name.rpartition(".")
     if leaf in ("bias", "lora_b"):  # LoRA's B starts at zero: the first step is the base's
         return torch.zeros(shape)
     if leaf == "lora_a":
         return lora_a_value(shape, torch.Generator().manual_seed(_seed_for(seed, name)))
-    if owner.endswith("norm") and leaf == "weight":
+    if owner.rpartition(".")[2].endswith("norm") and leaf == "weight":
         return torch.ones(shape)
-    if leaf != "weight" or owner not in RESIDUAL_OUTPUTS | NORMAL_WEIGHTS:
+    std = _weight_std(cfg, owner) if leaf == "weight" else None
+    if std is None:
         raise ValueError(f"init_value does not know how to initialize parameter {name!r}")
-    std = cfg.init_std
-    if owner in RESIDUAL_OUTPUTS:
-        std /= math.sqrt(2 * cfg.n_layers)
     gen = torch.Generator().manual_seed(_seed_for(seed, name))
     return torch.empty(shape).normal_(0.0, std, generator=gen)
 
@@ -131,12 +145,10 @@ def with_adapters(
 
 
 def initial_values(
-    model: nn.Module, seed: int, cfg: ModelConfig | None = None
+    model: Transformer, seed: int, cfg: ModelConfig | None = None
 ) -> Callable[[nn.Parameter], Tensor]:
     """A function from each parameter of `model` to its seeded fp32 initial value."""
-    cfg = cfg if cfg is not None else getattr(model, "cfg", None)
-    if cfg is None:
-        raise ValueError("initial values need cfg: the model has no .cfg attribute")
+    cfg = cfg if cfg is not None else model.cfg
     return source_values(model, seeded(cfg, seed))
 
 
@@ -198,11 +210,9 @@ def tie_all(model: nn.Module) -> None:
     contract_of(model).tie(model)
 
 
-def init_parameters(model: nn.Module, seed: int, cfg: ModelConfig | None = None) -> None:
+def init_parameters(model: Transformer, seed: int, cfg: ModelConfig | None = None) -> None:
     """Fill every parameter of `model` from the seeded init (`cfg` defaults to `model.cfg`)."""
-    cfg = cfg if cfg is not None else getattr(model, "cfg", None)
-    if cfg is None:
-        raise ValueError("initial values need cfg: the model has no .cfg attribute")
+    cfg = cfg if cfg is not None else model.cfg
     fill_parameters(model, seeded(cfg, seed))
 
 
@@ -210,7 +220,7 @@ def init_parameters(model: nn.Module, seed: int, cfg: ModelConfig | None = None)
 def fill_parameters(model: nn.Module, source: ValueSource) -> None:
     """Fill every parameter of `model` (any device, already materialized) from `source`.
 
-    Tied weights are re-tied first (see tie_weights). A parameter the model's contract
+    Tied weights are re-tied first (`ModelContract.tie`). A parameter the model's contract
     declares a shard (see `shard_value`) is a slice of a larger one (tensor parallelism) and
     gets exactly that slice of the full value, so every layout starts from the same weights.
     """

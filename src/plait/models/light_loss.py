@@ -11,7 +11,8 @@ than one chunk's (CHUNK, V) logits. Each row's loss and input gradient are the p
 computation's; the sums over rows (the loss, the head's weight gradient) only change their
 order of addition, so they agree to rounding (rtol 1e-6 in fp32).
 
-The head must be a plain matmul (no bias, no adapter); the loss module supplies the
+The head must be a plain matmul (no bias, no adapter: `ModelContract.plain_head`, from its
+declaration); the loss module supplies the
 per-token losses (`token_losses`), so the vocabulary-parallel loss works unchanged: targets
 are replicated over tp, every rank selects the same rows and runs the same chunks, and its
 collectives stay matched. Selecting rows reads their count on the host (one synchronization
@@ -99,13 +100,3 @@ def target_rows_loss(
     rows = x.flatten(0, 1).index_select(0, keep)  # (n, h): ignored rows never reach the head
     total = _ChunkedHeadLoss.apply(rows, weight, flat.index_select(0, keep), fn, vocab, chunk)
     return reduce_losses(total, flat, denom)
-
-
-def head_is_plain(head: torch.nn.Module) -> bool:
-    """Whether `head` is one matmul by its `weight` (no bias, no adapter, no output gather):
-    then `target_rows_loss` may stand in for it."""
-    return (
-        getattr(head, "bias", None) is None
-        and getattr(head, "lora_b", None) is None
-        and not getattr(head, "gather_output", False)
-    )

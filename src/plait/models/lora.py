@@ -6,13 +6,14 @@ so the first step starts exactly at the base model. PEFT's conventions, kept so 
 adapters load here and ours there: A ~ U(-1/sqrt(in), 1/sqrt(in)) (kaiming-uniform with
 a = sqrt(5)), B = 0, scaling alpha / r, dropout on the adapter's input only, no bias.
 
-Targets are named as in the issue and PEFT's LLaMA names: q, k, v, o, gate, up, down, or the
-groups attn, mlp, all. GPT-2 fuses q, k and v in one projection (Hugging Face's `c_attn`),
-which PEFT adapts with one A over the shared input and one B over the three outputs; plait
-keeps q, k, v separate Linears, so on GPT-2 the A lives on `wq` and `wk`, `wv` hold only their
-rows of B (the attention computes A x once and hands it to all three): the same function
-and the same gradients as PEFT's fused adapter, and the three are targeted together or not
-at all. The MLP's `up` and `down` are GPT-2's c_fc and c_proj.
+Targets are named by the block table's words (models/block_table.py, PEFT's LLaMA names without
+`_proj`): q, k, v, o, gate, up, down, or the groups attn, mlp, all. GPT-2 fuses q, k and v in one
+projection (Hugging Face's `c_attn`), which PEFT adapts with one A over the shared input and one B
+over the three outputs; plait keeps q, k, v separate Linears, so on GPT-2 the A lives on `wq` and
+`wk`, `wv` hold only their rows of B (the attention computes A x once and hands it to all three):
+the same function and the same gradients as PEFT's fused adapter, and the three are targeted
+together or not at all. Which Linears share an A is the table's: the rows stacked in one Hugging
+Face module. The MLP's `up` and `down` are GPT-2's c_fc and c_proj.
 
 The base is frozen by the model's contract (models/declare.py): no gradient, no bucket, no
 optimizer state, no master copy. This module holds the rules (`LoRASpec`) and the layer; the
@@ -30,35 +31,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from plait.errors import ConfigError
+from plait.models.block_table import COUNTS, LINEAR_PATHS, count_words, table_for
 from plait.models.dropout import KeyedDropout
 
-TARGET_LEAVES = {
-    "swiglu": {
-        "q": "attn.wq",
-        "k": "attn.wk",
-        "v": "attn.wv",
-        "o": "attn.wo",
-        "gate": "mlp.w_gate",
-        "up": "mlp.w_up",
-        "down": "mlp.w_down",
-    },
-    "gelu": {
-        "q": "attn.wq",
-        "k": "attn.wk",
-        "v": "attn.wv",
-        "o": "attn.wo",
-        "up": "mlp.fc1",
-        "down": "mlp.fc2",
-    },
-}
-"""Target name -> the Linear's path inside a block, per MLP kind (GPT-2 has no gate)."""
-
 GROUPS = {"attn": ("q", "k", "v", "o"), "mlp": ("gate", "up", "down")}
-DEFAULT_TARGETS = {"swiglu": ("q", "v"), "gelu": ("q", "k", "v")}
-"""PEFT's defaults: LLaMA's q_proj and v_proj, GPT-2's c_attn."""
-
-ROW_PARALLEL = frozenset({"attn.wo", "mlp.w_down", "mlp.fc2"})
-"""Targets whose base Linear tensor parallelism splits by input features."""
+"""Target words that name several: a block's sublayer (what the architecture has of it)."""
 
 ADAPTER_LEAVES = ("lora_a", "lora_b")
 """The last component of an adapter parameter's name."""
@@ -70,68 +47,77 @@ LORA_SITE = 1 << 24
 @dataclass(frozen=True)
 class LoRASpec:
     """One run's adapters: rank r, alpha (scaling alpha / r), dropout, and the targeted
-    Linears by their path in a block (in registration order)."""
+    Linears by their path in a block (in registration order), each with the path of the
+    Linear holding its A (itself, or the first of the rows stacked in its Hugging Face
+    module: GPT-2's wk and wv use wq's)."""
 
     rank: int
     alpha: float
     dropout: float
     leaves: tuple[str, ...]
-    fused_qkv: bool  # GPT-2: wq holds the A that wk and wv share
+    owners: tuple[str, ...]  # per leaf: the leaf whose A it uses
 
     @property
     def scaling(self) -> float:
         return self.alpha / self.rank
 
+    def a_of(self, leaf: str) -> str:
+        """The targeted Linear whose A the one at `leaf` uses (itself unless shared)."""
+        return self.owners[self.leaves.index(leaf)]
+
     def has_a(self, leaf: str) -> bool:
         """Whether the Linear at `leaf` holds its own A (GPT-2's wk and wv use wq's)."""
-        return not (self.fused_qkv and leaf in ("attn.wk", "attn.wv"))
+        return self.a_of(leaf) == leaf
 
     def site(self, layer: int, leaf: str) -> int:
-        """The adapter's dropout site; GPT-2's q, k, v share one input and one mask."""
-        if self.fused_qkv and leaf in ("attn.wk", "attn.wv"):
-            leaf = "attn.wq"
-        return LORA_SITE + 16 * layer + sorted(_all_leaves()).index(leaf)
-
-
-def _all_leaves() -> set[str]:
-    return {leaf for table in TARGET_LEAVES.values() for leaf in table.values()}
+        """The adapter's dropout site; Linears sharing one A share its input and mask."""
+        return LORA_SITE + 16 * layer + LINEAR_PATHS.index(self.a_of(leaf))
 
 
 def parse_targets(text: str, mlp: str) -> tuple[str, ...]:
-    """'q,v', 'attn', 'mlp', 'all' (or '' for PEFT's default) -> target names, in the order
-    of TARGET_LEAVES; an unknown or absent name is refused, naming the known ones."""
-    table = TARGET_LEAVES[mlp]
+    """'q,v', 'attn', 'mlp', 'all' (or '' for PEFT's default) -> target words, in the block
+    table's order (`table_for(mlp)`); an unknown or absent name is refused, naming the known
+    ones."""
+    table = table_for(mlp)
+    known = table.targets
     names: list[str] = []
-    for word in (w.strip() for w in text.split(",")) if text.strip() else DEFAULT_TARGETS[mlp]:
-        expanded = table if word == "all" else GROUPS.get(word, (word,))
+    for word in (w.strip() for w in text.split(",")) if text.strip() else table.default_targets:
+        expanded = known if word == "all" else GROUPS.get(word, (word,))
         for name in expanded:
-            if name not in table and word in GROUPS:
+            if name not in known and word in GROUPS:
                 continue  # a group names what the architecture has
-            if name not in table:
-                arch = "LLaMA" if mlp == "swiglu" else "GPT-2"
+            if name not in known:
                 raise ConfigError(
-                    f"--lora-targets {text!r}: unknown target {name!r} for this {arch} model; "
-                    f"known: {', '.join(table)}, attn, mlp, all"
+                    f"--lora-targets {text!r}: unknown target {name!r} for this {table.name} "
+                    f"model; known: {', '.join(known)}, attn, mlp, all"
                 )
             names.append(name)
-    return tuple(n for n in table if n in names)
+    return tuple(n for n in known if n in names)
 
 
 def lora_spec(
     rank: int | None, alpha: float, dropout: float, targets: str, mlp: str
 ) -> LoRASpec | None:
-    """The adapters a model config asks for (None without a rank), checked."""
+    """The adapters a model config asks for (None without a rank), checked: the Linears
+    stacked in one Hugging Face module share one adapter there, so they are targeted
+    together or not at all."""
     if rank is None:
         return None
+    table = table_for(mlp)
     names = parse_targets(targets, mlp)
-    qkv = {"q", "k", "v"} & set(names)
-    if mlp == "gelu" and qkv and qkv != {"q", "k", "v"}:
-        raise ConfigError(
-            f"--lora-targets {targets!r}: GPT-2 computes q, k and v in one projection (c_attn); "
-            "target all three (or 'attn') or none of them"
-        )
-    leaves = tuple(TARGET_LEAVES[mlp][n] for n in names)
-    return LoRASpec(rank, alpha, dropout, leaves, mlp == "gelu" and bool(qkv))
+    leaves = tuple(table.targets[n] for n in names)
+    for leaf in leaves:
+        rows = table.fused(leaf)
+        words = [r.target for r in rows]
+        if any(r.path not in leaves for r in rows):
+            raise ConfigError(
+                f"--lora-targets {targets!r}: {table.name} computes {count_words(words)} in "
+                f"one projection ({rows[0].hf.rpartition('.')[2]}); target "
+                f"{COUNTS[len(rows)]} (or {rows[0].sublayer!r}) or none of them"
+            )
+    return LoRASpec(
+        rank, alpha, dropout, leaves, tuple(table.fused(leaf)[0].path for leaf in leaves)
+    )
 
 
 def check_rank(spec: LoRASpec, widths: dict[str, tuple[int, int]]) -> None:
@@ -166,25 +152,18 @@ class Linear(nn.Linear):
         super().__init__(in_f, out_f, bias=bias)
         self.scaling = 0.0
         self.lora_drop: KeyedDropout | None = None
+        self.adapted = False  # it has an adapter (its B; its A too unless shared)
+        self.holds_a = False  # it holds its own A (GPT-2's wk and wv use wq's)
 
     def add_adapter(self, spec: LoRASpec, layer: int, leaf: str) -> None:
         """Register A (unless shared) and B after the base parameters, on the same device."""
         like = self.weight
-        if spec.has_a(leaf):
+        self.adapted, self.holds_a = True, spec.has_a(leaf)
+        if self.holds_a:
             self.lora_a = nn.Parameter(like.new_empty(spec.rank, self.in_features))
         self.lora_b = nn.Parameter(like.new_empty(self.out_features, spec.rank))
         self.scaling = spec.scaling
         self.lora_drop = KeyedDropout(spec.dropout, spec.site(layer, leaf))
-
-    @property
-    def adapted(self) -> bool:
-        """Whether this Linear has an adapter (its B; its A too unless shared)."""
-        return "lora_b" in self._parameters
-
-    @property
-    def holds_a(self) -> bool:
-        """Whether this Linear holds its own A (GPT-2's wk and wv use wq's)."""
-        return "lora_a" in self._parameters
 
     def adapter_input(self, x: Tensor, keys: Tensor | None) -> Tensor | None:
         """A dropout(x) when this layer holds an A, else None."""
@@ -223,7 +202,7 @@ def merge_adapters(cfg: Adapted, params: dict[str, Tensor]) -> dict[str, Tensor]
     for layer in range(cfg.n_layers):
         for leaf in spec.leaves:
             site = f"blocks.{layer}.{leaf}"
-            a = params[f"blocks.{layer}.{leaf if spec.has_a(leaf) else 'attn.wq'}.lora_a"]
+            a = params[f"blocks.{layer}.{spec.a_of(leaf)}.lora_a"]
             delta = spec.scaling * (params[f"{site}.lora_b"].double() @ a.double())  # (out, in)
             weight = params[f"{site}.weight"]
             out[f"{site}.weight"] = (weight.double() + delta).to(weight.dtype)

@@ -1,12 +1,14 @@
 """One decoder-only transformer that is GPT-2 or LLaMA depending on its ModelConfig.
 
-Read top to bottom: norms, rotary positions, attention, MLPs, the block, the model, then
-initialization and counting. The model never knows how it is parallelized: tensor
-parallelism swaps its Linear layers, the pipeline splits `blocks`, recomputation wraps
-`Block` or `CoreAttention`; each of them learns the model's parts and parameters from its
-contract (`self.contract`, declared in models/declare.py) and leaves a changed copy of it
-behind (`set_contract`). So head counts are read from tensor shapes at run time (a
-tensor-parallel rank holds a subset of heads), and every dropout has a structural `site`
+Read top to bottom: norms, attention (rotary positions in rope.py), MLPs, the block, the
+model, then counting. Each Linear of a block is built from its row of the block table
+(models/block_table.py), which declares the block once for every other reader.
+
+The model never knows how it is parallelized: tensor parallelism swaps its Linear layers, the
+pipeline splits `blocks`, recomputation wraps `Block` or `CoreAttention`; each of them learns the
+model's parts and parameters from its contract (`self.contract`, declared in models/declare.py) and
+leaves a changed copy of it behind (`set_contract`). So head counts are read from tensor shapes at
+run time (a tensor-parallel rank holds a subset of heads), and every dropout has a structural `site`
 id that survives pipeline splitting.
 
 Dropout keys: `keys` is an int64 tensor (b,) of per-sample keys (see dropout.py). It is
@@ -27,14 +29,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from plait.models.architecture import ModelConfig
+from plait.models.block_table import block_table, linear_widths
 from plait.models.contract import ModelContract
 from plait.models.declare import describe
 from plait.models.dropout import KeyedDropout
 from plait.models.kv_cache import KVCache, causal_mask
-from plait.models.light_loss import head_is_plain, target_rows_loss
+from plait.models.light_loss import target_rows_loss
 from plait.models.lora import Linear, LoRASpec
 from plait.models.loss import LMLoss
 from plait.models.packing import Bound, Packing
+from plait.models.rope import apply_rope, rope_cos_sin
 from plait.torch_private import embedding_left_unset
 
 # Dropout site ids: the embedding owns site 0, block i owns 4 * i + kind.
@@ -55,44 +59,17 @@ class RMSNorm(nn.Module):
         return xf.type_as(x) * self.weight
 
 
+def make_linear(cfg: ModelConfig, path: str) -> Linear:
+    """The Linear at `path` in a block, with the widths and bias its table row gives."""
+    row = block_table(cfg).linear(path)
+    out_f, in_f = row.widths(cfg)
+    return Linear(in_f, out_f, row.has_bias(cfg))
+
+
 def make_norm(cfg: ModelConfig) -> nn.Module:
     if cfg.norm == "rmsnorm":
         return RMSNorm(cfg.d_model, cfg.norm_eps)
     return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
-
-
-def rope_cos_sin(
-    seq_len: int,
-    head_dim: int,
-    theta: float,
-    device: torch.device,
-    start: int = 0,
-    positions: Tensor | None = None,
-) -> tuple:
-    """cos and sin (s, hd) for positions start..start+s-1, in fp32, rotate-half layout; given
-    per-token `positions` (b, s) (packed rows), (b, 1, s, hd) to broadcast over heads.
-
-    Computed on the fly rather than cached in buffers: it is cheap, works on the meta
-    device, and leaves nothing for `to_empty` to turn into garbage.
-    """
-    inv_freq = theta ** -(torch.arange(0, head_dim, 2, device=device).float() / head_dim)
-    if positions is None:
-        angles = torch.outer(torch.arange(start, start + seq_len, device=device).float(), inv_freq)
-    else:  # the same products, per token: (b, 1, s, hd/2)
-        angles = (positions.float().unsqueeze(-1) * inv_freq).unsqueeze(1)
-    angles = torch.cat((angles, angles), dim=-1)  # (s, hd) or (b, 1, s, hd)
-    return angles.cos(), angles.sin()
-
-
-def rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate (b, heads, s, hd) by position; pairs are (i, i + hd/2) as in HF LLaMA."""
-    xf = x.float()
-    return (xf * cos + rotate_half(xf) * sin).type_as(x)
 
 
 class CoreAttention(nn.Module):
@@ -146,10 +123,8 @@ class Attention(nn.Module):
         hd = cfg.head_dim
         self.head_dim, self.layer = hd, layer
         self.rope_theta = cfg.rope_theta if cfg.pos == "rope" else None
-        self.wq = Linear(cfg.d_model, cfg.n_heads * hd, cfg.bias)
-        self.wk = Linear(cfg.d_model, cfg.kv_heads * hd, cfg.bias)
-        self.wv = Linear(cfg.d_model, cfg.kv_heads * hd, cfg.bias)
-        self.wo = Linear(cfg.n_heads * hd, cfg.d_model, cfg.bias)
+        self.wq, self.wk = make_linear(cfg, "attn.wq"), make_linear(cfg, "attn.wk")
+        self.wv, self.wo = make_linear(cfg, "attn.wv"), make_linear(cfg, "attn.wo")
         self.core = CoreAttention(cfg.dropout, 4 * layer + SITE_ATTN_PROBS)
         self.shared_adapter = False  # GPT-2's LoRA: wk and wv use wq's A (models/lora.py)
 
@@ -192,8 +167,7 @@ class GeluMLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.fc1 = Linear(cfg.d_model, cfg.ffn_dim, cfg.bias)
-        self.fc2 = Linear(cfg.ffn_dim, cfg.d_model, cfg.bias)
+        self.fc1, self.fc2 = make_linear(cfg, "mlp.fc1"), make_linear(cfg, "mlp.fc2")
 
     def forward(self, x: Tensor, keys: Tensor | None = None) -> Tensor:
         return self.fc2(F.gelu(self.fc1(x, keys), approximate="tanh"), keys)  # (b, s, h)
@@ -204,9 +178,8 @@ class SwiGLU(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.w_gate = Linear(cfg.d_model, cfg.ffn_dim, cfg.bias)
-        self.w_up = Linear(cfg.d_model, cfg.ffn_dim, cfg.bias)
-        self.w_down = Linear(cfg.ffn_dim, cfg.d_model, cfg.bias)
+        self.w_gate, self.w_up = make_linear(cfg, "mlp.w_gate"), make_linear(cfg, "mlp.w_up")
+        self.w_down = make_linear(cfg, "mlp.w_down")
 
     def forward(self, x: Tensor, keys: Tensor | None = None) -> Tensor:
         gated = F.silu(self.w_gate(x, keys)) * self.w_up(x, keys)  # (b, s, f)
@@ -252,7 +225,8 @@ class Embedding(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.tok = _table(cfg.vocab_size, cfg.d_model)
-        if cfg.pos == "learned":
+        self.learned = cfg.pos == "learned"  # learned positions (GPT-2)
+        if self.learned:
             self.pos = _table(cfg.max_seq_len, cfg.d_model)
         self.drop = KeyedDropout(cfg.dropout, SITE_EMBED)
 
@@ -264,7 +238,7 @@ class Embedding(nn.Module):
         pack: Packing | None = None,
     ) -> Tensor:
         x = self.tok(tokens)  # (b, s, h)
-        if hasattr(self, "pos"):
+        if self.learned:
             end = start + tokens.shape[1]
             if end > self.pos.num_embeddings:
                 raise ValueError(
@@ -275,6 +249,18 @@ class Embedding(nn.Module):
             else:  # packed rows: positions restart in every run
                 x = x + self.pos(pack.positions)  # (b, s, h)
         return self.drop(x, keys)
+
+
+class Head(nn.Linear):
+    """The output projection, h -> V, no bias. `region_input` is the input as its matmul
+    reads it: here the input itself; a tensor-parallel head (parallel/tp/layers.py) enters
+    its region there (under sequence parallelism the all-gather of the sequence)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def region_input(self, x: Tensor) -> Tensor:
+        return x
 
 
 class Transformer(nn.Module):
@@ -291,7 +277,7 @@ class Transformer(nn.Module):
         self.embed = Embedding(cfg)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = make_norm(cfg)
-        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.head: Head = Head(cfg)  # a tensor-parallel one has the same interface
         self.loss = LMLoss()
         add_adapters(self.blocks, cfg.lora)
         self.set_contract(describe(cfg))
@@ -306,14 +292,6 @@ class Transformer(nn.Module):
         self.contract = contract
         for entry, param in contract.bind(self):
             param.requires_grad_(entry.decl.trainable)
-
-    def tie_weights(self) -> None:
-        """Make head.weight the same Parameter as embed.tok.weight when the config ties them
-        and this rank holds both (a pipeline stage may hold one end; see the contract).
-
-        Called again by `init_parameters` because `Module.to_empty` unties shared weights.
-        """
-        self.contract.tie(self)
 
     def forward(
         self,
@@ -347,17 +325,16 @@ class Transformer(nn.Module):
     ) -> Tensor:
         """Final norm and head: logits, or the loss given targets (the last stage's job).
 
-        With targets and a plain head, only the rows that have a target reach the head, in
-        chunks, and backward recomputes their logits (models/light_loss.py): the (b, s, V)
-        logits are never held. A tensor-parallel head enters its region first
-        (`region_input`: under sequence parallelism the all-gather of the sequence)."""
+        With targets and a head its contract declares one matmul (`ModelContract.plain_head`),
+        only the rows that have a target reach the head, in chunks, and backward recomputes
+        their logits (models/light_loss.py): the (b, s, V) logits are never held. The head's
+        `region_input` comes first (a tensor-parallel head's sequence all-gather under SP)."""
         x = self.norm(x)
         if targets is None:
             return self.head(x)  # (b, s, V)
-        if not head_is_plain(self.head):
+        if not self.contract.plain_head:
             return self.loss(self.head(x), targets, denom)
-        enter = getattr(self.head, "region_input", None)
-        x = enter(x) if enter is not None else x  # (b, s, h)
+        x = self.head.region_input(x)  # (b, s, h)
         # A frozen head held in another dtype meets the activations in theirs, as its own
         # forward would (mixed_precision.compute_frozen_in); otherwise `to` is a no-op.
         weight, loss = self.head.weight.to(x.dtype), self.loss
@@ -369,7 +346,7 @@ def add_adapters(blocks: nn.ModuleList, spec: LoRASpec | None) -> None:
     for i, block in enumerate(blocks if spec is not None else ()):
         for leaf in spec.leaves:
             block.get_submodule(leaf).add_adapter(spec, i, leaf)
-        block.attn.shared_adapter = spec.fused_qkv
+        block.attn.shared_adapter = "attn.wk" in spec.leaves and not spec.has_a("attn.wk")
 
 
 # ---------------------------------------------------------------- counting
@@ -384,19 +361,18 @@ def count_parameters(cfg: ModelConfig) -> int:
 
 def linear_weight_elements(cfg: ModelConfig) -> int:
     """Elements of every Linear weight (biases excluded), the head included."""
-    d, hd, f = cfg.d_model, cfg.head_dim, cfg.ffn_dim
-    attn = 2 * d * cfg.n_heads * hd + 2 * d * cfg.kv_heads * hd
-    mlp = (3 if cfg.mlp == "swiglu" else 2) * d * f
-    return cfg.n_layers * (attn + mlp) + d * cfg.vocab_size
+    return cfg.n_layers * _block_weight_elements(cfg) + cfg.d_model * cfg.vocab_size
+
+
+def _block_weight_elements(cfg: ModelConfig) -> int:
+    """Elements of a block's Linear weights (the block table's widths)."""
+    return sum(out_f * in_f for out_f, in_f in linear_widths(cfg).values())
 
 
 def layer_forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     """One block's forward matmul FLOPs per token: 2 per Linear weight element (multiply-add)
     plus attention's q k^T and probs v, 2·2·s·h (no weights; the causal half is counted)."""
-    d, hd, f = cfg.d_model, cfg.head_dim, cfg.ffn_dim
-    attn = 2 * d * cfg.n_heads * hd + 2 * d * cfg.kv_heads * hd
-    mlp = (3 if cfg.mlp == "swiglu" else 2) * d * f
-    return 2 * (attn + mlp) + 4 * seq_len * d
+    return 2 * _block_weight_elements(cfg) + 4 * seq_len * cfg.d_model
 
 
 def head_forward_flops_per_token(cfg: ModelConfig) -> int:

@@ -20,7 +20,7 @@ from plait.estimate.model_states import Precision, flat_groups, group_units
 from plait.estimate.rank_params import rank_params, tp_contract, tp_partial_elements
 from plait.estimate.zero_pipeline import pipeline_zero_traffic
 from plait.models.architecture import ModelConfig
-from plait.models.lora import ROW_PARALLEL
+from plait.models.block_table import block_table
 from plait.plan.hardware import Hardware, Link
 from plait.schedule.stages import StagePlan
 
@@ -111,7 +111,9 @@ def lora_row_features(m: ModelConfig) -> int:
     each (A's partial product, summed with the base output in one all-reduce or
     reduce-scatter, and all-gathered back in the backward under SP)."""
     spec = m.lora
-    return 0 if spec is None else spec.rank * sum(leaf in ROW_PARALLEL for leaf in spec.leaves)
+    if spec is None:
+        return 0
+    return spec.rank * sum(leaf in block_table(m).style("row") for leaf in spec.leaves)
 
 
 def p2p_seconds(cfg: Config, link: Link) -> float:

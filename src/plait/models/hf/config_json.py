@@ -124,7 +124,7 @@ def _gpt2(hf: dict[str, Any], where: str) -> ModelConfig:
     )
 
 
-def model_config(hf: dict[str, Any], where: str = "config.json") -> ModelConfig:
+def from_hf_config(hf: dict[str, Any], where: str = "config.json") -> ModelConfig:
     """plait's ModelConfig for a Hugging Face config; ConfigError naming a field it can't."""
     try:
         cfg = _llama(hf, where) if family_of(hf, where) == LLAMA else _gpt2(hf, where)
@@ -152,7 +152,7 @@ def family(cfg: ModelConfig) -> str:
 
 
 def hf_config(cfg: ModelConfig) -> dict[str, Any]:
-    """config.json for `cfg` (the inverse of `model_config`); byte-level: no special tokens."""
+    """config.json for `cfg` (the inverse of `from_hf_config`); byte-level: no special tokens."""
     kind = family(cfg)
     common = {
         "architectures": [ARCHITECTURES[kind]],

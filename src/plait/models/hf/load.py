@@ -21,7 +21,7 @@ from torch import Tensor
 
 from plait.errors import ConfigError
 from plait.models.architecture import ModelConfig
-from plait.models.hf.config_json import model_config, read_config
+from plait.models.hf.config_json import from_hf_config, read_config
 from plait.models.hf.mapping import Piece, piece, pieces, to_hf
 from plait.models.init import ShardLike, ValueSource, padded
 from plait.models.transformer import Transformer
@@ -121,6 +121,6 @@ def region_source(
 
 def load_config(folder: Path) -> ModelConfig:
     """The ModelConfig of a Hugging Face folder, its weights checked against it (headers)."""
-    cfg = model_config(read_config(folder), str(folder / "config.json"))
+    cfg = from_hf_config(read_config(folder), str(folder / "config.json"))
     HFWeights(folder).check(cfg)
     return cfg

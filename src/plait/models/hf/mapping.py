@@ -1,10 +1,12 @@
 """plait parameter names <-> Hugging Face tensor names and layouts (one home for the map).
 
-plait's Llama attention already uses Hugging Face's layout: rotate-half RoPE over pairs
-(i, i + hd/2) and query head j reading kv head j // (a / kv) (`repeat_kv`), so q/k need no
-permutation and every Llama tensor maps by name alone. GPT-2 differs in two ways: its
-Conv1D stores weights (in, out), the transpose of nn.Linear, and one `c_attn` holds q, k and
-v stacked along its output dimension, so plait's wq/wk/wv are column ranges of it.
+Every block parameter's place comes from the block table (models/block_table.py): its module's
+Hugging Face name, whether Hugging Face stores it transposed, and its offset in a fused module.
+plait's Llama attention already uses Hugging Face's layout: rotate-half RoPE over pairs (i, i +
+hd/2) and query head j reading kv head j // (a / kv) (`repeat_kv`), so q/k need no permutation
+and every Llama tensor maps by name alone. GPT-2 differs in two ways: its Conv1D stores weights
+(in, out), the transpose of nn.Linear, and one `c_attn` holds q, k and v stacked along its
+output dimension, so plait's wq/wk/wv are column ranges of it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from torch import Tensor
 
 from plait.models.architecture import ModelConfig
+from plait.models.block_table import NormRow, block_table, table_for
 from plait.models.hf.config_json import LLAMA, family
 from plait.models.init import canonical_name
 
@@ -42,43 +45,38 @@ class Piece:
         return hf_part.t() if self.transpose else hf_part
 
 
-_LLAMA_BLOCK = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn.wq.weight": "self_attn.q_proj.weight",
-    "attn.wk.weight": "self_attn.k_proj.weight",
-    "attn.wv.weight": "self_attn.v_proj.weight",
-    "attn.wo.weight": "self_attn.o_proj.weight",
-    "mlp_norm.weight": "post_attention_layernorm.weight",
-    "mlp.w_gate.weight": "mlp.gate_proj.weight",
-    "mlp.w_up.weight": "mlp.up_proj.weight",
-    "mlp.w_down.weight": "mlp.down_proj.weight",
-}
+def block_pieces(cfg: ModelConfig, prefix: str) -> dict[str, Piece]:
+    """A block's parameters (plait paths in a block) -> their places under the Hugging Face
+    block `prefix`, from the block table: each norm's and Linear's module by its `hf` name,
+    stored (in, out) when the table says so, at the offset its row has in a fused module."""
+    table = block_table(cfg)
+    out: dict[str, Piece] = {}
+    for row in table.rows:
+        if isinstance(row, NormRow):
+            leaves = ("weight", "bias") if cfg.norm == "layernorm" and cfg.bias else ("weight",)
+            for leaf in leaves:
+                out[f"{row.path}.{leaf}"] = Piece(f"{prefix}{row.hf}.{leaf}")
+            continue
+        offset = table.hf_offset(row.path, cfg)
+        out[f"{row.path}.weight"] = Piece(f"{prefix}{row.hf}.weight", table.hf_transposed, offset)
+        if row.has_bias(cfg):
+            out[f"{row.path}.bias"] = Piece(f"{prefix}{row.hf}.bias", False, offset)
+    return out
+
+
+def _blocks(cfg: ModelConfig, prefix: str) -> dict[str, Piece]:
+    return {
+        f"blocks.{i}.{ours}": piece
+        for i in range(cfg.n_layers)
+        for ours, piece in block_pieces(cfg, f"{prefix}.{i}.").items()
+    }
 
 
 def _llama(cfg: ModelConfig) -> dict[str, Piece]:
     names = {"embed.tok.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
     if not cfg.tie_embeddings:
         names["head.weight"] = "lm_head.weight"
-    for i in range(cfg.n_layers):
-        for ours, theirs in _LLAMA_BLOCK.items():
-            names[f"blocks.{i}.{ours}"] = f"model.layers.{i}.{theirs}"
-    return {ours: Piece(theirs) for ours, theirs in names.items()}
-
-
-def _gpt2_block(i: int, d: int) -> dict[str, Piece]:
-    h = f"transformer.h.{i}"
-    out: dict[str, Piece] = {}
-    for norm, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
-        for leaf in ("weight", "bias"):
-            out[f"blocks.{i}.{norm}.{leaf}"] = Piece(f"{h}.{theirs}.{leaf}")
-    for k, proj in enumerate(("wq", "wk", "wv")):  # c_attn's output is [q | k | v]
-        out[f"blocks.{i}.attn.{proj}.weight"] = Piece(f"{h}.attn.c_attn.weight", True, k * d)
-        out[f"blocks.{i}.attn.{proj}.bias"] = Piece(f"{h}.attn.c_attn.bias", False, k * d)
-    for ours, theirs in (("attn.wo", "attn.c_proj"), ("mlp.fc1", "mlp.c_fc"),
-                         ("mlp.fc2", "mlp.c_proj")):  # fmt: skip
-        out[f"blocks.{i}.{ours}.weight"] = Piece(f"{h}.{theirs}.weight", True)
-        out[f"blocks.{i}.{ours}.bias"] = Piece(f"{h}.{theirs}.bias")
-    return out
+    return {ours: Piece(theirs) for ours, theirs in names.items()} | _blocks(cfg, "model.layers")
 
 
 def _gpt2(cfg: ModelConfig) -> dict[str, Piece]:
@@ -88,24 +86,13 @@ def _gpt2(cfg: ModelConfig) -> dict[str, Piece]:
         "norm.weight": Piece("transformer.ln_f.weight"),
         "norm.bias": Piece("transformer.ln_f.bias"),
     }
-    for i in range(cfg.n_layers):
-        out.update(_gpt2_block(i, cfg.d_model))
-    return out
+    return out | _blocks(cfg, "transformer.h")
 
 
 def block_linears(mlp: str) -> dict[str, str]:
     """Each Linear of a block by its plait path ('attn.wq') -> its Hugging Face module path in
     the block (LLaMA 'self_attn.q_proj'; GPT-2's wq, wk and wv all 'attn.c_attn')."""
-    if mlp == "swiglu":
-        names = dict(_LLAMA_BLOCK)
-    else:
-        names = {ours.removeprefix("blocks.0."): p.hf_name.removeprefix("transformer.h.0.")
-                 for ours, p in _gpt2_block(0, 1).items()}  # fmt: skip
-    return {
-        ours.removesuffix(".weight"): theirs.removesuffix(".weight")
-        for ours, theirs in names.items()
-        if ours.split(".")[0] in ("attn", "mlp") and ours.endswith(".weight")
-    }
+    return {row.path: row.hf for row in table_for(mlp).linears}
 
 
 def pieces(cfg: ModelConfig) -> dict[str, Piece]:

@@ -26,11 +26,11 @@ from torch import Tensor
 
 from plait.errors import ConfigError
 from plait.models.architecture import ModelConfig
+from plait.models.block_table import table_for
 from plait.models.hf.config_json import family, read_json_object
 from plait.models.hf.load import region_source
 from plait.models.hf.mapping import Piece, assemble, block_linears, pieces
 from plait.models.init import ValueSource
-from plait.models.lora import TARGET_LEAVES
 from plait.models.transformer import Transformer
 from plait.outdir import atomic_folder
 
@@ -210,7 +210,7 @@ def adapter_model_fields(config: dict[str, Any], mlp: str, where: str = CONFIG) 
 
 
 def _targets(given: Any, mlp: str, where: str) -> str:
-    """PEFT's target_modules -> plait's --lora-targets (names in TARGET_LEAVES order)."""
+    """PEFT's target_modules -> plait's --lora-targets (the block table's words, in order)."""
     linears = block_linears(mlp)
     if given == "all-linear":  # PEFT: every Linear and Conv1D but the output head
         given = sorted(set(linears.values()))
@@ -222,13 +222,12 @@ def _targets(given: Any, mlp: str, where: str) -> str:
     found = {t: {leaf for leaf, m in linears.items() if _matching(t, {m})} for t in given}
     unknown = sorted(t for t, leaves in found.items() if not leaves)
     if unknown:
-        arch = "LLaMA" if mlp == "swiglu" else "GPT-2"
         raise ConfigError(
-            f"{where}: target_modules {unknown} name no Linear of a {arch} block that plait "
-            f"adapts; known: {', '.join(sorted(set(linears.values())))}"
+            f"{where}: target_modules {unknown} name no Linear of a {table_for(mlp).name} "
+            f"block that plait adapts; known: {', '.join(sorted(set(linears.values())))}"
         )
     leaves = set().union(*found.values())
-    return ",".join(name for name, leaf in TARGET_LEAVES[mlp].items() if leaf in leaves)
+    return ",".join(name for name, leaf in table_for(mlp).targets.items() if leaf in leaves)
 
 
 def check_adapter(folder: Path, cfg: ModelConfig) -> None:

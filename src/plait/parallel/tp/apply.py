@@ -25,7 +25,7 @@ model, each shard is cut from the existing full weights instead.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import nn
 
@@ -33,6 +33,8 @@ from plait.comm import Comm
 from plait.composition import check_tensor_parallel
 from plait.mesh import Mesh
 from plait.models.architecture import ModelConfig
+from plait.models.block_table import block_table
+from plait.models.contract import ParamDecl
 from plait.models.transformer import Transformer
 from plait.parallel.tp.layers import (
     ColumnParallelLinear,
@@ -46,10 +48,17 @@ from plait.parallel.tp.vocab import ParallelEmbedding, VocabParallelCrossEntropy
 # ---------------------------------------------------------------- styles
 @dataclass(frozen=True)
 class TPContext:
-    """What every style needs: the communicator and whether sequence parallelism is on."""
+    """What every style needs: the communicator, whether sequence parallelism is on, and the
+    declarations of a block's parameters on this rank (the split contract's), by leaf."""
 
     comm: Comm
     sequence_parallel: bool
+    declared: tuple[ParamDecl, ...] = ()
+
+    def linear(self, path: str) -> list[ParamDecl]:
+        """The declarations of the Linear at `path`, named as the layer names them."""
+        at = f"{path}."
+        return [replace(d, leaf=d.leaf[len(at) :]) for d in self.declared if d.leaf.startswith(at)]
 
 
 Style = Callable[[nn.Module, str, TPContext], None]
@@ -58,14 +67,18 @@ Style = Callable[[nn.Module, str, TPContext], None]
 
 def colwise(root: nn.Module, path: str, ctx: TPContext) -> None:
     """Column-parallel; entered once by the block (EnterRegion), not per layer."""
-    layer = ColumnParallelLinear.from_linear(root.get_submodule(path), ctx.comm, enter=False)
+    linear = root.get_submodule(path)
+    layer = ColumnParallelLinear.from_linear(linear, ctx.comm, ctx.linear(path), enter=False)
     root.set_submodule(path, layer)
 
 
 def rowwise(root: nn.Module, path: str, ctx: TPContext) -> None:
     """Row-parallel; its output leaves the region (g, or reduce-scatter under SP)."""
     layer = RowParallelLinear.from_linear(
-        root.get_submodule(path), ctx.comm, sequence_parallel=ctx.sequence_parallel
+        root.get_submodule(path),
+        ctx.comm,
+        ctx.linear(path),
+        sequence_parallel=ctx.sequence_parallel,
     )
     root.set_submodule(path, layer)
 
@@ -82,20 +95,15 @@ def shard_dim1_dropout(root: nn.Module, path: str, ctx: TPContext) -> None:
 
 
 def block_plan(cfg: ModelConfig, sequence_parallel: bool) -> dict[str, Style]:
-    """Module path within a Block -> style, in application order."""
-    plan: dict[str, Style] = {
-        "attn": enter,
-        "attn.wq": colwise,
-        "attn.wk": colwise,
-        "attn.wv": colwise,
-        "attn.wo": rowwise,
-        "attn.core.drop": shard_dim1_dropout,  # probabilities of the local heads
-        "mlp": enter,
-    }
-    if cfg.mlp == "swiglu":
-        plan |= {"mlp.w_gate": colwise, "mlp.w_up": colwise, "mlp.w_down": rowwise}
-    else:
-        plan |= {"mlp.fc1": colwise, "mlp.fc2": rowwise}
+    """Module path within a Block -> style, in application order: each Linear of the block
+    table (models/block_table.py) by its style, the sublayer holding column-parallel ones
+    entered once before them, the attention's dropout on its local heads."""
+    plan: dict[str, Style] = {}
+    for row in block_table(cfg).linears:
+        if row.style == "column" and row.sublayer not in plan:
+            plan[row.sublayer] = enter
+        plan[row.path] = colwise if row.style == "column" else rowwise
+    plan["attn.core.drop"] = shard_dim1_dropout  # probabilities of the local heads
     if sequence_parallel:  # the norms run on sequence shards unchanged (contract: partial)
         plan |= {"attn_drop": shard_dim1_dropout, "mlp_drop": shard_dim1_dropout}
     return plan
@@ -126,19 +134,23 @@ def apply_tensor_parallel(
     contract = model.contract
     if contract.tp_size > 1:
         raise ValueError("apply_tensor_parallel was already applied to this model")
-    ctx = TPContext(comm, sequence_parallel)
+    split = contract.tensor_parallel(mesh.axis_rank("tp"), tp, sequence_parallel)
     plan = block_plan(cfg, sequence_parallel)
-    for part in contract.blocks():
-        apply_plan(model.get_submodule(part.path), plan, ctx)
-    _apply_model_level(model, ctx)
+    for part in split.blocks():  # every block shares one tuple of declarations
+        apply_plan(
+            model.get_submodule(part.path), plan, TPContext(comm, sequence_parallel, part.params)
+        )
+    head = next(part for part in split.parts if part.kind == "head")
+    _apply_model_level(model, TPContext(comm, sequence_parallel, head.params))
     # Adopting the split contract re-ties the head to the embedding shard (same rows, same
     # padding) and fails loudly if the plan and the declarations disagree on a shape.
-    model.set_contract(contract.tensor_parallel(mesh.axis_rank("tp"), tp, sequence_parallel))
+    model.set_contract(split)
     return model
 
 
 def _apply_model_level(model: Transformer, ctx: TPContext) -> None:
-    """Embedding, head and loss (the final norm, replicated, runs unchanged)."""
+    """Embedding, head (as `ctx.declared`, the head's declarations) and loss (the final norm,
+    replicated, runs unchanged)."""
     cfg: ModelConfig = model.cfg
     embed = model.embed
     pos = embed.pos if cfg.pos == "learned" else None
@@ -146,9 +158,9 @@ def _apply_model_level(model: Transformer, ctx: TPContext) -> None:
     model.head = ColumnParallelLinear.from_linear(
         model.head,
         ctx.comm,
+        list(ctx.declared),  # the vocabulary, padded to a multiple of tp
         enter=True,
         sequence_parallel=ctx.sequence_parallel,
-        pad=True,
         tag="tp-head",
     )
     model.loss = VocabParallelCrossEntropy(cfg.vocab_size, ctx.comm)

@@ -11,18 +11,25 @@ of a block in conjugate ways (Shoeybi et al., 2019, section 3):
 
 A column-parallel layer feeding a row-parallel one needs no communication in between
 (the element-wise nonlinearity works on the slice), so a block costs one all-reduce forward
-and one backward. Layers keep their parameter names (`weight`, `bias`), so the model's
-contract names the same parameters; each layer keeps its own shards' places (`weight_spec`,
-`bias_spec`), which are the ones the contract declares (`apply.py` checks).
+and one backward. Both are a `ParallelLinear`, whose parameters are the declarations of a
+Linear of its style (models/declare.py), split for this rank: the same names (`weight`,
+`bias`, `lora_a`, `lora_b`) and shards as the model's contract (`apply.py` hands each layer
+its declarations from the split contract and checks the result).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import ClassVar, Self
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from plait.comm import Comm
+from plait.models.block_table import Style
+from plait.models.contract import ParamDecl
+from plait.models.declare import linear_params
 from plait.models.dropout import KeyedDropout
 from plait.models.lora import Linear as LoRALinear
 from plait.models.lora import adapter_input
@@ -32,7 +39,7 @@ from plait.parallel.tp.mappings import (
     gather_from_tp,
     scatter_to_tp,
 )
-from plait.parallel.tp.sharding import ShardSpec, load_shard_, split_spec
+from plait.parallel.tp.sharding import ShardSpec, load_shard_
 
 
 def tp_coords(comm: Comm) -> tuple[int, int]:
@@ -56,15 +63,96 @@ def copy_from_full(param: nn.Parameter, source: Tensor, spec: ShardSpec | None) 
         load_shard_(param, source, spec)
 
 
-class ColumnParallelLinear(nn.Module):
+Like = Callable[[str], Tensor]
+"""Parameter leaf -> a tensor whose device and dtype its new shard takes."""
+
+
+class ParallelLinear(nn.Module):
+    """What the column- and row-parallel Linears share: their parameters, one per declaration
+    of a Linear of their style (models/declare.py `linear_params`: weight, bias, LoRA's A and
+    B, each with this rank's shard or replicated), so the split of every parameter, an
+    adapter's included, is the contract's and not re-derived here; and the adapter's scaling
+    and dropout, taken from the Linear it replaces. Subclasses say how the input enters and
+    the output leaves (`forward`)."""
+
+    STYLE: ClassVar[Style]
+
+    def __init__(self, decls: Sequence[ParamDecl], comm: Comm, tag: str, like: Like) -> None:
+        super().__init__()
+        self.comm, self.tag = comm, tag
+        self.out_features, self.in_features = decls[0].shape  # the weight comes first
+        self.specs: dict[str, ShardSpec | None] = {}
+        for decl in decls:
+            self.specs[decl.leaf] = decl.shard
+            src = like(decl.leaf)
+            data = torch.empty(decl.local_shape, device=src.device, dtype=src.dtype)
+            self.register_parameter(decl.leaf, nn.Parameter(data))
+        if "bias" not in self.specs:
+            self.register_parameter("bias", None)
+        self.adapted, self.holds_a = "lora_b" in self.specs, "lora_a" in self.specs
+        self.scaling, self.lora_drop = 0.0, None
+
+    @classmethod
+    def declare(
+        cls, in_f: int, out_f: int, comm: Comm, bias: bool, pad: bool = False
+    ) -> list[ParamDecl]:
+        """A fresh layer's declarations, split for this rank (a layer built on its own)."""
+        rank, size = tp_coords(comm)
+        side = "out_features" if cls.STYLE == "column" else "in_features"
+        what = f"{side} of a {cls.STYLE}-parallel Linear ({in_f} -> {out_f})"
+        decls = linear_params("", (out_f, in_f), cls.STYLE, bias, padded=pad)
+        return [d.split(rank, size, what) for d in decls]
+
+    @property
+    def weight_spec(self) -> ShardSpec:
+        """This rank's slice of the weight (split by output or input features)."""
+        spec = self.specs["weight"]
+        assert spec is not None
+        return spec
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, comm: Comm, decls: Sequence[ParamDecl] | None = None, **kw
+    ) -> Self:
+        """The sharded form of `linear` as `decls` (its declarations on this rank, from the
+        split contract; default: a plain Linear's, `pad` as the constructor's); a materialized
+        one gives its values."""
+        pad = kw.pop("pad", False)
+        if decls is None:
+            bias = linear.bias is not None
+            decls = cls.declare(linear.in_features, linear.out_features, comm, bias, pad)
+        shape = (linear.in_features, linear.out_features)
+        layer = cls(*shape, comm, decls=decls, like=linear.get_parameter, **kw)
+        for leaf, spec in layer.specs.items():
+            copy_from_full(layer.get_parameter(leaf), linear.get_parameter(leaf), spec)
+        if layer.adapted:
+            assert isinstance(linear, LoRALinear)
+            layer.scaling, layer.lora_drop = linear.scaling, layer.adapter_dropout(linear, comm)
+        return layer
+
+    def adapter_dropout(self, linear: LoRALinear, comm: Comm) -> nn.Module | None:
+        """The adapter's dropout on this layer's input (the whole input by default)."""
+        return linear.lora_drop
+
+    def adapter_input(self, x: Tensor, keys: Tensor | None) -> Tensor | None:
+        """A dropout(x) (models/lora.py), when this layer holds an A."""
+        if not self.holds_a:
+            return None
+        return adapter_input(x, self.lora_a, self.lora_drop, keys)
+
+
+class ColumnParallelLinear(ParallelLinear):
     """Output features split across tp: (.., in) -> (.., out/tp), or (.., out) if gathered.
 
     `enter`: apply f (or the SP all-gather) to the input here. Layers that share one input
     (q, k, v; gate and up) set it False and enter once, at their block, so the block costs
     one all-reduce backward rather than one per layer. `pad`: allow `out_features` not
     divisible by tp (the vocabulary); padding output features are zero and only the
-    vocabulary-parallel loss, which masks them, may read ungathered padded outputs.
+    vocabulary-parallel loss, which masks them, may read ungathered padded outputs. An
+    adapter's A is replicated (every rank needs all of A x) and B split like the weight.
     """
+
+    STYLE = "column"
 
     def __init__(
         self,
@@ -78,54 +166,14 @@ class ColumnParallelLinear(nn.Module):
         sequence_parallel: bool = False,
         pad: bool = False,
         tag: str = "tp",
-        like: Tensor | None = None,
+        like: Like | None = None,
+        decls: Sequence[ParamDecl] | None = None,
     ) -> None:
-        super().__init__()
-        rank, size = tp_coords(comm)
-        like = like if like is not None else torch.empty(0)
-        self.comm, self.tag = comm, tag
-        self.in_features, self.out_features = in_features, out_features
+        if decls is None:
+            decls = self.declare(in_features, out_features, comm, bias, pad)
+        super().__init__(decls, comm, tag, like or (lambda _: torch.empty(0)))
         self.gather_output, self.enter = gather_output, enter
         self.sequence_parallel = sequence_parallel
-        what = f"out_features of a column-parallel Linear ({in_features} -> {out_features})"
-        self.weight_spec = split_spec((out_features, in_features), 0, rank, size, pad, what)
-        self.weight = new_shard(self.weight_spec, like)
-        self.bias_spec: ShardSpec | None = None
-        if bias:
-            self.bias_spec = split_spec((out_features,), 0, rank, size, pad, what)
-            self.bias = new_shard(self.bias_spec, like)
-        else:
-            self.register_parameter("bias", None)
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, comm: Comm, **kw) -> ColumnParallelLinear:
-        """The sharded form of `linear`; a materialized one gives its values to the shard."""
-        layer = cls(
-            linear.in_features,
-            linear.out_features,
-            comm,
-            bias=linear.bias is not None,
-            like=linear.weight,
-            **kw,
-        )
-        copy_from_full(layer.weight, linear.weight, layer.weight_spec)
-        if linear.bias is not None:
-            copy_from_full(layer.bias, linear.bias, layer.bias_spec)
-        if isinstance(linear, LoRALinear) and linear.adapted:
-            layer.scaling, layer.lora_drop = linear.scaling, linear.lora_drop
-            if linear.holds_a:  # replicated: every rank needs all of A x
-                layer.lora_a = nn.Parameter(torch.empty_like(linear.lora_a))
-                copy_from_full(layer.lora_a, linear.lora_a, None)
-            layer.lora_b_spec = _split_like(layer.weight_spec, linear.lora_b.shape)
-            layer.lora_b = new_shard(layer.lora_b_spec, linear.lora_b)
-            copy_from_full(layer.lora_b, linear.lora_b, layer.lora_b_spec)
-        return layer
-
-    def adapter_input(self, x: Tensor, keys: Tensor | None) -> Tensor | None:
-        """A dropout(x) on the whole input (models/lora.py), when this layer holds an A."""
-        if "lora_a" not in self._parameters:
-            return None
-        return adapter_input(x, self.lora_a, self.lora_drop, keys)
 
     def region_input(self, x: Tensor) -> Tensor:
         """The input as this layer's matmul reads it: entered into the region when `enter`
@@ -136,7 +184,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: Tensor, keys: Tensor | None = None, u: Tensor | None = None) -> Tensor:
         x = self.region_input(x)  # (b, s, in)
         y = F.linear(x, self.weight, self.bias)  # (b, s, out/tp)
-        if "lora_b" in self._parameters:  # this rank's output slice of B (A x)
+        if self.adapted:  # this rank's output slice of B (A x)
             u = self.adapter_input(x, keys) if u is None else u  # (b, s, r)
             y = y + self.scaling * F.linear(u, self.lora_b)
         if self.gather_output:
@@ -152,14 +200,17 @@ class ColumnParallelLinear(nn.Module):
         )
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(ParallelLinear):
     """Input features split across tp: (.., in/tp) -> (.., out), summed over tp.
 
     Under sequence parallelism the sum is a reduce-scatter along the sequence and the
     output is this rank's (b, s/tp, out) shard. The bias is replicated; under SP each rank
     adds it to its own positions only, so its gradient is partial (the contract declares it
-    so: models/declare.py; grads.py sums it).
+    so: models/declare.py; grads.py sums it). An adapter's A is split by input like the
+    weight (its partial product is summed with the base's) and B replicated.
     """
+
+    STYLE = "row"
 
     def __init__(
         self,
@@ -171,60 +222,27 @@ class RowParallelLinear(nn.Module):
         input_is_parallel: bool = True,
         sequence_parallel: bool = False,
         tag: str = "tp",
-        like: Tensor | None = None,
+        like: Like | None = None,
+        decls: Sequence[ParamDecl] | None = None,
     ) -> None:
-        super().__init__()
-        rank, size = tp_coords(comm)
-        like = like if like is not None else torch.empty(0)
-        self.comm, self.tag = comm, tag
-        self.in_features, self.out_features = in_features, out_features
+        if decls is None:
+            decls = self.declare(in_features, out_features, comm, bias)
+        super().__init__(decls, comm, tag, like or (lambda _: torch.empty(0)))
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
-        what = f"in_features of a row-parallel Linear ({in_features} -> {out_features})"
-        self.weight_spec = split_spec((out_features, in_features), 1, rank, size, False, what)
-        self.weight = new_shard(self.weight_spec, like)
-        if bias:
-            self.bias = nn.Parameter(like.new_empty(out_features))
-        else:
-            self.register_parameter("bias", None)
 
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, comm: Comm, **kw) -> RowParallelLinear:
-        """The sharded form of `linear`; a materialized one gives its values to the shard."""
-        layer = cls(
-            linear.in_features,
-            linear.out_features,
-            comm,
-            bias=linear.bias is not None,
-            like=linear.weight,
-            **kw,
-        )
-        copy_from_full(layer.weight, linear.weight, layer.weight_spec)
-        if linear.bias is not None:
-            copy_from_full(layer.bias, linear.bias, None)  # replicated
-        if isinstance(linear, LoRALinear) and linear.adapted:
-            layer.add_adapter(linear, comm)
-        return layer
-
-    def add_adapter(self, linear: LoRALinear, comm: Comm) -> None:
-        """A split by input like the weight (its partial product is summed with the base's),
-        B replicated; the dropout mask is this rank's slice of the input's."""
-        self.scaling = linear.scaling
-        self.lora_a_spec = _split_like(self.weight_spec, linear.lora_a.shape)
-        self.lora_a = new_shard(self.lora_a_spec, linear.lora_a)
-        copy_from_full(self.lora_a, linear.lora_a, self.lora_a_spec)
-        self.lora_b = nn.Parameter(torch.empty_like(linear.lora_b))
-        copy_from_full(self.lora_b, linear.lora_b, None)
-        self.lora_drop = ShardedDropout.from_dropout(linear.lora_drop, 2, comm)
+    def adapter_dropout(self, linear: LoRALinear, comm: Comm) -> nn.Module | None:
+        """The dropout mask on this rank's slice of the input (dim 2) of the whole one's."""
+        assert linear.lora_drop is not None
+        return ShardedDropout.from_dropout(linear.lora_drop, 2, comm)
 
     def forward(self, x: Tensor, keys: Tensor | None = None) -> Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.comm, tag=self.tag)  # (b, s, in/tp)
         y = F.linear(x, self.weight)  # (b, s, out), partial over tp
-        lora = "lora_b" in self._parameters
-        if lora:  # A's partial product rides in the same collective: r more features
+        if self.adapted:  # A's partial product rides in the same collective: r more features
             y = torch.cat((y, adapter_input(x, self.lora_a, self.lora_drop, keys)), dim=-1)
         y = exit_region(y, self.comm, self.sequence_parallel, self.tag)
-        if lora:
+        if self.adapted:
             y, u = y.split((self.out_features, self.lora_a.shape[0]), dim=-1)
             y = y + self.scaling * F.linear(u, self.lora_b)
         return y if self.bias is None else y + self.bias  # (b, s, out) or (b, s/tp, out)
@@ -235,17 +253,6 @@ class RowParallelLinear(nn.Module):
             f"in={self.in_features} (local {spec.shape[1]}), out={self.out_features}, "
             f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}"
         )
-
-
-def _split_like(base: ShardSpec, shape: tuple[int, ...]) -> ShardSpec:
-    """An adapter matrix split along the dimension it shares with its base weight: B (out, r)
-    by output like a column-parallel weight, A (r, in) by input like a row-parallel one."""
-    return ShardSpec(
-        tuple(shape),
-        tuple(o if d == base.dim else 0 for d, o in enumerate(base.offsets)),
-        tuple(n if d == base.dim else shape[d] for d, n in enumerate(base.local_shape)),
-        base.dim,
-    )
 
 
 class ShardedDropout(KeyedDropout):

@@ -1,0 +1,215 @@
+"""The block's layers, declared once per architecture: one table row per norm and Linear.
+
+A `LinearRow` names one Linear of a block by its module path ("attn.wq") with every fact
+other code needs of it: its shape rule (output and input widths, from the config), its
+tensor-parallel style (column: split by output features; row: split by input features),
+whether its output is added to the residual stream (the init scales those by 1/sqrt(2 L)),
+its `--lora-targets` word, its Hugging Face module path inside a block and which config
+flags give it a bias. A `NormRow` names a norm and its Hugging Face module. The rows are in
+registration order, the order `ModelContract.check` compares.
+
+Everything else derives from the table, so a variant (a bias on q, k and v; a norm on q and
+k; a fused Hugging Face projection) is a change here and in the module that computes it:
+
+- the contract (models/declare.py): every parameter's shape, split dimension and partial
+  flags, and the adapters, each split like its base weight (`declare.adapter_params`);
+- the model (models/transformer.py) builds each Linear from its row;
+- the init (models/init.py): `residual` rows are scaled;
+- LoRA (models/lora.py): the target words, PEFT's defaults, and the rows that share one A
+  (rows stacked in one Hugging Face module, GPT-2's c_attn: PEFT adapts the module once);
+- tensor parallelism (parallel/tp/apply.py): each row's style, and the sublayers whose
+  input enters the tensor-parallel region (those holding a column-parallel row);
+- the Hugging Face map (models/hf/mapping.py): names, and offsets in a fused module derived
+  by stacking its rows in order; PEFT's target_modules (models/hf/peft.py);
+- the estimator (models/architecture.py widths, estimate/adapters.py): which Linears read
+  the block's normed inputs and which sum over tensor parallelism.
+
+This module imports nothing of plait: the config reaches it as a `Shape`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Literal, Protocol
+
+Style = Literal["column", "row"]
+Width = Literal["h", "q", "kv", "f"]  # d_model, heads x head_dim, kv heads x head_dim, ffn
+COUNTS = {2: "both", 3: "all three", 4: "all four"}  # how a message asks for every one
+
+
+class Shape(Protocol):
+    """What a row's rules read of a ModelConfig (architecture.py imports this module)."""
+
+    @property
+    def d_model(self) -> int: ...
+    @property
+    def n_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def kv_heads(self) -> int: ...
+    @property
+    def ffn_dim(self) -> int: ...
+    @property
+    def mlp(self) -> str: ...
+    @property
+    def bias(self) -> bool: ...
+
+
+def width(cfg: Shape, rule: Width) -> int:
+    """The number of features a width rule names for `cfg`."""
+    if rule == "h":
+        return cfg.d_model
+    if rule == "q":
+        return cfg.n_heads * cfg.head_dim
+    if rule == "kv":
+        return cfg.kv_heads * cfg.head_dim
+    return cfg.ffn_dim
+
+
+def flags(cfg: Shape) -> dict[str, bool]:
+    """The config's switches a row's `bias` may name."""
+    return {"bias": cfg.bias}
+
+
+@dataclass(frozen=True)
+class LinearRow:
+    """One Linear of a block; see the module docstring."""
+
+    path: str  # its module path in a block: "attn.wq"
+    out: Width  # output features
+    inp: Width  # input features
+    style: Style  # tensor parallelism: column (by output) or row (by input)
+    residual: bool  # its output joins the residual stream (init std / sqrt(2 L))
+    target: str  # the --lora-targets word: "q"
+    hf: str  # the Hugging Face module in a block: "self_attn.q_proj"
+    bias: tuple[str, ...] = ("bias",)  # config flags any of which gives it a bias
+
+    @property
+    def sublayer(self) -> str:
+        """The block's sublayer holding it ("attn", "mlp")."""
+        return self.path.partition(".")[0]
+
+    def widths(self, cfg: Shape) -> tuple[int, int]:
+        """(out, in) features."""
+        return width(cfg, self.out), width(cfg, self.inp)
+
+    def has_bias(self, cfg: Shape) -> bool:
+        switches = flags(cfg)
+        return any(switches[flag] for flag in self.bias)
+
+
+@dataclass(frozen=True)
+class NormRow:
+    """One norm of a block: its module path and its Hugging Face module."""
+
+    path: str  # "attn_norm"
+    hf: str  # "input_layernorm"
+
+
+@dataclass(frozen=True)
+class BlockTable:
+    """One architecture's block: its rows in registration order, and how Hugging Face
+    stores it."""
+
+    name: str  # what messages call it: "LLaMA", "GPT-2"
+    rows: tuple[NormRow | LinearRow, ...]
+    hf_transposed: bool  # Hugging Face stores the Linears (in, out) (GPT-2's Conv1D)
+    default_targets: tuple[str, ...]  # PEFT's default target_modules, as target words
+
+    @cached_property
+    def linears(self) -> tuple[LinearRow, ...]:
+        return tuple(r for r in self.rows if isinstance(r, LinearRow))
+
+    @cached_property
+    def norms(self) -> tuple[NormRow, ...]:
+        return tuple(r for r in self.rows if isinstance(r, NormRow))
+
+    def linear(self, path: str) -> LinearRow:
+        return next(r for r in self.linears if r.path == path)
+
+    @cached_property
+    def targets(self) -> dict[str, str]:
+        """--lora-targets word -> the Linear's path, in registration order."""
+        return {r.target: r.path for r in self.linears}
+
+    def fused(self, path: str) -> tuple[LinearRow, ...]:
+        """The rows stacked (in order) in the Hugging Face module of the row at `path`."""
+        hf = self.linear(path).hf
+        return tuple(r for r in self.linears if r.hf == hf)
+
+    def hf_offset(self, path: str, cfg: Shape) -> int:
+        """Where the row's output starts in its Hugging Face module's output: the widths of
+        the rows stacked before it (GPT-2's c_attn is [q | k | v])."""
+        rows = self.fused(path)
+        before = rows[: [r.path for r in rows].index(path)]
+        return sum(r.widths(cfg)[0] for r in before)
+
+    def style(self, style: Style, sublayer: str | None = None) -> tuple[str, ...]:
+        """Paths of the rows of `style` (in `sublayer` when given)."""
+        return tuple(
+            r.path for r in self.linears if r.style == style and sublayer in (None, r.sublayer)
+        )
+
+
+LLAMA = BlockTable(
+    "LLaMA",
+    (
+        NormRow("attn_norm", "input_layernorm"),
+        LinearRow("attn.wq", "q", "h", "column", False, "q", "self_attn.q_proj"),
+        LinearRow("attn.wk", "kv", "h", "column", False, "k", "self_attn.k_proj"),
+        LinearRow("attn.wv", "kv", "h", "column", False, "v", "self_attn.v_proj"),
+        LinearRow("attn.wo", "h", "q", "row", True, "o", "self_attn.o_proj"),
+        NormRow("mlp_norm", "post_attention_layernorm"),
+        LinearRow("mlp.w_gate", "f", "h", "column", False, "gate", "mlp.gate_proj"),
+        LinearRow("mlp.w_up", "f", "h", "column", False, "up", "mlp.up_proj"),
+        LinearRow("mlp.w_down", "h", "f", "row", True, "down", "mlp.down_proj"),
+    ),
+    hf_transposed=False,
+    default_targets=("q", "v"),  # PEFT's q_proj, v_proj
+)
+
+GPT2 = BlockTable(
+    "GPT-2",
+    (
+        NormRow("attn_norm", "ln_1"),
+        LinearRow("attn.wq", "q", "h", "column", False, "q", "attn.c_attn"),
+        LinearRow("attn.wk", "kv", "h", "column", False, "k", "attn.c_attn"),
+        LinearRow("attn.wv", "kv", "h", "column", False, "v", "attn.c_attn"),
+        LinearRow("attn.wo", "h", "q", "row", True, "o", "attn.c_proj"),
+        NormRow("mlp_norm", "ln_2"),
+        LinearRow("mlp.fc1", "f", "h", "column", False, "up", "mlp.c_fc"),
+        LinearRow("mlp.fc2", "h", "f", "row", True, "down", "mlp.c_proj"),
+    ),
+    hf_transposed=True,  # Conv1D
+    default_targets=("q", "k", "v"),  # PEFT's c_attn
+)
+
+TABLES = (LLAMA, GPT2)
+
+LINEAR_PATHS = tuple(sorted({r.path for table in TABLES for r in table.linears}))
+"""Every architecture's Linear paths, sorted: an adapter's dropout site is its index here
+(models/lora.py), so a path added later sorts among them and moves the sites after it."""
+
+
+def table_for(mlp: str) -> BlockTable:
+    """The table of the architecture a config's `mlp` names today: LLaMA's with a SwiGLU MLP,
+    GPT-2's with GELU (the one key callers outside models/ pass; a family field would
+    replace it here)."""
+    return LLAMA if mlp == "swiglu" else GPT2
+
+
+def block_table(cfg: Shape) -> BlockTable:
+    """The table of `cfg`'s architecture."""
+    return table_for(cfg.mlp)
+
+
+def linear_widths(cfg: Shape) -> dict[str, tuple[int, int]]:
+    """(out, in) features of each Linear of a block, by its path in the block."""
+    return {r.path: r.widths(cfg) for r in block_table(cfg).linears}
+
+
+def count_words(words: list[str]) -> str:
+    """'q, k and v' of ['q', 'k', 'v']."""
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} and {words[-1]}"
