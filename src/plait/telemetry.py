@@ -100,6 +100,12 @@ class RunSummary:
     skipped_steps: int = 0  # optimizer steps skipped: fp16 overflow or --nan-policy skip
     sample: dict[str, str] | None = None  # {"prompt", "text"}: the trained model writing
     token_kind: str = "byte"  # what a token is: "byte", or "BPE token" with a tokenizer
+    trainable_params: int = 0  # the parameters the optimizer updates (LoRA: the adapters)
+    step_targets: list[int] = field(default_factory=list)  # target tokens of each timed step
+    best_step: int | None = None  # --keep-best: the steps done at the best validation
+    best_val_loss: float | None = None
+    best_checkpoint: str | None = None
+    epochs: int = 0  # --epochs (0: the steps were given)
 
     @property
     def median_step_s(self) -> float:
@@ -117,14 +123,25 @@ class RunSummary:
         return self.tokens_per_step / statistics.median(recent)
 
     @property
+    def target_tokens_per_s(self) -> float:
+        """Target tokens (those the loss counts: an instruction run's responses) per second
+        over the timed steps after the first, which pays for warm-up."""
+        pairs = list(zip(self.step_targets, self.step_times, strict=True))[1:] or list(
+            zip(self.step_targets, self.step_times, strict=True)
+        )
+        seconds = sum(t for _, t in pairs)
+        return sum(n for n, _ in pairs) / seconds if seconds > 0 else float("nan")
+
+    @property
     def mfu(self) -> float | None:
         if not self.peak_flops:
             return None
         return self.tokens_per_s * self.flops_per_token / (self.peak_flops * self.world_size)
 
     def as_dict(self) -> dict[str, Any]:
-        d = {k: v for k, v in vars(self).items() if k != "step_times"}
-        d.update(median_step_s=self.median_step_s, tokens_per_s=self.tokens_per_s, mfu=self.mfu)
+        d = {k: v for k, v in vars(self).items() if k not in ("step_times", "step_targets")}
+        d.update(median_step_s=self.median_step_s, tokens_per_s=self.tokens_per_s, mfu=self.mfu,
+                 target_tokens_per_s=self.target_tokens_per_s)  # fmt: skip
         return d
 
 
@@ -132,12 +149,14 @@ def summary_table(s: RunSummary) -> Table:
     table = Table(title="plait run summary", show_header=False)
     table.add_row("layout", s.layout)
     table.add_row("parameters", f"{s.params:,}")
+    share = s.trainable_params / s.params if s.params else 0.0
+    table.add_row("trainable parameters", f"{s.trainable_params:,} ({share:.2%})")
     stopped = s.stopped_by is not None
     if stopped:
         name = signal.Signals(s.stopped_by).name
         table.add_row("steps", f"{s.steps_done} of {s.steps} (stopped by {name})")
     else:
-        table.add_row("steps", str(s.steps))
+        table.add_row("steps", str(s.steps) + (f" ({s.epochs} epochs)" if s.epochs else ""))
     if s.restarts:
         table.add_row("restarts", f"{s.restarts} (from the newest checkpoint)")
     if s.skipped_steps:
@@ -151,8 +170,12 @@ def summary_table(s: RunSummary) -> Table:
         when = f" (after step {s.val_step})" if s.val_step not in (None, s.steps_done) else ""
         line = f"{s.val_loss:.4f}: {abs(gap):.3f} {verdict} baseline{when}"
         table.add_row("validation loss", line)
+    if s.best_step is not None:
+        where = f" ({s.best_checkpoint})" if s.best_checkpoint else ""
+        table.add_row("best validation", f"{s.best_val_loss:.4f} after step {s.best_step}{where}")
     table.add_row("median step", f"{s.median_step_s * 1e3:.1f} ms")
     table.add_row("throughput", f"{s.tokens_per_s:,.0f} tokens/s")
+    table.add_row("target tokens", f"{s.target_tokens_per_s:,.0f} tokens/s (those the loss counts)")
     flops = s.tokens_per_s * s.flops_per_token
     mfu = f" (MFU {s.mfu:.1%})" if s.mfu is not None else ""
     table.add_row("model FLOP/s", f"{flops / 1e9:.2f} GFLOP/s{mfu}")
