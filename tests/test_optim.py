@@ -145,8 +145,10 @@ def test_schedules_are_transformers_with_warmup_one_step_ahead(kind: str, warmup
     if kind == "constant":
         ref = get_constant_schedule_with_warmup(opt, warmup)
     else:
-        make = {"cosine": get_cosine_schedule_with_warmup, "linear": get_linear_schedule_with_warmup}
-        ref = make[kind](opt, warmup, steps)
+        make = (
+            get_cosine_schedule_with_warmup if kind == "cosine" else get_linear_schedule_with_warmup
+        )
+        ref = make(opt, warmup, steps)
     factor = ref.lr_lambdas[0]
     theirs = [lr * factor(k) for k in range(steps + 2)]
     cfg = sched(steps=steps, warmup_steps=warmup, lr=lr, min_lr=0.0, lr_schedule=kind)
