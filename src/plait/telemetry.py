@@ -61,9 +61,10 @@ def _scalars(row: dict[str, Any], prefix: str = ""):
             yield from _scalars(value, prefix + key + "/")
 
 
-def make_progress(console: Console, total: int) -> Progress:
+def make_progress(console: Console, total: int, label: str = "train") -> Progress:
+    """The bar of `plait train` (and, labelled `eval`, of `plait eval`), on rank 0."""
     return Progress(
-        TextColumn("[bold]train"),
+        TextColumn(f"[bold]{label}"),
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn("{task.fields[info]}"),

@@ -171,8 +171,34 @@ def _adjust(checkpoint: Path | None) -> Callable[[Config], None]:
     return adjust
 
 
+TRAIN_ONLY = (
+    "steps", "epochs", "global_batch", "lr", "lr_schedule", "min_lr", "warmup_steps",
+    "warmup_ratio", "weight_decay", "beta1", "beta2", "loss_average", "grad_clip", "eval_every",
+    "eval_batches", "keep_best", "out", "overwrite", "tensorboard", "save_every", "save",
+    "keep_checkpoints", "max_restarts", "resume", "peak_flops", "nan_policy", "trace",
+)  # fmt: skip
+"""[train] flags that only training reads: `plait eval` refuses them on its command line (a
+config file's [train] may hold them: a recipe evaluates as it is)."""
+DATA_TRAIN_ONLY = ("val_fraction", "eval_data")  # eval reads every row of --data
+
+
+def refuse_train_flags(args: argparse.Namespace) -> None:
+    """One line for the first training-only flag given: it would change nothing."""
+    given = [f"train.{k}" for k in TRAIN_ONLY] + [f"data.{k}" for k in DATA_TRAIN_ONLY]
+    for dest in given:
+        if hasattr(args, dest):
+            flag = "--" + dest.split(".", 1)[1].replace("_", "-")
+            if dest == "train.save" and not getattr(args, dest):
+                flag = "--no-save"
+            raise ConfigError(
+                f"{flag} is a training flag; plait eval trains nothing (it evaluates every row "
+                "of --data with one micro-batch per replica): leave it out"
+            )
+
+
 def check_request(args: argparse.Namespace) -> Request:
     """Everything checked before a worker starts; raw files prepared."""
+    refuse_train_flags(args)
     folder = _given(args, "train.init_from")
     if args.checkpoint and (folder or args.preset):
         raise ConfigError("--checkpoint names the model; leave out --init-from and --model")
