@@ -23,7 +23,6 @@ from pathlib import Path
 from rich.console import Console
 
 from plait.checkpoint import inspect, store
-from plait.checkpoint.base import check_available, saved_base
 from plait.cli.models import checkpoint_path, run_tokenizer
 from plait.cli.run_flags import add_run_flags, config_from_args
 from plait.config import Config
@@ -152,18 +151,17 @@ def _prepare_raw(args: argparse.Namespace, checkpoint: Path | None) -> Path | No
     return scratch
 
 
-def _adjust(checkpoint: Path | None) -> Callable[[Config], None]:
+def _adjust(checkpoint: Path | None, base_folder: str | None) -> Callable[[Config], None]:
     """What eval derives rather than takes: the checkpoint's model (before validation, which
-    checks --seq-len against it), a LoRA checkpoint's base (the folder it names, checked
-    against its hash, or its seed: the workers build it, then load the adapters), and one
-    micro-batch per replica as the global batch."""
+    checks --seq-len against it), a LoRA checkpoint's base (the folder it names or
+    `base_folder` where it moved, checked against its hash, or its seed: the workers build
+    it, then load the adapters), and one micro-batch per replica as the global batch."""
 
     def adjust(cfg: Config) -> None:
         if checkpoint is not None:
             cfg.model = inspect.model_config(checkpoint)
-            base = saved_base(store.read_trainer(checkpoint))
+            base = inspect.checked_base(checkpoint, store.read_trainer(checkpoint), base_folder)
             if base is not None:
-                check_available(checkpoint, base)
                 cfg.train.init_from = base["init_from"] or ""
                 cfg.train.init_from_sha256, cfg.train.seed = base["sha256"], base["seed"]
         cfg.train.global_batch = cfg.train.micro_batch * cfg.parallel.layout.dp
@@ -200,8 +198,12 @@ def check_request(args: argparse.Namespace) -> Request:
     """Everything checked before a worker starts; raw files prepared."""
     refuse_train_flags(args)
     folder = _given(args, "train.init_from")
-    if args.checkpoint and (folder or args.preset):
-        raise ConfigError("--checkpoint names the model; leave out --init-from and --model")
+    if args.checkpoint and args.preset:
+        raise ConfigError("--checkpoint names the model; leave out --model")
+    base_folder = None
+    if args.checkpoint and folder:  # a LoRA checkpoint's base where it moved (_adjust)
+        base_folder, folder = folder, None
+        delattr(args, "train.init_from")
     if not (args.checkpoint or folder):
         raise ConfigError("plait eval needs a model: --init-from HF_DIR or --checkpoint CK")
     if folder and not Path(folder).is_dir():
@@ -209,7 +211,7 @@ def check_request(args: argparse.Namespace) -> Request:
     checkpoint = checkpoint_path(args.checkpoint) if args.checkpoint else None
     scratch = _prepare_raw(args, checkpoint)
     try:
-        cfg = config_from_args(args, check_data=False, adjust=_adjust(checkpoint))
+        cfg = config_from_args(args, check_data=False, adjust=_adjust(checkpoint, base_folder))
         fit_rows(cfg, eval_rows(cfg))
     except BaseException:
         if scratch is not None:
