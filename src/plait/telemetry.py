@@ -5,6 +5,7 @@ lost when a run dies."""
 from __future__ import annotations
 
 import json
+import math
 import signal
 import statistics
 from dataclasses import dataclass, field
@@ -127,9 +128,10 @@ class RunSummary:
     def target_tokens_per_s(self) -> float:
         """Target tokens (those the loss counts: an instruction run's responses) per second
         over the timed steps after the first, which pays for warm-up."""
-        pairs = list(zip(self.step_targets, self.step_times, strict=True))[1:] or list(
-            zip(self.step_targets, self.step_times, strict=True)
-        )
+        if len(self.step_targets) != len(self.step_times):  # not counted (a summary by hand)
+            return float("nan")
+        pairs = list(zip(self.step_targets, self.step_times, strict=True))
+        pairs = pairs[1:] or pairs
         seconds = sum(t for _, t in pairs)
         return sum(n for n, _ in pairs) / seconds if seconds > 0 else float("nan")
 
@@ -141,8 +143,9 @@ class RunSummary:
 
     def as_dict(self) -> dict[str, Any]:
         d = {k: v for k, v in vars(self).items() if k not in ("step_times", "step_targets")}
+        targets = self.target_tokens_per_s
         d.update(median_step_s=self.median_step_s, tokens_per_s=self.tokens_per_s, mfu=self.mfu,
-                 target_tokens_per_s=self.target_tokens_per_s)  # fmt: skip
+                 target_tokens_per_s=targets if math.isfinite(targets) else None)  # fmt: skip
         return d
 
 
@@ -176,7 +179,9 @@ def summary_table(s: RunSummary) -> Table:
         table.add_row("best validation", f"{s.best_val_loss:.4f} after step {s.best_step}{where}")
     table.add_row("median step", f"{s.median_step_s * 1e3:.1f} ms")
     table.add_row("throughput", f"{s.tokens_per_s:,.0f} tokens/s")
-    table.add_row("target tokens", f"{s.target_tokens_per_s:,.0f} tokens/s (those the loss counts)")
+    if math.isfinite(s.target_tokens_per_s):
+        targets = f"{s.target_tokens_per_s:,.0f} tokens/s (those the loss counts)"
+        table.add_row("target tokens", targets)
     flops = s.tokens_per_s * s.flops_per_token
     mfu = f" (MFU {s.mfu:.1%})" if s.mfu is not None else ""
     table.add_row("model FLOP/s", f"{flops / 1e9:.2f} GFLOP/s{mfu}")
