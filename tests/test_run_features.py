@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import in_process
 import plait.cli.train as train_command
@@ -215,3 +216,26 @@ def _resumed_at(out: Path, argv: list[str], step: int, world) -> None:
     code, err = in_process.train(world, [*argv, "--resume", str(store.step_dir(out, step))])
     assert code == 0, err[-3000:]
     assert f"resuming from {store.step_dir(out, step)} at step {step}" in err
+
+
+def test_text_eval_data_trains_on_every_window(tmp_path) -> None:
+    """Text: every window of --data trains (no held-out blocks), every window of --eval-data
+    validates; the config's count (what --epochs divides) is the corpus's."""
+    from plait.config import build_config, validate_config
+    from plait.train import load_corpus
+
+    train, held = tmp_path / "train.txt", tmp_path / "held.txt"
+    train.write_bytes(bytes(range(97, 123)) * 31)  # 806 bytes: 24 windows of 33
+    held.write_bytes(b"0123456789" * 16)  # 160 bytes: 4 windows
+    run = {"seq_len": 33, "global_batch": 4, "micro_batch": 4, "epochs": 2}
+    data = {"path": str(train), "eval_data": str(held)}
+    cfg = build_config("tiny-gpt", {"train": run, "data": data})
+    validate_config(cfg)
+    corpus = load_corpus(cfg)
+    assert (len(corpus.train), len(corpus.val)) == (24, 4)
+    assert cfg.train.steps == 2 * (24 // 4)
+    for rows, text in ((corpus.train, train.read_bytes()), (corpus.val, held.read_bytes())):
+        x, y, _ = rows.draw(torch.arange(len(rows)))
+        for i in range(len(rows)):
+            assert bytes(x[i].tolist()) == text[33 * i : 33 * i + 33]
+            assert bytes(y[i].tolist()) == text[33 * i + 1 : 33 * i + 34]
