@@ -161,8 +161,8 @@ def test_bad_input_stops_before_workers(folders, rows, tmp_path, capsys) -> None
     capsys.readouterr()  # transformers' progress bar
     bad_row = write_jsonl(tmp_path / "bad.jsonl", [*EXAMPLES[:2], {"instruction": "x"}])
     cases = [
-        (["--checkpoint", str(tmp_path), "--init-from", llama, *alpaca],
-         "--checkpoint names the model; leave out --init-from"),
+        (["--checkpoint", str(tmp_path), "--model", "tiny-llama", *alpaca],
+         "--checkpoint names the model; leave out --model"),
         (alpaca, "plait eval needs a model: --init-from HF_DIR or --checkpoint CK"),
         (["--init-from", str(tmp_path / "nowhere"), *alpaca], "nowhere is not a folder"),
         (["--init-from", str(bare), *alpaca], "--format alpaca needs a tokenizer"),

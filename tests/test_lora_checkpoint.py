@@ -190,6 +190,9 @@ def test_exports_that_mean_nothing_are_refused(runs, tmp_path, capsys) -> None:
     ck = str(store.step_dir(tmp_path / "plain", 1))
     assert main(["export", "--checkpoint", ck, "--merge", "--out", out]) == 2
     assert "has no LoRA adapters to merge" in capsys.readouterr().err
+    assert main(["export", "--checkpoint", ck, "--out", out, "--init-from", str(tmp_path)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"holds its whole model (no LoRA adapters): --init-from {tmp_path} names no base" in err
     assert not Path(out).exists()
 
 

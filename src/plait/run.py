@@ -6,6 +6,7 @@ Every rank executes the same code; only rank 0 shows progress and writes files.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 from functools import partial
@@ -156,7 +157,7 @@ class Run:
         """Whether `val_loss` after `done` steps is the best so far (kept in the trainer
         state, so a resumed run compares with the validations before it)."""
         best = self.trainer.best
-        if best is not None and not val_loss < best["val_loss"]:
+        if not math.isfinite(val_loss) or (best is not None and not val_loss < best["val_loss"]):
             return False
         self.trainer.best = {"step": done, "val_loss": val_loss}
         self.summary.best_step, self.summary.best_val_loss = done, val_loss

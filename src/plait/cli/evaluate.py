@@ -5,7 +5,8 @@ folder, written in any layout); the data is prepared shards (text or examples) o
 `--format alpaca|chat` files are prepared here, before any worker starts, into a temporary
 examples folder with the same code as `plait data prepare` (the tokenizer defaults to the
 model's), and `--format text` reads text as `plait train` does. Every layout flag of `plait
-train` applies; the global batch is one micro-batch per replica.
+train` applies; the global batch is one micro-batch per replica; a flag only training reads
+is refused (`TRAIN_ONLY`). A LoRA checkpoint's base that moved is `--init-from NEWDIR`.
 """
 
 from __future__ import annotations
