@@ -142,7 +142,10 @@ def test_summary_shows_trainable_parameters_and_target_tokens_per_second() -> No
     s = RunSummary("dp=1", 1000, 3, 64, 1.0, 1.5, 2.0, step_times=[9.0, 0.5, 0.25],
                    trainable_params=40, step_targets=[1, 30, 15], best_step=2,
                    best_val_loss=1.25, best_checkpoint="o/checkpoints/step-2")  # fmt: skip
-    assert s.target_tokens_per_s == pytest.approx(45 / 0.75)  # the first step left out
+    assert s.target_tokens_per_s == pytest.approx((30 + 15) / 2 / 0.375)  # not the first step
+    text = RunSummary("dp=1", 1000, 3, 64, 1.0, 1.5, 2.0, step_times=[9.0, 0.5, 0.25, 0.3],
+                      step_targets=[64] * 4)  # fmt: skip
+    assert text.target_tokens_per_s == pytest.approx(text.tokens_per_s)  # every token a target
     console = Console(record=True, width=200)
     console.print(summary_table(s))
     text = console.export_text()

@@ -126,14 +126,14 @@ class RunSummary:
 
     @property
     def target_tokens_per_s(self) -> float:
-        """Target tokens (those the loss counts: an instruction run's responses) per second
-        over the timed steps after the first, which pays for warm-up."""
-        if len(self.step_targets) != len(self.step_times):  # not counted (a summary by hand)
-            return float("nan")
-        pairs = list(zip(self.step_targets, self.step_times, strict=True))
-        pairs = pairs[1:] or pairs
-        seconds = sum(t for _, t in pairs)
-        return sum(n for n, _ in pairs) / seconds if seconds > 0 else float("nan")
+        """Target tokens (those the loss counts: an instruction run's responses) per second:
+        their mean per step over the median step time, both without the first step (it pays
+        for warm-up), as `tokens_per_s` counts every token (equal on text, where every token
+        is a target)."""
+        if not self.step_targets or len(self.step_targets) != len(self.step_times):
+            return float("nan")  # not counted (a summary built by hand)
+        targets = self.step_targets[1:] or self.step_targets
+        return statistics.fmean(targets) / self.median_step_s
 
     @property
     def mfu(self) -> float | None:
