@@ -39,4 +39,4 @@ def evaluate(argv: list[str], capsys) -> dict:
     code = main(["eval", *argv, "--json", "--device", "cpu"])  # micro-batch: the rows
     out = capsys.readouterr()
     assert code == 0, out.err[-3000:]
-    return json.loads(out.out)
+    return {**json.loads(out.out), "stderr": out.err}

@@ -7,11 +7,13 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from plait.cli import config_from_args, main
 from plait.cli.dispatch import build_parser
-from plait.config import Config
+from plait.config import Config, derive_steps
+from plait.data.packing import plan_rows, val_split
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.toml"))
@@ -23,6 +25,19 @@ LORA = ROOT / "configs" / "lora-llama-7b.toml"
 def estimate_config(*argv: str) -> Config:
     """The config `plait estimate ARGV` runs (the data is not read, as estimate does not)."""
     return config_from_args(build_parser().parse_args(["estimate", *argv]), check_data=False)
+
+
+def recipe_steps(cfg: Config) -> int:
+    """The steps `plait train` derives from the recipe's --epochs over alpaca_data.json's
+    52,002 examples (each shorter than a row, as at 512 tokens): the split and rows that
+    `check_examples` counts, then `derive_steps`, the arithmetic a run prints first."""
+    d, t = cfg.data, cfg.train
+    lengths = np.full(ALPACA_EXAMPLES, 200, dtype=np.int64)
+    train_ids, _ = val_split(ALPACA_EXAMPLES, d.val_fraction)
+    rows = plan_rows(train_ids, lengths[train_ids], lengths[train_ids] // 2, t.seq_len, d.pack,
+                     d.long).rows  # fmt: skip
+    derive_steps(t, rows)
+    return t.steps
 
 
 def test_the_configs_folder_holds_the_recipes() -> None:
@@ -46,9 +61,11 @@ def test_alpaca_recipe_is_stanfords() -> None:
     assert (m.n_layers, m.d_model, m.n_heads, m.vocab_size) == (32, 4096, 32, 32000)
     assert (par.dp, par.zero, par.precision, par.tp, par.pp) == (4, 3, "bf16", 1, 1)
     assert (t.micro_batch, cfg.accumulation, t.global_batch, t.seq_len) == (4, 8, 128, 512)
-    assert t.steps == 3 * (ALPACA_EXAMPLES // t.global_batch) == 1218
-    assert t.warmup_steps == math.ceil(0.03 * t.steps)
-    assert (t.lr, t.min_lr, t.weight_decay, t.beta2) == (2e-5, 0.0, 0.0, 0.999)
+    assert recipe_steps(cfg) == 3 * (ALPACA_EXAMPLES // t.global_batch) == 1218
+    assert t.warmup_steps == math.ceil(0.03 * 1218) == 37
+    assert (t.lr, t.lr_schedule, t.min_lr, t.weight_decay, t.beta2) == (
+        2e-5, "cosine", 0.0, 0.0, 0.999
+    )  # fmt: skip
 
 
 def test_alpaca_recipe_fits_stanfords_80_gib_gpus(capsys) -> None:
@@ -74,8 +91,8 @@ def test_lora_recipe_is_alpaca_loras() -> None:
     assert (m.lora_rank, m.lora.scaling, m.lora_dropout) == (8, 2.0, 0.05)
     assert (par.dp, par.zero, par.precision, par.base_dtype) == (4, 2, "bf16", "auto")
     assert (t.micro_batch, cfg.accumulation, t.global_batch, t.seq_len) == (4, 8, 128, 256)
-    assert t.steps == 3 * ((ALPACA_EXAMPLES - 2000) // t.global_batch) == 1170
-    assert (t.lr, t.warmup_steps, t.min_lr) == (3e-4, 100, 0.0)
+    assert recipe_steps(cfg) == 3 * ((ALPACA_EXAMPLES - 2000) // t.global_batch) == 1170
+    assert (t.lr, t.lr_schedule, t.warmup_steps, t.min_lr) == (3e-4, "linear", 100, 0.0)
 
 
 def test_lora_recipe_fits_24_gib_and_its_base_dominates_the_states(capsys) -> None:

@@ -161,8 +161,8 @@ def test_bad_input_stops_before_workers(folders, rows, tmp_path, capsys) -> None
     capsys.readouterr()  # transformers' progress bar
     bad_row = write_jsonl(tmp_path / "bad.jsonl", [*EXAMPLES[:2], {"instruction": "x"}])
     cases = [
-        (["--checkpoint", str(tmp_path), "--init-from", llama, *alpaca],
-         "--checkpoint names the model; leave out --init-from"),
+        (["--checkpoint", str(tmp_path), "--model", "tiny-llama", *alpaca],
+         "--checkpoint names the model; leave out --model"),
         (alpaca, "plait eval needs a model: --init-from HF_DIR or --checkpoint CK"),
         (["--init-from", str(tmp_path / "nowhere"), *alpaca], "nowhere is not a folder"),
         (["--init-from", str(bare), *alpaca], "--format alpaca needs a tokenizer"),
@@ -177,9 +177,23 @@ def test_bad_input_stops_before_workers(folders, rows, tmp_path, capsys) -> None
         (["--init-from", llama, "--data", str(tmp_path / "missing.jsonl"), "--format", "alpaca"],
          "missing.jsonl"),
         (["--init-from", llama, "--data", str(bad_row), "--format", "alpaca"], "bad.jsonl:3"),
+        *[([*flags, "--init-from", llama, *alpaca], f"{flags[0]} is a training flag; plait eval "
+           "trains nothing") for flags in (["--lr", "1e-4"], ["--steps", "3"], ["--no-save"],
+                                          ["--epochs", "1"], ["--eval-data", str(rows)],
+                                          ["--keep-best"], ["--out", "o"], ["--global-batch", "2"],
+                                          ["--val-fraction", "0.5"])],
     ]  # fmt: skip
     for argv, message in cases:
         assert message in _bad(argv, capsys), argv
+
+
+def test_eval_shows_its_progress(folders, rows, capsys) -> None:
+    """Rank 0's bar on stderr, labelled eval, run to its end; --json's stdout stays JSON."""
+    got = evaluate(["--init-from", str(folders["llama"]), "--data", str(rows), "--format",
+                    "alpaca", "--seq-len", str(SEQ), "--micro-batch", "1"], capsys)  # fmt: skip
+    assert got["rows"] > 1
+    assert got["stderr"].startswith("eval ")
+    assert f" {got['rows']}/{got['rows']} micro-batches per replica" in got["stderr"]
 
 
 ONE_STEP = ["--steps", "1", "--global-batch", "1", "--micro-batch", "1", "--eval-batches", "1",

@@ -190,6 +190,9 @@ def test_exports_that_mean_nothing_are_refused(runs, tmp_path, capsys) -> None:
     ck = str(store.step_dir(tmp_path / "plain", 1))
     assert main(["export", "--checkpoint", ck, "--merge", "--out", out]) == 2
     assert "has no LoRA adapters to merge" in capsys.readouterr().err
+    assert main(["export", "--checkpoint", ck, "--out", out, "--init-from", str(tmp_path)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"holds its whole model (no LoRA adapters): --init-from {tmp_path} names no base" in err
     assert not Path(out).exists()
 
 
@@ -234,3 +237,39 @@ def test_eval_of_a_lora_checkpoint_is_the_merged_models(runs, tmp_path) -> None:
     lora = _eval(["--checkpoint", str(runs["gpt2"]), *flags], tmp_path)
     plain = _eval(["--init-from", str(merged), *flags], tmp_path)
     assert lora == pytest.approx(plain, rel=1e-5)
+
+
+def test_a_moved_base_is_named_again_with_init_from(tmp_path, capsys) -> None:
+    """The base folder moved after training: reading the checkpoint says how to name it;
+    `--init-from NEWDIR` (the same SHA-256) gives `generate`, `eval` and `export --merge` the
+    figures they gave before the move, and a resumed run the same losses; a folder of other
+    weights is refused naming both."""
+    orig, new = tmp_path / "orig", tmp_path / "new"
+    save(gpt2_config(), orig)
+    _phase(str(orig), {}, 1, save_to=str(tmp_path / "run"))
+    ck = str(store.step_dir(tmp_path / "run", 1))
+    text = tmp_path / "text.txt"
+    text.write_text("The adapters live beside a frozen base; the base is named. " * 40)
+    flags = ["--data", str(text), "--seq-len", "32", "--no-progress"]
+    gen = ["generate", "--checkpoint", ck, "--prompt", "The base", "--max-new-tokens", "4"]
+    before = (_eval(["--checkpoint", ck, *flags], tmp_path), main(gen), capsys.readouterr().out)
+    resumed = _phase(str(orig), {}, 2, load=ck)
+    orig.rename(new)
+    with pytest.raises(ConfigError, match="give its new place with --init-from NEWDIR"):
+        inspect.load_model(Path(ck))
+    moved = ["--init-from", str(new)]
+    assert _eval(["--checkpoint", ck, *moved, *flags], tmp_path) == before[0]
+    assert (main([*gen, *moved]), capsys.readouterr().out) == before[1:]
+    out = tmp_path / "merged"
+    assert main(["export", "--checkpoint", ck, "--merge", "--out", str(out), *moved]) == 0
+    assert _phase(str(new), {}, 2, load=ck) == resumed
+    save(gpt2_config(), tmp_path / "other", seed=3)
+    capsys.readouterr()  # transformers' progress bar
+    argv = ["export", "--checkpoint", ck, "--merge", "--out", str(tmp_path / "x")]
+    assert main([*argv, "--init-from", str(tmp_path / "other")]) == 2
+    err = " ".join(capsys.readouterr().err.split())  # rich wraps at its width
+    assert f"--init-from {tmp_path / 'other'} holds other weights (sha256" in err
+    assert f"the adapters of checkpoint '{ck}' were trained on, --init-from {orig} (sha" in err
+    assert main([*gen, "--init-from", str(tmp_path / "nowhere")]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "nowhere is not a folder (the base model's new place)" in err

@@ -123,3 +123,49 @@ def test_set_lr_sets_every_group() -> None:
     opt = build_optimizer(Tiny(), TrainConfig())
     set_lr(opt, 0.123)
     assert [g["lr"] for g in opt.param_groups] == [0.123, 0.123]
+
+
+# --- the schedules against transformers' ---------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["cosine", "linear", "constant"])
+@pytest.mark.parametrize("warmup", [0, 7])
+def test_schedules_are_transformers_with_warmup_one_step_ahead(kind: str, warmup: int) -> None:
+    """transformers' get_{kind}_schedule_with_warmup for the same step counts (a test
+    reference only): with min_lr 0 (theirs decays to 0) every step after the warmup is
+    theirs exactly, and warmup step k is their step k + 1 (plait's first step learns)."""
+    from transformers import (
+        get_constant_schedule_with_warmup,
+        get_cosine_schedule_with_warmup,
+        get_linear_schedule_with_warmup,
+    )
+
+    steps, lr = 60, 1e-3
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=lr)
+    if kind == "constant":
+        ref = get_constant_schedule_with_warmup(opt, warmup)
+    else:
+        make = (
+            get_cosine_schedule_with_warmup if kind == "cosine" else get_linear_schedule_with_warmup
+        )
+        ref = make(opt, warmup, steps)
+    factor = ref.lr_lambdas[0]
+    theirs = [lr * factor(k) for k in range(steps + 2)]
+    cfg = sched(steps=steps, warmup_steps=warmup, lr=lr, min_lr=0.0, lr_schedule=kind)
+    ours = [lr_at(k, cfg) for k in range(steps + 1)]
+    expected = [theirs[k + 1] if k < warmup else theirs[k] for k in range(steps + 1)]
+    assert ours == pytest.approx(expected, rel=1e-12, abs=1e-18)
+
+
+def test_linear_and_constant_with_a_floor() -> None:
+    """min_lr is where linear ends (as cosine's); constant holds lr after the warmup."""
+    cfg = sched(lr_schedule="linear")  # warmup 10 of 100 steps, lr 1e-3 down to 1e-4
+    assert lr_at(55, cfg) == pytest.approx(1e-4 + (1e-3 - 1e-4) * (1 - 45 / 90))
+    assert lr_at(100, cfg) == pytest.approx(1e-4) == lr_at(500, cfg)
+    decay = [lr_at(s, cfg) for s in range(10, 101)]
+    steps = [a - b for a, b in itertools.pairwise(decay)]
+    assert steps == pytest.approx([(1e-3 - 1e-4) / 90] * 90)  # a straight line
+    cfg = sched(lr_schedule="constant")
+    assert [lr_at(s, cfg) for s in (0, 9, 10, 99, 400)] == pytest.approx(
+        [1e-4, 1e-3, 1e-3, 1e-3, 1e-3]
+    )

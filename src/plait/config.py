@@ -9,8 +9,10 @@ and raises ConfigError with the offending values.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from importlib.util import find_spec
+from pathlib import Path
 from typing import Any
 
 from plait.composition import (
@@ -28,6 +30,7 @@ from plait.data import data_tokenizer, split_windows, stream_length
 from plait.data.batches import check_loss_average
 from plait.data.examples import check_examples, is_examples_dir
 from plait.data.packing import LONG
+from plait.data.split import whole_stream
 from plait.device import cuda_available, device_kind
 from plait.domain import Domain, above, at_least, check_fields, fraction
 from plait.errors import ConfigError
@@ -187,6 +190,13 @@ class DataConfig:
             "help": "share held out for validation, evenly spaced through the data",
         },
     )
+    eval_data: str | None = field(
+        default=None,
+        metadata={
+            "help": "a separate validation set, prepared as --data is (an examples folder, "
+            "shards or text, the same tokenizer); then --data trains whole, nothing held out"
+        },
+    )
     tokenizer: str | None = field(
         default=None,
         metadata={"help": "tokenizer.json or Hugging Face tokenizer folder; default: bytes"},
@@ -211,11 +221,26 @@ class DataConfig:
     )
 
 
+LR_SCHEDULES = ("cosine", "linear", "constant")
+"""`--lr-schedule`: what follows the warmup (optim.lr_at; transformers' schedulers' names)."""
+
+
 @dataclass
 class TrainConfig:
     """The optimization loop."""
 
-    steps: int = field(default=600, metadata={"domain": at_least(1), "help": "optimizer steps"})
+    steps: int = field(
+        default=600,
+        metadata={"domain": at_least(1), "help": "optimizer steps (or derived from --epochs)"},
+    )
+    epochs: int = field(
+        default=0,
+        metadata={
+            "domain": at_least(0),
+            "help": "passes over the training rows: steps = epochs x (rows // global batch), "
+            "printed before training; 0 = --steps",
+        },
+    )
     micro_batch: int = field(
         default=8, metadata={"domain": at_least(1), "help": "sequences per micro-batch per rank"}
     )
@@ -230,12 +255,27 @@ class TrainConfig:
         default=128, metadata={"domain": at_least(1), "help": "tokens per sequence"}
     )
     lr: float = field(default=3e-3, metadata={"domain": above(0), "help": "peak learning rate"})
+    lr_schedule: str = field(
+        default="cosine",
+        metadata={"help": "after the warmup: cosine or linear decay to --min-lr, or constant (lr)"},
+    )
     min_lr: float = field(
         default=3e-4,
-        metadata={"domain": at_least(0, float), "help": "learning rate at the end of cosine"},
+        metadata={
+            "domain": at_least(0, float),
+            "help": "learning rate at the end of the cosine or linear decay",
+        },
     )
     warmup_steps: int = field(
         default=30, metadata={"domain": at_least(0), "help": "linear warmup steps"}
+    )
+    warmup_ratio: float = field(
+        default=0.0,
+        metadata={
+            "domain": fraction(),
+            "help": "warmup as a share of the steps: warmup_steps = ceil(ratio x steps), as "
+            "transformers rounds; 0 = --warmup-steps",
+        },
     )
     weight_decay: float = field(
         default=0.1, metadata={"domain": at_least(0, float), "help": "AdamW decay (matrices only)"}
@@ -260,6 +300,13 @@ class TrainConfig:
     )
     eval_batches: int = field(
         default=4, metadata={"domain": at_least(1), "help": "global batches per validation"}
+    )
+    keep_best: bool = field(
+        default=False,
+        metadata={
+            "help": "checkpoint each validation that improves the loss and keep the best "
+            "(OUT/checkpoints/best.json names it; pruning spares it)"
+        },
     )
     seed: int = field(
         default=0,
@@ -491,6 +538,7 @@ def validate_config(cfg: Config, check_data: bool = True) -> None:
     check_activation_offload(par.offload_activations)
     if t.min_lr > t.lr:
         raise ConfigError(f"need min_lr <= lr; got lr={t.lr}, min_lr={t.min_lr}")
+    _check_run_length(t)
     check_pipeline(
         cfg.model.n_layers,
         par.pp,
@@ -536,7 +584,33 @@ def validate_config(cfg: Config, check_data: bool = True) -> None:
             f"model.vocab_size {cfg.model.vocab_size} is smaller than the byte tokenizer's 256"
         )
     if check_data:
-        _validate_corpus(cfg)
+        derive_steps(t, _validate_corpus(cfg))
+
+
+def _check_run_length(t: TrainConfig) -> None:
+    """The schedule's name, and --keep-best's needs: checkpoints, and validations to pick
+    from (with --eval-every 0 the last step's alone, which the last checkpoint already is)."""
+    if t.lr_schedule not in LR_SCHEDULES:
+        raise ConfigError(
+            f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}; got {t.lr_schedule!r}"
+        )
+    if t.keep_best and not t.save:
+        raise ConfigError("--keep-best keeps a checkpoint, but --no-save writes none; drop one")
+    if t.keep_best and not t.eval_every:
+        raise ConfigError(
+            "--keep-best picks among validations, but --eval-every 0 validates only the last "
+            "step; give --eval-every N"
+        )
+
+
+def derive_steps(t: TrainConfig, train_rows: int) -> None:
+    """--epochs N: steps = N x the full global batches in the training rows (the sampler's
+    epoch: a remainder smaller than a batch is dropped); --warmup-ratio: warmup_steps =
+    ceil(ratio x steps), as transformers rounds it. Idempotent (a run validated twice)."""
+    if t.epochs:
+        t.steps = t.epochs * (train_rows // t.global_batch)
+    if t.warmup_ratio:
+        t.warmup_steps = math.ceil(t.warmup_ratio * t.steps)
 
 
 def config_warnings(cfg: Config) -> list[str]:
@@ -562,22 +636,53 @@ def config_warnings(cfg: Config) -> list[str]:
     return out
 
 
-def _validate_corpus(cfg: Config) -> None:
+def _validate_corpus(cfg: Config) -> int:
+    """The data gives one global batch of training rows and a validation; returns the
+    training rows (what --epochs counts)."""
     t, d = cfg.train, cfg.data
+    if d.eval_data is not None:
+        _check_eval_data(d)
     if is_examples_dir(d.path):  # rows from the index alone: no token is read here
-        check_examples(d.path, t.seq_len, d.val_fraction, d.pack, d.long, t.global_batch,
-                       t.init_from)  # fmt: skip
-        return
+        train, _ = check_examples(d.path, t.seq_len, d.val_fraction, d.pack, d.long,
+                                  t.global_batch, t.init_from, d.eval_data)  # fmt: skip
+        return train
     available = stream_length(cfg.data.path, cfg.data.tokenizer, cfg.data.max_bytes)
     source = cfg.data.path or "the default corpus"
     unit = "bytes" if cfg.data.tokenizer_hash is None else "tokens"
     if available == 0:
         raise ConfigError(f"corpus {source!r} holds no text (empty and binary files are skipped)")
-    split = split_windows(available, t.seq_len, d.val_fraction)  # the split a run makes
-    train_windows, val_windows = split.train.windows, split.val.windows
+    if d.eval_data is not None:
+        train_windows = whole_stream(available, t.seq_len).windows
+        held = stream_length(d.eval_data, d.tokenizer, d.max_bytes)
+        val_windows = whole_stream(held, t.seq_len).windows
+    else:
+        split = split_windows(available, t.seq_len, d.val_fraction)  # the split a run makes
+        train_windows, val_windows = split.train.windows, split.val.windows
     if train_windows < t.global_batch or val_windows < 1:
+        where = f" (--eval-data {d.eval_data})" if d.eval_data is not None else ""
         raise ConfigError(
             f"corpus {source!r} has {available} {unit}: {train_windows} training and "
-            f"{val_windows} validation sequences of seq_len {t.seq_len}, but one global batch "
-            f"needs {t.global_batch} training sequences and validation at least 1"
+            f"{val_windows} validation sequences{where} of seq_len {t.seq_len}, but one global "
+            f"batch needs {t.global_batch} training sequences and validation at least 1"
+        )
+    return train_windows
+
+
+def _check_eval_data(d: DataConfig) -> None:
+    """--eval-data is prepared as --data is: both examples folders or both text, and the
+    same tokenizer (its losses must be in the model's tokens)."""
+    if not Path(d.eval_data).exists():
+        raise ConfigError(f"--eval-data {d.eval_data} does not exist")
+    if is_examples_dir(d.path) != is_examples_dir(d.eval_data):
+        kinds = {True: "an examples folder (data prepare --format alpaca|chat)", False: "text"}
+        raise ConfigError(
+            f"--eval-data {d.eval_data} is {kinds[is_examples_dir(d.eval_data)]}, but --data "
+            f"{d.path} is {kinds[is_examples_dir(d.path)]}; prepare both the same way"
+        )
+    ours = data_tokenizer(d.path, d.tokenizer)
+    theirs = data_tokenizer(d.eval_data, d.tokenizer)
+    if ours.identity != theirs.identity:
+        raise ConfigError(
+            f"--eval-data {d.eval_data} was made with tokenizer {theirs.name}, --data "
+            f"{d.path} with {ours.name}; prepare both with the same --tokenizer"
         )

@@ -21,9 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from rich.console import Console
 
 from plait.config import Config
-from plait.data.batches import Corpus
+from plait.data.batches import Corpus, MicroBatch
 from plait.data.examples import ExampleRows, ExampleStore, is_examples_dir
 from plait.data.packing import plan_rows
 from plait.data.sampler import Rows, TokenWindows
@@ -31,6 +32,7 @@ from plait.data.stream import load_stream
 from plait.errors import ConfigError
 from plait.mesh import Mesh
 from plait.step import evaluate_totals
+from plait.telemetry import make_progress
 from plait.train import Trainer
 
 
@@ -74,6 +76,33 @@ def fit_rows(cfg: Config, made: EvalRows) -> None:
     cfg.train.global_batch = cfg.train.micro_batch * dp
 
 
+PROGRESS_STEPS = 100
+"""How many pieces `plait eval` splits its micro-batches into, to show its progress."""
+
+
+def _totals(trainer: Trainer, batches: list[MicroBatch], show: bool) -> tuple[float, int]:
+    """(summed target loss, target tokens) of every replica's `batches`, a piece at a time
+    (every replica holds as many micro-batches, so the pieces' exchanges pair up), with a
+    progress bar of a replica's micro-batches on rank 0 when `show`."""
+    piece = max(1, math.ceil(len(batches) / PROGRESS_STEPS))
+    progress = make_progress(Console(stderr=True), len(batches), "eval") if show else None
+    loss_sum, targets = 0.0, 0
+    if progress:
+        task = progress.add_task("eval", total=len(batches), info="micro-batches per replica")
+        progress.start()
+    try:
+        for at in range(0, len(batches), piece):
+            chunk = batches[at : at + piece]
+            s, n = evaluate_totals(trainer.model, chunk, trainer.comm, trainer.pipeline)
+            loss_sum, targets = loss_sum + s, targets + n
+            if progress:
+                progress.update(task, advance=len(chunk))
+    finally:
+        if progress:
+            progress.stop()
+    return loss_sum, targets
+
+
 def eval_worker(cfg: Config, mesh: Mesh, checkpoint: str | None, result: str) -> dict:
     """One rank's share; rank 0 writes the figures to `result` (a JSON file) and returns them."""
     made = eval_rows(cfg)
@@ -84,8 +113,7 @@ def eval_worker(cfg: Config, mesh: Mesh, checkpoint: str | None, result: str) ->
             trainer.load_weights(Path(checkpoint))
         per_step = cfg.train.global_batch
         batches = trainer.batches.validation(math.ceil(len(made.rows) / per_step))
-        loss_sum, targets = evaluate_totals(trainer.model, batches, trainer.comm,
-                                            trainer.pipeline)  # fmt: skip
+        loss_sum, targets = _totals(trainer, batches, mesh.rank == 0 and cfg.train.progress)
     finally:
         trainer.close()
     loss = loss_sum / max(targets, 1)

@@ -6,6 +6,7 @@ Every rank executes the same code; only rank 0 shows progress and writes files.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 from functools import partial
@@ -16,7 +17,7 @@ import torch
 from rich.console import Console
 
 from plait.checkpoint import inspect, store
-from plait.config import Config
+from plait.config import Config, TrainConfig
 from plait.data.batches import Corpus
 from plait.data.examples import ExampleStore, is_examples_dir
 from plait.data.packing import val_split
@@ -73,6 +74,8 @@ class Run:
         self.trainer = Trainer(cfg, mesh, corpus)
         if self.lead and self.trainer.corpus.report:  # instruction data: rows and packing
             self.console.print(self.trainer.corpus.report, highlight=False)
+        if self.lead and t.epochs:  # before the first step: what --epochs came to
+            self.console.print(epochs_line(t, len(self.trainer.corpus.train)), highlight=False)
         self._resume()
         keep = self.trainer.step if t.resume else None  # a resumed run continues its metrics
         self.log = MetricsLog(self.out, t.tensorboard, keep_before=keep) if self.lead else None
@@ -129,18 +132,36 @@ class Run:
         summary.comm_bytes_per_step = row["comm_bytes"]
         summary.model_state_bytes = row.get("model_state_bytes")
         done = summary.steps_done = result.step + 1
+        best = False
         if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
             pause_at("evaluate", f"rank{self.mesh.rank}")  # a test's signal comes here
             summary.val_loss = row["val_loss"] = self.trainer.evaluate()
             summary.val_step = done
-        if t.save_every and done % t.save_every == 0:
+            best = t.keep_best and self.improved(summary.val_loss, done)
+        if (t.save_every and done % t.save_every == 0) or best:
             row.update(self.save())
+        if best:
+            summary.best_checkpoint = str(store.step_dir(self.out, done))
+            if self.lead:  # after the save committed: the marker names a whole one
+                store.mark_best(self.out, done, summary.val_loss, t.keep_checkpoints)
+        if self.trainer.batches.target_tokens(result.step) is not None and not result.drain:
+            summary.step_targets.append(self.trainer.batches.target_tokens(result.step))
         if self.log:
             self.log.write(row)
         if self.progress:
             val = f" val {summary.val_loss:.3f}" if summary.val_loss is not None else ""
             info = f"loss {result.loss:.3f}{val} {summary.recent_tokens_per_s():,.0f} tok/s"
             self.progress.update(self.task, advance=1, info=info)
+
+    def improved(self, val_loss: float, done: int) -> bool:
+        """Whether `val_loss` after `done` steps is the best so far (kept in the trainer
+        state, so a resumed run compares with the validations before it)."""
+        best = self.trainer.best
+        if not math.isfinite(val_loss) or (best is not None and not val_loss < best["val_loss"]):
+            return False
+        self.trainer.best = {"step": done, "val_loss": val_loss}
+        self.summary.best_step, self.summary.best_val_loss = done, val_loss
+        return True
 
     def save(self) -> dict:
         """Checkpoint the steps done so far (every rank), say where and what it cost (rank
@@ -274,9 +295,15 @@ def _summary(
     cfg: Config, mesh: Mesh, trainer: Trainer, flops_per_token: int, peak: float | None
 ) -> RunSummary:
     bpe = data_tokenizer(cfg.data.path, cfg.data.tokenizer).path is not None
+    best = trainer.best or {}  # a resumed run's best so far
     return RunSummary(
         layout=mesh.layout.describe(),
         params=count_parameters(cfg.model),
+        trainable_params=count_parameters(cfg.model, trainable=True),
+        epochs=cfg.train.epochs,
+        best_step=best.get("step"),
+        best_val_loss=best.get("val_loss"),
+        best_checkpoint=str(store.step_dir(Path(cfg.train.out), best["step"])) if best else None,
         steps=cfg.train.steps,
         tokens_per_step=trainer.tokens_per_step,
         final_loss=float("nan"),
@@ -286,6 +313,16 @@ def _summary(
         peak_flops=peak,
         world_size=mesh.world_size,
         token_kind="BPE token" if bpe else "byte",
+    )
+
+
+def epochs_line(t: TrainConfig, rows: int) -> str:
+    """What --epochs came to (config.derive_steps), said before the first step."""
+    per = rows // t.global_batch
+    warmup = f"; warmup {t.warmup_steps} steps" if t.warmup_ratio else ""
+    return (
+        f"{t.epochs} epochs of {rows:,} training rows at global batch {t.global_batch}: "
+        f"{per:,} steps an epoch, {t.steps:,} steps{warmup}"
     )
 
 

@@ -5,6 +5,7 @@ lost when a run dies."""
 from __future__ import annotations
 
 import json
+import math
 import signal
 import statistics
 from dataclasses import dataclass, field
@@ -61,9 +62,10 @@ def _scalars(row: dict[str, Any], prefix: str = ""):
             yield from _scalars(value, prefix + key + "/")
 
 
-def make_progress(console: Console, total: int) -> Progress:
+def make_progress(console: Console, total: int, label: str = "train") -> Progress:
+    """The bar of `plait train` (and, labelled `eval`, of `plait eval`), on rank 0."""
     return Progress(
-        TextColumn("[bold]train"),
+        TextColumn(f"[bold]{label}"),
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn("{task.fields[info]}"),
@@ -100,6 +102,12 @@ class RunSummary:
     skipped_steps: int = 0  # optimizer steps skipped: fp16 overflow or --nan-policy skip
     sample: dict[str, str] | None = None  # {"prompt", "text"}: the trained model writing
     token_kind: str = "byte"  # what a token is: "byte", or "BPE token" with a tokenizer
+    trainable_params: int = 0  # the parameters the optimizer updates (LoRA: the adapters)
+    step_targets: list[int] = field(default_factory=list)  # target tokens of each timed step
+    best_step: int | None = None  # --keep-best: the steps done at the best validation
+    best_val_loss: float | None = None
+    best_checkpoint: str | None = None
+    epochs: int = 0  # --epochs (0: the steps were given)
 
     @property
     def median_step_s(self) -> float:
@@ -117,14 +125,27 @@ class RunSummary:
         return self.tokens_per_step / statistics.median(recent)
 
     @property
+    def target_tokens_per_s(self) -> float:
+        """Target tokens (those the loss counts: an instruction run's responses) per second:
+        their mean per step over the median step time, both without the first step (it pays
+        for warm-up), as `tokens_per_s` counts every token (equal on text, where every token
+        is a target)."""
+        if not self.step_targets or len(self.step_targets) != len(self.step_times):
+            return float("nan")  # not counted (a summary built by hand)
+        targets = self.step_targets[1:] or self.step_targets
+        return statistics.fmean(targets) / self.median_step_s
+
+    @property
     def mfu(self) -> float | None:
         if not self.peak_flops:
             return None
         return self.tokens_per_s * self.flops_per_token / (self.peak_flops * self.world_size)
 
     def as_dict(self) -> dict[str, Any]:
-        d = {k: v for k, v in vars(self).items() if k != "step_times"}
-        d.update(median_step_s=self.median_step_s, tokens_per_s=self.tokens_per_s, mfu=self.mfu)
+        d = {k: v for k, v in vars(self).items() if k not in ("step_times", "step_targets")}
+        targets = self.target_tokens_per_s
+        d.update(median_step_s=self.median_step_s, tokens_per_s=self.tokens_per_s, mfu=self.mfu,
+                 target_tokens_per_s=targets if math.isfinite(targets) else None)  # fmt: skip
         return d
 
 
@@ -132,12 +153,14 @@ def summary_table(s: RunSummary) -> Table:
     table = Table(title="plait run summary", show_header=False)
     table.add_row("layout", s.layout)
     table.add_row("parameters", f"{s.params:,}")
+    share = s.trainable_params / s.params if s.params else 0.0
+    table.add_row("trainable parameters", f"{s.trainable_params:,} ({share:.2%})")
     stopped = s.stopped_by is not None
     if stopped:
         name = signal.Signals(s.stopped_by).name
         table.add_row("steps", f"{s.steps_done} of {s.steps} (stopped by {name})")
     else:
-        table.add_row("steps", str(s.steps))
+        table.add_row("steps", str(s.steps) + (f" ({s.epochs} epochs)" if s.epochs else ""))
     if s.restarts:
         table.add_row("restarts", f"{s.restarts} (from the newest checkpoint)")
     if s.skipped_steps:
@@ -151,8 +174,14 @@ def summary_table(s: RunSummary) -> Table:
         when = f" (after step {s.val_step})" if s.val_step not in (None, s.steps_done) else ""
         line = f"{s.val_loss:.4f}: {abs(gap):.3f} {verdict} baseline{when}"
         table.add_row("validation loss", line)
+    if s.best_step is not None:
+        where = f" ({s.best_checkpoint})" if s.best_checkpoint else ""
+        table.add_row("best validation", f"{s.best_val_loss:.4f} after step {s.best_step}{where}")
     table.add_row("median step", f"{s.median_step_s * 1e3:.1f} ms")
     table.add_row("throughput", f"{s.tokens_per_s:,.0f} tokens/s")
+    if math.isfinite(s.target_tokens_per_s):
+        targets = f"{s.target_tokens_per_s:,.0f} tokens/s (those the loss counts)"
+        table.add_row("target tokens", targets)
     flops = s.tokens_per_s * s.flops_per_token
     mfu = f" (MFU {s.mfu:.1%})" if s.mfu is not None else ""
     table.add_row("model FLOP/s", f"{flops / 1e9:.2f} GFLOP/s{mfu}")

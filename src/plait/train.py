@@ -29,6 +29,7 @@ from plait.data.batches import Corpus, StepBatches
 from plait.data.examples import example_corpus, is_examples_dir
 from plait.data.sampler import TokenWindows
 from plait.data.shards import ShardStream
+from plait.data.split import whole_stream
 from plait.mesh import Mesh
 from plait.mixed_precision import parse_base_dtype, parse_precision
 from plait.models.architecture import ModelConfig
@@ -110,9 +111,12 @@ def load_corpus(cfg: Config) -> Corpus:
     model and the loss rule consume; every rank builds the same rows)."""
     d = cfg.data
     if is_examples_dir(d.path):
-        made = example_corpus(d.path, cfg.train.seq_len, d.val_fraction, d.pack, d.long)
+        made = example_corpus(d.path, cfg.train.seq_len, d.val_fraction, d.pack, d.long,
+                              d.eval_data)  # fmt: skip
         return Corpus(made.train, made.val, made.baseline, made.report)
     tokens = load_stream(d.path, d.tokenizer, d.max_bytes)
+    if d.eval_data is not None:
+        return corpus_with_eval(tokens, load_stream(d.eval_data, d.tokenizer, d.max_bytes), cfg)
     return corpus_from_tokens(tokens, cfg)
 
 
@@ -127,6 +131,20 @@ def corpus_from_tokens(tokens: np.ndarray | ShardStream, cfg: Config) -> Corpus:
     return Corpus(
         TokenWindows(tokens, seq, split.train), TokenWindows(tokens, seq, split.val), baseline
     )
+
+
+def corpus_with_eval(
+    tokens: np.ndarray | ShardStream, held: np.ndarray | ShardStream, cfg: Config
+) -> Corpus:
+    """Every window of `tokens` to train on, every window of `held` (`--eval-data`) to
+    validate on: nothing of the training stream is held out."""
+    seq = cfg.train.seq_len
+    tokens, held = (t if isinstance(t, ShardStream) or t.flags.writeable else t.copy()
+                    for t in (tokens, held))  # fmt: skip
+    train = whole_stream(len(tokens), seq)
+    baseline = unigram_entropy(baseline_sample(tokens, train))
+    return Corpus(TokenWindows(tokens, seq, train),
+                  TokenWindows(held, seq, whole_stream(len(held), seq)), baseline)  # fmt: skip
 
 
 def first_weights(cfg: Config) -> ValueSource:
@@ -204,6 +222,7 @@ class Trainer:
         self._step = Step(self.engine, runner, self.grad_rules, self.comm, t)
         self.step = 0
         self.base = ckpt_base.base_record(cfg.to_dict())  # a LoRA run's frozen base, named
+        self.best: dict[str, Any] | None = None  # --keep-best: {"step", "val_loss"} so far
 
     def _parallelize(self, model: Transformer) -> None:
         """On the meta model, in DESIGN's order: tensor parallel, then the pipeline split."""
@@ -280,6 +299,8 @@ class Trainer:
         }
         if self.base is not None:
             state["base"] = self.base
+        if self.best is not None:
+            state["best"] = self.best
         return state
 
     def save(self, out: Path, before_commit: Callable[[], None] | None = None) -> dict[str, float]:
@@ -298,6 +319,7 @@ class Trainer:
         state = self.load_weights(path)
         self.batches.sampler.load_state_dict(state["sampler"])
         self.step = state["step"]
+        self.best = state.get("best")
         if self.stream:  # 2BW: the stream goes on from the loaded versions
             self.stream.start_at(self.step)
 

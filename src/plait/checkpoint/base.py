@@ -19,7 +19,9 @@ there to catch.
 
 Reading a LoRA checkpoint's model (`inspect.read_params`: sampling at the end of a run,
 `generate`, `export`; `plait eval --checkpoint` builds its base the same way) takes the base
-from the recorded source, checked against the hash, and the adapters from the checkpoint.
+from the recorded source, checked against the hash, and the adapters from the checkpoint. A
+base folder that moved is named again with `--init-from NEWDIR` (`relocated`: the same hash
+is required), for `generate`, `eval`, `export --merge` and `train --resume` alike.
 """
 
 from __future__ import annotations
@@ -127,6 +129,26 @@ def check_same_adapters_and_base(path: Path, state: dict[str, Any], config: dict
         )
 
 
+def relocated(path: Path, base: dict[str, Any], folder: str) -> dict[str, Any]:
+    """The checkpoint's base read from `folder` (`--init-from NEWDIR`: the base folder moved):
+    the same record with the new place, once the folder's hash is the recorded one (a record
+    from before the hash is taken at its word). ConfigError naming both otherwise."""
+    if base["init_from"] is None:
+        raise ConfigError(
+            f"checkpoint {str(path)!r} holds adapters trained on {describe(base)}, not on a "
+            f"model folder: --init-from {folder} names no base of it; leave it out"
+        )
+    if not Path(folder).is_dir():
+        raise ConfigError(f"--init-from {folder} is not a folder (the base model's new place)")
+    found = folder_sha256(Path(folder))
+    if base["sha256"] and found != base["sha256"]:
+        raise ConfigError(
+            f"--init-from {folder} holds other weights (sha256 {found[:12]}...) than the base "
+            f"the adapters of checkpoint {str(path)!r} were trained on, {describe(base)}"
+        )
+    return {**base, "init_from": str(Path(folder).resolve()), "sha256": found}
+
+
 def check_available(path: Path, base: dict[str, Any]) -> None:
     """The recorded base folder is there and holds what it held (ConfigError naming both)."""
     if base["init_from"] is None:
@@ -135,7 +157,8 @@ def check_available(path: Path, base: dict[str, Any]) -> None:
     if not folder.is_dir():
         raise ConfigError(
             f"checkpoint {str(path)!r} holds LoRA adapters whose base {describe(base)} is not "
-            "there any more (the checkpoint names its base instead of copying it)"
+            "there any more (the checkpoint names its base instead of copying it); if it "
+            "moved, give its new place with --init-from NEWDIR"
         )
     found = folder_sha256(folder) if base["sha256"] else None
     if found is not None and found != base["sha256"]:

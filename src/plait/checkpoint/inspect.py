@@ -15,8 +15,15 @@ import torch
 from safetensors.torch import save_file
 
 from plait.checkpoint import store
-from plait.checkpoint.base import check_available, describe, saved_base, targets_text
+from plait.checkpoint.base import (
+    check_available,
+    describe,
+    relocated,
+    saved_base,
+    targets_text,
+)
 from plait.checkpoint.io import dcp_module, one_process_is_fine, saved_shapes
+from plait.errors import ConfigError
 from plait.models.architecture import ModelConfig
 from plait.models.declare import is_adapter
 from plait.models.hf.load import hf_source
@@ -74,23 +81,43 @@ def read_masters(path: Path) -> dict[str, torch.Tensor]:
     return {k.removeprefix("master/"): t.contiguous() for k, t in request.items()}
 
 
-def read_params(path: Path) -> dict[str, torch.Tensor]:
+def read_params(path: Path, base_folder: str | None = None) -> dict[str, torch.Tensor]:
     """Every parameter of the trained model, full fp32 under single-process names: the
     masters, and for a LoRA checkpoint (which holds only its adapters) the frozen base from
-    the source its trainer state records (checked against its hash first)."""
+    the source its trainer state records, or from `base_folder` where it moved (checked
+    against its hash first)."""
     path = _checked(path)
-    masters = read_masters(path)
     cfg, state = model_config(path), store.read_trainer(path)
-    base = saved_base(state)
+    base = checked_base(path, state, base_folder)
+    masters = read_masters(path)
     if base is None:
         return masters
-    check_available(path, base)
     source = _base_source(base, cfg)
     with torch.device("meta"):
         shapes = {canonical_name(cfg, n): tuple(p.shape)
                   for n, p in Transformer(cfg).named_parameters()}  # fmt: skip
     values = {n: source(n, s, None) for n, s in shapes.items() if not is_adapter(n)}
     return values | masters
+
+
+def checked_base(
+    path: Path, state: dict[str, Any], base_folder: str | None
+) -> dict[str, Any] | None:
+    """A checkpoint's base (None: no adapters), found where it was recorded or at
+    `base_folder` (`--init-from NEWDIR`), its hash checked; `base_folder` for a checkpoint
+    without adapters is refused (it holds its whole model)."""
+    base = saved_base(state)
+    if base is None:
+        if base_folder:
+            raise ConfigError(
+                f"checkpoint {str(path)!r} holds its whole model (no LoRA adapters): "
+                f"--init-from {base_folder} names no base of it; leave it out"
+            )
+        return None
+    if base_folder:
+        return relocated(path, base, base_folder)
+    check_available(path, base)
+    return base
 
 
 def _base_source(base: dict[str, Any], cfg: ModelConfig) -> ValueSource:
@@ -105,10 +132,11 @@ def model_config(path: Path) -> ModelConfig:
     return ModelConfig(**store.read_trainer(_checked(path))["config"]["model"])
 
 
-def load_model(path: Path) -> Transformer:
-    """The whole trained model in one process (CPU, fp32), from any layout's checkpoint."""
+def load_model(path: Path, base_folder: str | None = None) -> Transformer:
+    """The whole trained model in one process (CPU, fp32), from any layout's checkpoint (a
+    LoRA checkpoint's base from `base_folder` where it moved)."""
     cfg = model_config(path)
-    params = read_params(path)
+    params = read_params(path, base_folder)
     model = Transformer(cfg)
     fill_parameters(model, lambda name, shape, shard: params[canonical_name(cfg, name)])
     return model

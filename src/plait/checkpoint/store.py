@@ -140,9 +140,11 @@ def _read_json(path: Path, name: str) -> dict[str, Any]:
 
 
 KEPT = (("train", "global_batch"), ("train", "seq_len"), ("train", "seed"), ("data", "path"),
-        ("data", "max_bytes"), ("data", "val_fraction"), ("data", "tokenizer_hash"))  # fmt: skip
+        ("data", "max_bytes"), ("data", "val_fraction"), ("data", "tokenizer_hash"),
+        ("data", "eval_data"))  # fmt: skip
 """What a resumed run must share with the saved one besides the model: the global batch and
-the data, or the continued trajectory would not be the saved run's."""
+the data (its validation set too: `--keep-best` compares losses across the resume), or the
+continued trajectory would not be the saved run's."""
 
 
 ARCHITECTURE = ("n_layers", "d_model", "n_heads", "n_kv_heads", "norm", "mlp", "pos")
@@ -204,8 +206,32 @@ def check_resumable(path: Path, config: dict[str, Any]) -> dict[str, Any]:
 
 
 def prune(out: Path, keep: int) -> None:
-    """Remove all but the newest `keep` committed checkpoints (and older partial ones)."""
+    """Remove all but the newest `keep` committed checkpoints (and older partial ones); the
+    best one (`--keep-best`, `best.json`) is spared."""
     root = out / "checkpoints"
     done = [p for p in sorted(root.glob("step-*"), key=_step_of) if committed(p)]
+    best = read_best(out)
     for path in done[:-keep] if keep > 0 else []:
-        shutil.rmtree(path, ignore_errors=True)
+        if best is None or path.name != Path(best["checkpoint"]).name:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+BEST = "best.json"
+"""`OUT/checkpoints/best.json`: the checkpoint of the best validation loss (`--keep-best`)."""
+
+
+def mark_best(out: Path, step: int, val_loss: float, keep: int) -> Path:
+    """Name `step`'s committed checkpoint the best (written whole or not at all), then prune
+    what the marker no longer spares; returns the checkpoint's folder."""
+    path = step_dir(out, step)
+    tmp = out / "checkpoints" / (BEST + ".tmp")
+    tmp.write_text(json.dumps({"step": step, "val_loss": val_loss, "checkpoint": str(path)}))
+    tmp.replace(out / "checkpoints" / BEST)
+    prune(out, keep)
+    return path
+
+
+def read_best(out: Path) -> dict[str, Any] | None:
+    """The best checkpoint's record (step, val_loss, checkpoint), or None."""
+    file = out / "checkpoints" / BEST
+    return json.loads(file.read_text()) if file.is_file() else None

@@ -5,7 +5,8 @@ folder, written in any layout); the data is prepared shards (text or examples) o
 `--format alpaca|chat` files are prepared here, before any worker starts, into a temporary
 examples folder with the same code as `plait data prepare` (the tokenizer defaults to the
 model's), and `--format text` reads text as `plait train` does. Every layout flag of `plait
-train` applies; the global batch is one micro-batch per replica.
+train` applies; the global batch is one micro-batch per replica; a flag only training reads
+is refused (`TRAIN_ONLY`). A LoRA checkpoint's base that moved is `--init-from NEWDIR`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from pathlib import Path
 from rich.console import Console
 
 from plait.checkpoint import inspect, store
-from plait.checkpoint.base import check_available, saved_base
 from plait.cli.models import checkpoint_path, run_tokenizer
 from plait.cli.run_flags import add_run_flags, config_from_args
 from plait.config import Config
@@ -152,18 +152,17 @@ def _prepare_raw(args: argparse.Namespace, checkpoint: Path | None) -> Path | No
     return scratch
 
 
-def _adjust(checkpoint: Path | None) -> Callable[[Config], None]:
+def _adjust(checkpoint: Path | None, base_folder: str | None) -> Callable[[Config], None]:
     """What eval derives rather than takes: the checkpoint's model (before validation, which
-    checks --seq-len against it), a LoRA checkpoint's base (the folder it names, checked
-    against its hash, or its seed: the workers build it, then load the adapters), and one
-    micro-batch per replica as the global batch."""
+    checks --seq-len against it), a LoRA checkpoint's base (the folder it names or
+    `base_folder` where it moved, checked against its hash, or its seed: the workers build
+    it, then load the adapters), and one micro-batch per replica as the global batch."""
 
     def adjust(cfg: Config) -> None:
         if checkpoint is not None:
             cfg.model = inspect.model_config(checkpoint)
-            base = saved_base(store.read_trainer(checkpoint))
+            base = inspect.checked_base(checkpoint, store.read_trainer(checkpoint), base_folder)
             if base is not None:
-                check_available(checkpoint, base)
                 cfg.train.init_from = base["init_from"] or ""
                 cfg.train.init_from_sha256, cfg.train.seed = base["sha256"], base["seed"]
         cfg.train.global_batch = cfg.train.micro_batch * cfg.parallel.layout.dp
@@ -171,11 +170,41 @@ def _adjust(checkpoint: Path | None) -> Callable[[Config], None]:
     return adjust
 
 
+TRAIN_ONLY = (
+    "steps", "epochs", "global_batch", "lr", "lr_schedule", "min_lr", "warmup_steps",
+    "warmup_ratio", "weight_decay", "beta1", "beta2", "loss_average", "grad_clip", "eval_every",
+    "eval_batches", "keep_best", "out", "overwrite", "tensorboard", "save_every", "save",
+    "keep_checkpoints", "max_restarts", "resume", "peak_flops", "nan_policy", "trace",
+)  # fmt: skip
+"""[train] flags that only training reads: `plait eval` refuses them on its command line (a
+config file's [train] may hold them: a recipe evaluates as it is)."""
+DATA_TRAIN_ONLY = ("val_fraction", "eval_data")  # eval reads every row of --data
+
+
+def refuse_train_flags(args: argparse.Namespace) -> None:
+    """One line for the first training-only flag given: it would change nothing."""
+    given = [f"train.{k}" for k in TRAIN_ONLY] + [f"data.{k}" for k in DATA_TRAIN_ONLY]
+    for dest in given:
+        if hasattr(args, dest):
+            flag = "--" + dest.split(".", 1)[1].replace("_", "-")
+            if dest == "train.save" and not getattr(args, dest):
+                flag = "--no-save"
+            raise ConfigError(
+                f"{flag} is a training flag; plait eval trains nothing (it evaluates every row "
+                "of --data with one micro-batch per replica): leave it out"
+            )
+
+
 def check_request(args: argparse.Namespace) -> Request:
     """Everything checked before a worker starts; raw files prepared."""
+    refuse_train_flags(args)
     folder = _given(args, "train.init_from")
-    if args.checkpoint and (folder or args.preset):
-        raise ConfigError("--checkpoint names the model; leave out --init-from and --model")
+    if args.checkpoint and args.preset:
+        raise ConfigError("--checkpoint names the model; leave out --model")
+    base_folder = None
+    if args.checkpoint and folder:  # a LoRA checkpoint's base where it moved (_adjust)
+        base_folder, folder = folder, None
+        delattr(args, "train.init_from")
     if not (args.checkpoint or folder):
         raise ConfigError("plait eval needs a model: --init-from HF_DIR or --checkpoint CK")
     if folder and not Path(folder).is_dir():
@@ -183,7 +212,7 @@ def check_request(args: argparse.Namespace) -> Request:
     checkpoint = checkpoint_path(args.checkpoint) if args.checkpoint else None
     scratch = _prepare_raw(args, checkpoint)
     try:
-        cfg = config_from_args(args, check_data=False, adjust=_adjust(checkpoint))
+        cfg = config_from_args(args, check_data=False, adjust=_adjust(checkpoint, base_folder))
         fit_rows(cfg, eval_rows(cfg))
     except BaseException:
         if scratch is not None:

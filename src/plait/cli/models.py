@@ -46,6 +46,9 @@ PEFT_FIELDS = {"lora_rank": "r", "lora_alpha": "lora_alpha", "lora_dropout": "lo
 """ModelConfig's LoRA fields -> the adapter_config.json field each comes from."""
 
 
+MOVED_BASE = "a LoRA checkpoint's base folder, where it moved (its SHA-256 is checked)"
+
+
 def add_model_commands(sub: argparse._SubParsersAction) -> None:
     exp = sub.add_parser("export", help="write a checkpoint as a Hugging Face model folder")
     exp.add_argument("--checkpoint", required=True, help="a checkpoint folder, or a run's OUT")
@@ -61,10 +64,12 @@ def add_model_commands(sub: argparse._SubParsersAction) -> None:
     exp.add_argument(
         "--max-shard-mb", type=above(0), default=2048.0, help="largest safetensors file"
     )
+    exp.add_argument("--init-from", help=MOVED_BASE)
     gen = sub.add_parser("generate", help="continue a prompt with a trained model (one process)")
-    source = gen.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint", help="a checkpoint folder, or OUT to use its latest")
-    source.add_argument("--init-from", help="a Hugging Face Llama/GPT-2 folder")
+    gen.add_argument("--checkpoint", help="a checkpoint folder, or OUT to use its latest")
+    gen.add_argument(
+        "--init-from", help="a Hugging Face Llama/GPT-2 folder; with --checkpoint: " + MOVED_BASE
+    )
     gen.add_argument("--adapter", help="with --init-from: a PEFT LoRA adapter folder for it")
     gen.add_argument("--prompt", required=True, help="the text to continue, or the instruction")
     gen.add_argument("--template", help="alpaca: answer --prompt in Stanford's prompt template")
@@ -161,6 +166,8 @@ def export_main(args: argparse.Namespace, console: Console) -> None:
     if args.max_shard_mb <= 0:
         raise ConfigError(f"--max-shard-mb must be > 0, got {args.max_shard_mb}")
     path = checkpoint_path(args.checkpoint)
+    if args.init_from:  # checked before anything is read or written
+        inspect.checked_base(path, store.read_trainer(path), args.init_from)
     (export_peft if args.format == "peft" else export_hf)(path, out, args, console)
 
 
@@ -181,7 +188,7 @@ def export_hf(path: Path, out: Path, args: argparse.Namespace, console: Console)
         )
     spec = run_tokenizer(path)
     tokenizer = (Path(spec.path), spec.eos_id) if spec.path else None
-    params, limit = inspect.read_params(path), int(args.max_shard_mb * 2**20)
+    params, limit = inspect.read_params(path, args.init_from), int(args.max_shard_mb * 2**20)
     if args.merge:
         params, cfg = merge_adapters(cfg, params), replace(cfg, lora_rank=None)
     done = write_folder(cfg, params, out, limit, tokenizer)
@@ -205,7 +212,7 @@ def export_peft(path: Path, out: Path, args: argparse.Namespace, console: Consol
             f"--format peft: checkpoint {path} has no LoRA adapters (its run had no "
             "--lora-rank); export the whole model with --format hf"
         )
-    base = store.read_trainer(path)["config"]["train"].get("init_from") or ""
+    base = args.init_from or store.read_trainer(path)["config"]["train"].get("init_from") or ""
     save_adapter(out, cfg, inspect.read_masters(path), base)
     console.print(
         f"wrote {out}: a PEFT LoRA adapter (r={cfg.lora_rank}, targets "
@@ -218,7 +225,9 @@ def generate_main(args: argparse.Namespace, console: Console) -> None:
     --chat answer it (stopping at `stop_ids`) and print the response alone; plain text
     (`print_completion`); `console` is unused here (rich is for messages). Every flag, the
     tokenizer and the template are checked before the weights are read."""
-    if args.adapter and not args.init_from:
+    if not (args.checkpoint or args.init_from):
+        raise ConfigError("plait generate needs a model: --checkpoint CK or --init-from HF_DIR")
+    if args.adapter and (args.checkpoint or not args.init_from):
         raise ConfigError(
             f"--adapter {args.adapter} goes with --init-from BASE (the model it adapts); "
             "a checkpoint holds its run's adapters"
@@ -292,8 +301,8 @@ def generator_tokenizer(args: argparse.Namespace) -> TokenizerSpec:
 
 def load_generator(args: argparse.Namespace) -> Transformer:
     """The model of `--checkpoint` or `--init-from` (with `--adapter`'s adapters)."""
-    if args.checkpoint:
-        return inspect.load_model(checkpoint_path(args.checkpoint))
+    if args.checkpoint:  # --init-from beside it: a LoRA checkpoint's base, moved
+        return inspect.load_model(checkpoint_path(args.checkpoint), args.init_from)
     folder = Path(args.init_from)
     cfg = load_config(folder)
     if args.adapter:

@@ -84,6 +84,7 @@ def config_from_args(
             section, name = dest.split(".", 1)
             overrides.setdefault(section, {})[name] = value
     lora_given = [k for k in LORA_OPTIONS if k in overrides.get("model", {})]
+    check_one_of(overrides.get("train", {}))
     folder = overrides.get("train", {}).get("init_from")
     if folder and toml_preset and not args.preset and hasattr(args, "train.init_from"):
         preset = None  # a recipe's preset (for `estimate`) yields to the flag's folder ...
@@ -111,6 +112,23 @@ def config_from_args(
     if check_data and under_torchrun():  # every rank would otherwise fail alone, with a traceback
         cfg.parallel.layout.check_world(int(os.environ["WORLD_SIZE"]))
     return cfg
+
+
+ONE_OF = (("epochs", "steps"), ("warmup_ratio", "warmup_steps"))
+"""[train] pairs that set the same thing: given both (flags or the config file), refused."""
+
+
+def check_one_of(train: dict[str, Any]) -> None:
+    """--epochs and --steps (or --warmup-ratio and --warmup-steps) both given: one line
+    naming both values, rather than one silently winning. A zero ratio or epoch count
+    means "not set" and is not counted."""
+    for derived, direct in ONE_OF:
+        if train.get(derived) and direct in train:
+            a, b = (f"--{k.replace('_', '-')} {train[k]}" for k in (derived, direct))
+            raise ConfigError(
+                f"{a} and {b} both set the run's {direct.replace('_', ' ')} (flags or the "
+                f"config file's [train]); give one"
+            )
 
 
 def load_toml(path: str | Path) -> dict[str, dict[str, Any]]:

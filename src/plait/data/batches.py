@@ -92,6 +92,7 @@ class StepBatches:
         self.seed, self.replica, self.device = seed, replica, device
         self.sampler = GlobalBatchSampler(len(corpus.train), global_batch, seed)
         self._before: dict[int, dict[str, int]] = {}  # step -> sampler state before its draw
+        self._targets: dict[int, int] = {}  # step -> its global batch's target tokens
 
     def draw(self, step: int) -> list[MicroBatch]:
         """Step `step`'s micro-batches; steps must be drawn in order (the sampler advances)."""
@@ -143,8 +144,16 @@ class StepBatches:
     def _next(self, step: int) -> Tensor:
         """The next global batch, remembering where the sampler stood before it."""
         self._before = {k: v for k, v in self._before.items() if k >= step - 3}
+        self._targets = {k: v for k, v in self._targets.items() if k >= step - 3}
         self._before[step] = self.sampler.state_dict()
-        return self.sampler.next_batch()
+        indices = self.sampler.next_batch()
+        self._targets[step] = self.corpus.train.target_count(indices)
+        return indices
+
+    def target_tokens(self, step: int) -> int | None:
+        """The target tokens of step `step`'s whole global batch (None unless drawn in the
+        last few steps): what the summary's target tokens per second count."""
+        return self._targets.get(step)
 
     def _share(self, indices: Tensor, step: int, dp_rank: int) -> tuple[list, list]:
         """Replica `dp_rank`'s micro-batches of window indices and dropout keys."""

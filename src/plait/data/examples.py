@@ -133,7 +133,16 @@ class ExampleCorpus:
     report: str
 
 
-def _plans(store: ExampleStore, seq_len: int, val_fraction: float, pack: bool, long: str):
+def _plans(store: ExampleStore, seq_len: int, val_fraction: float, pack: bool, long: str,
+           held: ExampleStore | None = None) -> tuple[Plan, Plan]:  # fmt: skip
+    """(training, validation) plans: the split of `store`, or with a separate validation
+    set `held` (`--eval-data`) every example of each."""
+    if held is not None:
+        return tuple(
+            plan_rows(np.arange(len(s), dtype=np.int64), s.lengths, s.first_target, seq_len,
+                      pack, long)
+            for s in (store, held)
+        )  # fmt: skip
     train_ids, val_ids = val_split(len(store), val_fraction)
     return tuple(
         plan_rows(ids, store.lengths[ids], store.first_target[ids], seq_len, pack, long)
@@ -157,16 +166,19 @@ def target_baseline(store: ExampleStore, plan: Plan) -> float:
 
 def example_corpus(
     folder: str | Path, seq_len: int, val_fraction: float, pack: bool = True,
-    long: str = "truncate",
+    long: str = "truncate", eval_folder: str | Path | None = None,
 ) -> ExampleCorpus:  # fmt: skip
     """Training and validation rows of an examples folder for `seq_len` (deterministic: every
-    rank builds the same), the target baseline and the line `train` prints."""
+    rank builds the same), the target baseline and the line `train` prints; validation from
+    `eval_folder` (every example of it) when given, else held out of `folder`."""
     store = ExampleStore(folder)
-    train_plan, val_plan = _plans(store, seq_len, val_fraction, pack, long)
-    train, val = ExampleRows(store, train_plan), ExampleRows(store, val_plan)
+    held = ExampleStore(eval_folder) if eval_folder is not None else None
+    train_plan, val_plan = _plans(store, seq_len, val_fraction, pack, long, held)
+    train, val = ExampleRows(store, train_plan), ExampleRows(held or store, val_plan)
     t, v = train.counts(), val.counts()
+    count = f"{len(store):,}" + (f" + {len(held):,} --eval-data" if held is not None else "")
     report = (
-        f"{'packed' if pack else 'padded'} {len(store):,} examples into {t['rows']:,} training "
+        f"{'packed' if pack else 'padded'} {count} examples into {t['rows']:,} training "
         f"and {v['rows']:,} validation rows of {seq_len}: {t['truncated'] + v['truncated']:,} "
         f"truncated, {t['dropped'] + v['dropped']:,} dropped, packing efficiency "
         f"{t['efficiency']:.1%}, {t['target_tokens']:,} training target tokens"
@@ -176,12 +188,13 @@ def example_corpus(
 
 def check_examples(
     folder: str | Path, seq_len: int, val_fraction: float, pack: bool, long: str,
-    global_batch: int, init_from: str | None = None,
+    global_batch: int, init_from: str | None = None, eval_folder: str | None = None,
 ) -> tuple[int, int]:  # fmt: skip
     """The launcher's check of an examples folder for a run, from the index alone (no token
     read): the tokenizer agrees with `--init-from`'s, no prompt alone fills the row under
-    truncate, and there are rows for one global batch and a validation. Returns the
-    (training, validation) row counts; ConfigError names the first problem."""
+    truncate, and there are rows for one global batch and a validation (of `eval_folder`,
+    every example, when given). Returns the (training, validation) row counts; ConfigError
+    names the first problem."""
     if init_from and (Path(init_from) / "tokenizer.json").is_file():
         try:
             shard_tokenizer(folder, resolve_tokenizer(init_from))
@@ -192,16 +205,27 @@ def check_examples(
                 f"{made['sha256']}), not with --init-from {init_from}'s; prepare them again "
                 f"with --tokenizer {init_from}"
             ) from None
-    meta = read_index(folder)["examples"]
-    lengths = np.asarray(meta["lengths"], dtype=np.int64)
-    first = np.asarray(meta["first_target"], dtype=np.int64)
-    train_ids, val_ids = val_split(len(lengths), val_fraction)
-    train, val = (plan_rows(ids, lengths[ids], first[ids], seq_len, pack, long).rows
-                  for ids in (train_ids, val_ids))  # fmt: skip
+    lengths, first = _index_lengths(folder)
+    if eval_folder is None:
+        train_ids, val_ids = val_split(len(lengths), val_fraction)
+        train, val = (plan_rows(ids, lengths[ids], first[ids], seq_len, pack, long).rows
+                      for ids in (train_ids, val_ids))  # fmt: skip
+    else:
+        train = plan_rows(np.arange(len(lengths)), lengths, first, seq_len, pack, long).rows
+        held, held_first = _index_lengths(eval_folder)
+        val = plan_rows(np.arange(len(held)), held, held_first, seq_len, pack, long).rows
     if train < global_batch or val < 1:
+        where = f" (--eval-data {eval_folder})" if eval_folder is not None else ""
         raise ConfigError(
-            f"examples {str(folder)!r} give {train} training and {val} validation rows of "
+            f"examples {str(folder)!r} give {train} training and {val} validation rows{where} of "
             f"seq_len {seq_len} ({'packed' if pack else 'one example a row'}, long={long}), "
             f"but one global batch needs {global_batch} and validation at least 1"
         )
     return train, val
+
+
+def _index_lengths(folder: str | Path) -> tuple[np.ndarray, np.ndarray]:
+    """An examples folder's lengths and first targets, from its index alone."""
+    meta = read_index(folder)["examples"]
+    return (np.asarray(meta["lengths"], dtype=np.int64),
+            np.asarray(meta["first_target"], dtype=np.int64))  # fmt: skip

@@ -29,7 +29,7 @@ import numpy as np
 
 from plait.data.records import Record, parse_columns, read_records
 from plait.data.shards import ShardWriter, write_index
-from plait.data.sources import source_files
+from plait.data.table_records import instruction_files
 from plait.data.templates import ChatTemplate, Turn, alpaca_identity, alpaca_prompt
 from plait.data.tokenizer import (
     Encoder,
@@ -190,7 +190,7 @@ def check_instruct(job: InstructJob) -> tuple[Tokenized, list[list[Record]], lis
         raise ConfigError(f"--format {job.fmt} needs --data FILE (a JSON array or JSONL)")
     tok = Tokenized.of_job(job)
     columns = parse_columns(job.columns, job.fmt)
-    files = source_files(job.data)
+    files = instruction_files(job.data)  # tables and `datasets` folders too
     return tok, [read_records(f, job.fmt, columns) for f in files], files
 
 

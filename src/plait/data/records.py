@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from plait.data.table_records import is_table, table_rows
 from plait.errors import ConfigError
 
 FIELDS = {"alpaca": ("instruction", "input", "output"), "chat": ("messages",)}
@@ -114,15 +115,20 @@ def _check_messages(where: str, messages: Any) -> None:
 
 
 def read_records(file: Path, fmt: str, columns: dict[str, str]) -> list[Record]:
-    """Every example of `file` in order, each checked; ConfigError on the first bad one."""
-    try:
-        text = file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"data file {str(file)!r} cannot be read: {e}") from None
-    if not text.strip():
-        raise ConfigError(f"data file {str(file)!r} is empty; --format {fmt} needs examples")
+    """Every example of `file` in order, each checked; ConfigError on the first bad one.
+    A `.parquet` or `.arrow` file's rows come through pyarrow (table_records.py)."""
+    if is_table(file):
+        rows: Iterator[tuple[Any, Any]] = table_rows(file)
+    else:
+        try:
+            text = file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"data file {str(file)!r} cannot be read: {e}") from None
+        if not text.strip():
+            raise ConfigError(f"data file {str(file)!r} is empty; --format {fmt} needs examples")
+        rows = _json_rows(file, text)
     out = []
-    for line, row in _json_rows(file, text):
+    for line, row in rows:
         where = f"{file}:{line}"
         if not isinstance(row, dict):
             raise ConfigError(f"{where} is a {type(row).__name__}, not a JSON object")

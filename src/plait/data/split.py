@@ -96,3 +96,10 @@ def split_windows(n_tokens: int, seq_len: int, val_fraction: float) -> Split:
         return Side(ids, k, seq_len, len(ids) * k - short, n_tokens)
 
     return Split(side(train_ids), side(val_ids), count)
+
+
+def whole_stream(n_tokens: int, seq_len: int) -> Side:
+    """Every window of a stream as one side (one block): the training side of a run whose
+    validation comes from another file (`--eval-data`), so nothing is held out."""
+    k = max(0, n_tokens - 1) // seq_len
+    return Side(np.zeros(1 if k else 0, np.int64), max(k, 1), seq_len, k, n_tokens)

@@ -352,11 +352,12 @@ def add_adapters(blocks: nn.ModuleList, spec: LoRASpec | None) -> None:
 # ---------------------------------------------------------------- counting
 
 
-def count_parameters(cfg: ModelConfig) -> int:
-    """Unique parameters (a tied embedding counted once), from a model built on meta."""
+def count_parameters(cfg: ModelConfig, trainable: bool = False) -> int:
+    """Unique parameters (a tied embedding counted once), from a model built on meta;
+    `trainable`: only those the contract trains (a LoRA run's adapters)."""
     with torch.device("meta"):
         model = Transformer(cfg)
-    return sum(p.numel() for p in model.parameters())
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable)
 
 
 def linear_weight_elements(cfg: ModelConfig) -> int:
