@@ -33,6 +33,7 @@ On a machine without CUDA it says so in one line and exits 2.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -140,8 +141,19 @@ def run_steps(
     }
     if params:
         out["params"] = {n: p.detach().float().cpu() for n, p in trainer.model.named_parameters()}
+    del trainer.engine.finish  # the wrapper refers to the engine: no cycle outlives the run
     trainer.close()
+    del trainer
+    release(device)
     return out
+
+
+def release(device: torch.device) -> None:
+    """Free what a finished run left for the garbage collector (hooks and closures can hold a
+    model in reference cycles) and hand the cache back, so the next run's peak is its own."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _phase_peaks(trainer: Trainer, device: torch.device) -> dict[str, Any]:
@@ -210,6 +222,8 @@ def flash_usable(cfg: Config, device: torch.device) -> bool:
         return False
     finally:
         trainer.close()
+        del trainer
+        release(device)
 
 
 def check_text(device: torch.device, workdir: Path) -> dict[str, Any]:
@@ -244,17 +258,20 @@ def check_offload_exact(device: torch.device, workdir: Path) -> dict[str, Any]:
             "offload": off["losses"]}  # fmt: skip
 
 
-def check_offload_memory(device: torch.device, workdir: Path) -> dict[str, Any]:
+def check_offload_memory(
+    device: torch.device, workdir: Path, meter: bool = False
+) -> dict[str, Any]:
     """The device peak with and without `--offload-activations cpu`, without recompute (every
     saved tensor moves) and with full recompute (the block inputs move), next to the estimate
-    and to the meter's saved bytes on the device and the host. Offload lowers the peak of the
-    micro-batches (what it moves lives there); the optimizer's peak is another matter."""
+    and (`meter`, which holds what it counts a little longer: not for the peaks) the meter's
+    saved bytes on the device and the host. Offload lowers the peak of the micro-batches (what
+    it moves lives there); the optimizer's peak is another matter."""
     out: dict[str, Any] = {}
     for recompute in ("none", "full"):
         for where in ("none", "cpu"):
             par = {"recompute": recompute, "offload_activations": where}
             cfg = one_b_config(steps=4, parallel=par)
-            run = run_steps(cfg, device, meter=True)
+            run = run_steps(cfg, device, meter=meter)
             out[f"recompute={recompute},offload={where}"] = {
                 "allocator_peak": run["allocator_peak"],
                 "peak_micro_batches": run["peak_micro_batches"],
