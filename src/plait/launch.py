@@ -158,8 +158,14 @@ def launch(cfg: Config, target: Callable[[Config, Any], Any] = training_run) -> 
     if adopted is not None:  # torchrun restarts the world itself; srun a batch script's loop
         cfg.parallel.layout.check_world(adopted.world)
         with _exported(adopted.rendezvous_env()):
-            worker(adopted.rank, cfg, adopted.world, adopted.local_world, None, None, target,
-                   adopted.local_rank)  # fmt: skip
+            summary = worker(adopted.rank, cfg, adopted.world, adopted.local_world, None, None,
+                             target, adopted.local_rank)  # fmt: skip
+        stopped = getattr(summary, "stopped_by", None)
+        if adopted.launcher == "slurm" and stopped is not None:
+            # srun's exit code is the task's: a batch script tells a preempted run (143) from
+            # a failed one (restart it) and a finished one. torchrun's agent would take a
+            # non-zero worker for a failure and restart it: there the worker ends with 0.
+            raise Interrupted(stopped)
         return
     restarts = cfg.train.max_restarts
     try:
