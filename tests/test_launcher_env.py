@@ -78,11 +78,17 @@ SLURM = {
 }  # fmt: skip
 """Rank 5 of 2 nodes x 4 tasks, the second on its node."""
 
+
+def _without(name: str) -> dict:
+    return {k: v for k, v in SLURM.items() if k != name}
+
+
 ADOPTED = [
     ({}, None),
     ({"SLURM_NTASKS": "1", "SLURM_PROCID": "0"}, None),  # one task: plait spawns its own
     ({**SLURM, "SLURM_JOB_NAME": "interactive"}, None),  # a shell in an allocation
     ({**SLURM, "SLURM_JOB_NAME": "bash"}, None),
+    (_without("SLURM_PROCID"), None),  # not a task srun started: an allocation's shell
     (SLURM, Launched("slurm", 5, 8, 1, 4, "gpu07", PORT_BASE + 77)),
     (  # torchrun's variables win: `srun torchrun`, one task per node
         {**SLURM, "RANK": "3", "WORLD_SIZE": "16", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "8"},
@@ -130,14 +136,9 @@ def test_the_rendezvous_and_the_node_follow_the_record():
     assert torchrun.world_source == "torchrun's WORLD_SIZE=8"
 
 
-def _without(name: str) -> dict:
-    return {k: v for k, v in SLURM.items() if k != name}
-
-
 REFUSED = [
-    (_without("SLURM_PROCID"), "SLURM_NTASKS=8 says Slurm started 8 tasks, but SLURM_PROCID is "
-     "not set: start each rank with srun (or give torchrun's RANK and WORLD_SIZE)"),
-    (_without("SLURM_LOCALID"), "but SLURM_LOCALID is not set"),
+    (_without("SLURM_LOCALID"), "SLURM_NTASKS=8 says Slurm started 8 tasks, but SLURM_LOCALID "
+     "is not set: start each rank with srun (or give torchrun's RANK and WORLD_SIZE)"),
     (_without("SLURM_JOB_NODELIST"), "but SLURM_JOB_NODELIST is not set"),
     (_without("SLURM_JOB_ID"), "but SLURM_JOB_ID is not set"),
     ({**_without("SLURM_TASKS_PER_NODE")}, "but SLURM_TASKS_PER_NODE is not set"),

@@ -53,15 +53,18 @@ def test_srun_world_must_be_the_layouts(env, capsys):
     assert "srun's SLURM_NTASKS=4: world size 4 != dp*pp*tp = 2*1*1 = 2 (or give --dp auto)" in err
 
 
-def test_dp_auto_fills_the_world_and_keeps_the_global_batch(env):
+def test_dp_auto_fills_the_world_and_keeps_the_global_batch(env, tmp_path):
     """4 srun tasks with tp 2: dp 2, so the 16 sequences are 2 micro-batches of 4 per rank
-    (as `--dp 2` gives), and world 1 (torchrun's variables) 4 of them."""
+    (as `--dp 2` gives), whether `auto` is a flag or a TOML value; world 1 (torchrun's
+    variables): 4 of them."""
     launched = env(SLURM)
     assert main(["train", "--dp", "auto", "--tp", "2", *BATCH, "--out", "a"]) == 0
+    (tmp_path / "auto.toml").write_text('[parallel]\ndp = "auto"\ntp = 2\n')
+    assert main(["train", "--config", "auto.toml", *BATCH, "--out", "b"]) == 0
     env(TORCHRUN_1)
-    assert main(["train", "--dp", "auto", *BATCH, "--out", "b"]) == 0
+    assert main(["train", "--dp", "auto", *BATCH, "--out", "c"]) == 0
     shape = [(c.parallel.dp, c.parallel.tp, c.train.micro_batch, c.accumulation) for c in launched]
-    assert shape == [(2, 2, 4, 2), (1, 1, 4, 4)]
+    assert shape == [(2, 2, 4, 2), (2, 2, 4, 2), (1, 1, 4, 4)]
 
 
 REFUSED = [

@@ -5,7 +5,8 @@ plait starts its own workers unless a launcher already did. Two are adopted:
 - torchrun (and anything exporting its variables): RANK and WORLD_SIZE, with LOCAL_RANK,
   LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT. It wins whenever RANK is set, so `srun
   torchrun ...` (one task per node, torchrun's ranks inside) is torchrun's world.
-- Slurm's srun starting one task per rank: SLURM_NTASKS > 1 and no RANK. The rank, world
+- Slurm's srun starting one task per rank: SLURM_NTASKS > 1, SLURM_PROCID set (srun sets
+  it for every task; a shell inside an allocation has none) and no RANK. The rank, world
   and local rank are SLURM_PROCID, SLURM_NTASKS and SLURM_LOCALID; the ranks on this node
   come from SLURM_TASKS_PER_NODE (the step's placement, e.g. `2(x3),1`, this node's entry by
   SLURM_NODEID) or else SLURM_NTASKS_PER_NODE; the rendezvous is the first host of the
@@ -76,7 +77,9 @@ def launched(env: Mapping[str, str]) -> Launched | None:
         local_rank = _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else rank
         local_world = _int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else world
         return Launched("torchrun", rank, world, local_rank, local_world)
-    if "SLURM_NTASKS" not in env or env.get("SLURM_JOB_NAME") in INTERACTIVE_JOBS:
+    if "SLURM_PROCID" not in env or env.get("SLURM_JOB_NAME") in INTERACTIVE_JOBS:
+        return None  # not a task srun started (a shell in an allocation has no SLURM_PROCID)
+    if "SLURM_NTASKS" not in env:
         return None
     world = _int(env, "SLURM_NTASKS")
     return _slurm(env, world) if world > 1 else None

@@ -83,8 +83,11 @@ def config_from_args(
         if "." in dest:
             section, name = dest.split(".", 1)
             overrides.setdefault(section, {})[name] = value
-    launch = from_environment()  # a malformed Slurm environment is refused here, once
-    auto = resolve_auto_dp(overrides.get("parallel", {}), launch)
+    auto = overrides.get("parallel", {}).get("dp") == AUTO
+    # a Slurm environment that contradicts itself is refused here, once, where it matters
+    launch = from_environment() if check_data or auto else None
+    if auto:
+        resolve_auto_dp(overrides["parallel"], launch)
     lora_given = [k for k in LORA_OPTIONS if k in overrides.get("model", {})]
     folder = overrides.get("train", {}).get("init_from")
     if folder and toml_preset and not args.preset and hasattr(args, "train.init_from"):
@@ -117,17 +120,13 @@ def config_from_args(
     return cfg
 
 
-def resolve_auto_dp(parallel: dict[str, Any], launch: Launched | None) -> bool:
+def resolve_auto_dp(parallel: dict[str, Any], launch: Launched | None) -> None:
     """`--dp auto` (or `dp = "auto"` in [parallel]) becomes the number that fills the
-    launcher's world, before the config is built (its micro-batch arithmetic reads dp);
-    returns whether it did."""
-    if parallel.get("dp") != AUTO:
-        return False
+    launcher's world, before the config is built (its micro-batch arithmetic reads dp)."""
     tp, pp = parallel.get("tp", ParallelConfig.tp), parallel.get("pp", ParallelConfig.pp)
     if not all(type(v) is int and v >= 1 for v in (tp, pp)):
         raise ConfigError(f"--dp auto needs whole tp and pp >= 1; got tp {tp!r}, pp {pp!r}")
     parallel["dp"] = auto_dp(launch, tp, pp)
-    return True
 
 
 def check_auto_batch(cfg: Config, launch: Launched) -> None:
