@@ -57,7 +57,9 @@ class Launched:
         return f"torchrun's WORLD_SIZE={self.world}"
 
     def node_ranks(self) -> range:
-        """The global ranks on this node (both launchers number ranks node by node)."""
+        """The global ranks on this node: torchrun numbers ranks node by node, and so does
+        srun with its default block distribution (a cyclic one would interleave nodes and
+        put a tensor-parallel group's ranks, which vary fastest, on different nodes)."""
         first = self.rank - self.local_rank
         return range(first, first + self.local_world)
 
