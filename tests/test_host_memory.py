@@ -10,12 +10,12 @@ import pytest
 
 from memory_runs import Case
 from plait.cli import main
-from plait.cli.train import _node_ranks
 from plait.device import host_available_bytes
 from plait.errors import ConfigError
 from plait.estimate import estimate
 from plait.estimate.host import check_host_memory, node_host_bytes
 from plait.estimate.table import gib
+from plait.launcher_env import launched
 
 
 def _cfg(**par):
@@ -73,12 +73,10 @@ def test_no_host_bytes_nothing_checked(monkeypatch):
     assert main(["train", "--dp", "2"]) == 0
 
 
-def test_node_ranks_under_torchrun(monkeypatch):
+def test_node_ranks_under_torchrun():
     """Node by node: the second node of 2 x 4 ranks holds ranks 4-7."""
-    monkeypatch.setenv("RANK", "6")
-    monkeypatch.setenv("LOCAL_RANK", "2")
-    monkeypatch.setattr("plait.cli.train.under_torchrun", lambda: True)
-    assert _node_ranks(8, 4) == range(4, 8)
+    env = {"RANK": "6", "LOCAL_RANK": "2", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}
+    assert launched(env).node_ranks() == range(4, 8)
 
 
 def test_estimate_says_the_host_total(capsys, monkeypatch):

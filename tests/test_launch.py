@@ -14,7 +14,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -28,7 +30,9 @@ import in_process
 from in_process import TINY
 from phases import pause_env, processes_with, release, wait_for_phase
 from plait.checkpoint import store
+from plait.cli import main
 from plait.launch import _first_failure, _say_restart
+from plait.slurm import PORT_BASE, PORT_SPAN
 
 
 def _plait(args: list[str], env: dict | None = None, launcher: list[str] | None = None):
@@ -262,3 +266,74 @@ def test_a_killed_rank_is_named_not_the_peer_that_lost_it(tmp_path, capsys):
     assert "plait: rank 1 failed (process 1 terminated with signal SIGKILL); restart 1/2" in err
     raised = mp.ProcessRaisedException("CommError", error_index=0, error_pid=1)
     assert _first_failure(str(tmp_path), raised).rank == 0
+
+
+def _free_job_id() -> str:
+    """A Slurm job id whose derived port (`plait.slurm.job_port`) is free here now."""
+    for job in random.Random().sample(range(PORT_SPAN), 64):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", PORT_BASE + job))
+            except OSError:
+                continue
+            return str(job)
+    raise AssertionError("no free port in plait's Slurm range")
+
+
+def _srun_env(rank: int, job: str) -> dict[str, str]:
+    """What srun gives task `rank` of 2 on one node; torchrun's variables left out."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}  # fmt: skip
+    env.update(SLURM_NTASKS="2", SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank),
+               SLURM_NODEID="0", SLURM_TASKS_PER_NODE="2", SLURM_JOB_NODELIST="127.0.0.1",
+               SLURM_JOB_ID=job, SLURM_JOB_NAME="plait")  # fmt: skip
+    return env
+
+
+def test_srun_tasks_equal_local_dp2_and_resume_elastically(plain, tmp_path, monkeypatch):
+    """Two processes given srun's variables (no RANK) form one dp2 world: the losses of the
+    locally spawned dp2 run, bitwise. SIGTERM to each task, as srun passes on a preemption,
+    stops them after a step with a checkpoint and exit code 143. From that checkpoint,
+    `--dp auto` on a world of 1 (torchrun's variables) resumes with dp 1 and the same global
+    batch: the losses of a `--dp 1` run resumed from it, and of the run never stopped."""
+    marker = f"PLAIT_TEST_MARK_{uuid.uuid4().hex}"
+    run, job = tmp_path / "srun", _free_job_id()
+    cmd = [sys.executable, "-m", "plait.cli", "train", *TINY, *CONSTANT_LR, "--steps", "100000",
+           "--out", str(run)]  # fmt: skip
+    tasks = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**_srun_env(rank, job), marker: "1"}, start_new_session=True)
+        for rank in (0, 1)
+    ]  # fmt: skip
+
+    def preempt() -> None:
+        for task in tasks:
+            task.send_signal(signal.SIGTERM)
+
+    try:
+        err = _signal_after_rows(tasks[0], run / "metrics.jsonl", preempt)
+        tasks[1].communicate(timeout=60)
+    finally:
+        for task in tasks:
+            if task.poll() is None:
+                os.killpg(task.pid, signal.SIGKILL)
+    assert [t.returncode for t in tasks] == [143, 143], err[-3000:]
+    assert processes_with(marker) == []
+    done = len(_losses(run))
+    assert 0 < done < PLAIN_STEPS - 2
+    assert f"plait: stopped by SIGTERM after step {done}; checkpoint " in err
+    assert _losses(run) == _losses(plain[1])[:done]  # bitwise: the same layout
+    assert json.loads((run / "summary.json").read_text())["world_size"] == 2
+    for name in [n for n in os.environ if n.startswith("SLURM_")]:
+        monkeypatch.delenv(name)
+    resume = [*TINY, "--resume", str(run / "checkpoints" / f"step-{done}"),
+              "--steps", str(done + 2), *CONSTANT_LR]  # fmt: skip
+    assert main(["train", *resume, "--dp", "1", "--out", str(tmp_path / "dp1")]) == 0
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    assert main(["train", *resume, "--dp", "auto", "--out", str(tmp_path / "auto")]) == 0
+    summary = json.loads((tmp_path / "auto" / "summary.json").read_text())
+    assert summary["layout"].startswith("dp=1") and summary["world_size"] == 1
+    elastic = _losses(tmp_path / "auto")
+    assert len(elastic) == 2 and elastic == _losses(tmp_path / "dp1")
+    assert elastic == pytest.approx(_losses(plain[1])[done : done + 2], rel=1e-5)

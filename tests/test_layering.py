@@ -3,7 +3,8 @@
 - no import circle between modules, nor between the rooms of the tree (a top-level module or
   package of `plait`), so every arrow points down;
 - nothing under `parallel/` imports the layers above it (train, run, step, launch, cli, lessons);
-- the pure parts (topology, schedules, estimator, planner, configs) import no process group;
+- the pure parts (topology, schedules, estimator, planner, configs, the launcher's
+  environment) import no process group;
 - `torch.cuda` is touched only in `device.py`;
 - collectives are called only in `comm.py`;
 - private APIs (a private torch module, another object's `_attribute`) only in
@@ -43,7 +44,8 @@ COLLECTIVES = (
     "monitored_barrier",
 )
 ABOVE_PARALLEL = ("plait.train", "plait.run", "plait.step", "plait.launch", "plait.cli")
-PURE = ("plait.topology", "plait.schedule", "plait.estimate", "plait.plan", "plait.config")
+PURE = ("plait.topology", "plait.schedule", "plait.estimate", "plait.plan", "plait.config",
+        "plait.launcher_env", "plait.slurm")  # fmt: skip
 PROCESS = ("torch.distributed", "plait.comm", "plait.mesh", "plait.launch")
 
 

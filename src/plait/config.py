@@ -32,7 +32,7 @@ from plait.data.examples import check_examples, is_examples_dir
 from plait.data.packing import LONG
 from plait.data.split import whole_stream
 from plait.device import cuda_available, device_kind
-from plait.domain import Domain, above, at_least, check_fields, fraction
+from plait.domain import Domain, OrAuto, above, at_least, check_fields, fraction
 from plait.errors import ConfigError
 from plait.mixed_precision import parse_base_dtype, parse_precision
 from plait.models.architecture import ModelConfig
@@ -44,7 +44,13 @@ from plait.topology import Layout
 class ParallelConfig:
     """How the work is split across processes."""
 
-    dp: int = field(default=1, metadata={"domain": at_least(1), "help": "data-parallel replicas"})
+    dp: int = field(
+        default=1,
+        metadata={
+            "domain": OrAuto(int, 1),
+            "help": "data-parallel replicas; auto: under torchrun or srun, the world / (tp x pp)",
+        },
+    )
     pp: int = field(
         default=1, metadata={"domain": at_least(1), "help": "pipeline-parallel stages (ranks)"}
     )

@@ -77,6 +77,22 @@ class Domain:
             raise ConfigError(f"{name} {problem}, got {shown}")
 
 
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class OrAuto(Domain):
+    """A number of the domain, or the word `auto` for a value the command derives before it
+    builds the config (`--dp auto`: from the launcher's world); the config itself only ever
+    holds the number."""
+
+    def __call__(self, text: str) -> int | float | str:
+        return AUTO if text == AUTO else super().__call__(text)
+
+    def problem(self, value: Any) -> str | None:
+        return None if value == AUTO else super().problem(value)
+
+
 def at_least(low: float, kind: type = int) -> Domain:
     return Domain(kind, low)
 

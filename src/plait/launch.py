@@ -1,4 +1,5 @@
-"""Start the workers of a run: adopt torchrun's environment, or spawn local processes.
+"""Start the workers of a run: adopt a launcher's world (torchrun's or srun's, read by
+`plait.launcher_env`), or spawn local processes.
 
 Local runs spawn dp*pp*tp processes with torch.multiprocessing (start method 'spawn'), each
 limited to its share of the CPU cores. If any worker raises, the others are terminated, the
@@ -32,15 +33,11 @@ from plait.checkpoint.store import latest
 from plait.config import Config
 from plait.device import backend_for, resolve_device, threads_per_worker
 from plait.errors import NonFiniteError
+from plait.launcher_env import from_environment
 from plait.mesh import Mesh, build_mesh
 from plait.run import ATTEMPT_ENV, attempt, run
 from plait.signals import Stopping, blocked, forward_of, pause_at, stopping_raised, unblock
 from plait.telemetry import RunSummary
-
-
-def under_torchrun() -> bool:
-    """torchrun (and Slurm wrappers around it) export RANK and WORLD_SIZE."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def free_port() -> int:
@@ -104,12 +101,14 @@ def worker(
     port: int | None,
     error_dir: str | None = None,
     target: Callable[[Config, Any], Any] = training_run,
+    local_rank: int | None = None,
 ) -> Any:
-    """Entry point of one spawned or torchrun-started worker; `target(cfg, mesh)` is the work
-    (a training run; `plait lessons` passes its own measuring run, a module-level function)."""
+    """Entry point of one spawned or adopted worker; `target(cfg, mesh)` is the work (a
+    training run; `plait lessons` passes its own measuring run, a module-level function).
+    A spawned worker's local rank is its rank (one machine)."""
     if port is not None:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_rank = rank if local_rank is None else local_rank
     try:
         # Until a run can stop after a step (its own StopRequest), a signal stops this worker
         # at once; spawned, it waited blocked (`_run_world`) until this handler was set.
@@ -155,11 +154,18 @@ def launch(cfg: Config, target: Callable[[Config, Any], Any] = training_run) -> 
     torch.multiprocessing terminates the surviving workers as soon as one fails, so no
     process outlives the launcher.
     """
-    if under_torchrun():  # torchrun restarts the world itself (its --max-restarts)
-        env_world = int(os.environ["WORLD_SIZE"])
-        cfg.parallel.layout.check_world(env_world)
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", env_world))
-        worker(int(os.environ["RANK"]), cfg, env_world, local_world, None, None, target)
+    adopted = from_environment()
+    if adopted is not None:  # torchrun restarts the world itself; srun a batch script's loop
+        cfg.parallel.layout.check_world(adopted.world)
+        with _exported(adopted.rendezvous_env()):
+            summary = worker(adopted.rank, cfg, adopted.world, adopted.local_world, None, None,
+                             target, adopted.local_rank)  # fmt: skip
+        stopped = getattr(summary, "stopped_by", None)
+        if adopted.launcher == "slurm" and stopped is not None:
+            # srun's exit code is the task's: a batch script tells a preempted run (143) from
+            # a failed one (restart it) and a finished one. torchrun's agent would take a
+            # non-zero worker for a failure and restart it: there the worker ends with 0.
+            raise Interrupted(stopped)
         return
     restarts = cfg.train.max_restarts
     try:
@@ -176,6 +182,22 @@ def launch(cfg: Config, target: Callable[[Config, Any], Any] = training_run) -> 
                 cfg = dataclasses.replace(cfg, train=train)
     finally:  # the launcher's own environment is as it was (a caller may launch again)
         os.environ.pop(ATTEMPT_ENV, None)
+
+
+@contextmanager
+def _exported(variables: dict[str, str]) -> Iterator[None]:
+    """`variables` in this process's environment while the worker runs (srun's rendezvous
+    for torch's env://), the environment as it was afterwards."""
+    before = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _say_restart(failure: WorkerFailure, n: int, of: int, out: Path) -> None:

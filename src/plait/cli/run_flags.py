@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from plait.cli.models import init_model
-from plait.config import SECTIONS, Config, build_config, flag_name
+from plait.config import SECTIONS, Config, ParallelConfig, build_config, flag_name
+from plait.domain import AUTO
 from plait.errors import ConfigError
-from plait.launch import under_torchrun
+from plait.launcher_env import Launched, auto_dp, from_environment
 from plait.models.architecture import ModelConfig
 from plait.models.presets import get_preset
 
@@ -83,6 +83,11 @@ def config_from_args(
         if "." in dest:
             section, name = dest.split(".", 1)
             overrides.setdefault(section, {})[name] = value
+    auto = overrides.get("parallel", {}).get("dp") == AUTO
+    # a Slurm environment that contradicts itself is refused here, once, where it matters
+    launch = from_environment() if check_data or auto else None
+    if auto:
+        resolve_auto_dp(overrides["parallel"], launch)
     lora_given = [k for k in LORA_OPTIONS if k in overrides.get("model", {})]
     check_one_of(overrides.get("train", {}))
     folder = overrides.get("train", {}).get("init_from")
@@ -108,9 +113,11 @@ def config_from_args(
             f"{flags} given without --lora-rank: LoRA is off, so nothing would use "
             f"{'it' if len(lora_given) == 1 else 'them'}; add --lora-rank R (or drop {flags})"
         )
+    if auto and launch is not None:
+        check_auto_batch(cfg, launch)
     cfg.validate(check_data)
-    if check_data and under_torchrun():  # every rank would otherwise fail alone, with a traceback
-        cfg.parallel.layout.check_world(int(os.environ["WORLD_SIZE"]))
+    if check_data and launch is not None:  # every rank would otherwise fail alone, traced
+        check_launched(cfg, launch)
     return cfg
 
 
@@ -129,6 +136,45 @@ def check_one_of(train: dict[str, Any]) -> None:
                 f"{a} and {b} both set the run's {direct.replace('_', ' ')} (flags or the "
                 f"config file's [train]); give one"
             )
+
+
+def resolve_auto_dp(parallel: dict[str, Any], launch: Launched | None) -> None:
+    """`--dp auto` (or `dp = "auto"` in [parallel]) becomes the number that fills the
+    launcher's world, before the config is built (its micro-batch arithmetic reads dp)."""
+    tp, pp = parallel.get("tp", ParallelConfig.tp), parallel.get("pp", ParallelConfig.pp)
+    if not all(type(v) is int and v >= 1 for v in (tp, pp)):
+        raise ConfigError(f"--dp auto needs whole tp and pp >= 1; got tp {tp!r}, pp {pp!r}")
+    parallel["dp"] = auto_dp(launch, tp, pp)
+
+
+def check_auto_batch(cfg: Config, launch: Launched) -> None:
+    """The global batch is the run's (a resumed run keeps it): with dp chosen by the world,
+    the micro-batches per step are what changes, and they must come out whole."""
+    t, par = cfg.train, cfg.parallel
+    per_step = t.micro_batch * par.dp
+    if t.global_batch % per_step:
+        raise ConfigError(
+            f"--dp auto: {launch.world_source} with tp {par.tp} x pp {par.pp} gives dp "
+            f"{par.dp}, but global batch {t.global_batch} is not a multiple of micro-batch "
+            f"{t.micro_batch} x dp {par.dp} = {per_step}; the global batch is kept, so "
+            "choose a --micro-batch or a world that divides it"
+        )
+
+
+def check_launched(cfg: Config, launch: Launched) -> None:
+    """A launcher's world must be the layout's; plait cannot restart a world it did not
+    start (torchrun's --max-restarts, or a batch script's loop, does)."""
+    try:
+        cfg.parallel.layout.check_world(launch.world)
+    except ConfigError as e:
+        raise ConfigError(f"{launch.world_source}: {e} (or give --dp auto)") from None
+    if cfg.train.max_restarts:
+        how = "torchrun --max-restarts" if launch.launcher == "torchrun" else "srun again"
+        raise ConfigError(
+            f"--max-restarts {cfg.train.max_restarts} under {launch.launcher}: each process "
+            f"is one rank and cannot restart the world; restart it with {how} and "
+            "--resume latest (examples/slurm/)"
+        )
 
 
 def load_toml(path: str | Path) -> dict[str, dict[str, Any]]:

@@ -8,7 +8,6 @@ module turns how they ended into an exit code.
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 from pathlib import Path
 
@@ -21,7 +20,8 @@ from plait.config import config_warnings
 from plait.device import check_gpu_per_rank, host_available_bytes
 from plait.errors import ConfigError, print_bad_input
 from plait.estimate.host import check_run_host_memory
-from plait.launch import Interrupted, WorkerFailure, launch, under_torchrun
+from plait.launch import Interrupted, WorkerFailure, launch
+from plait.launcher_env import from_environment
 from plait.outdir import check_out_folder, prepare_out
 from plait.signals import exit_code
 
@@ -40,13 +40,13 @@ def run(args: argparse.Namespace, err: Console) -> int:
         start = resolve(cfg.train.resume, out) if cfg.train.resume else None
         if start is not None:
             check_resumable(start, cfg.to_dict())
-        ranks = cfg.parallel.layout.world_size
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", ranks)) if under_torchrun() else ranks
-        check_gpu_per_rank(cfg.train.device, local)
-        check_run_host_memory(cfg, _node_ranks(ranks, local), host_available_bytes())
+        launched = from_environment()  # torchrun's or srun's ranks: this node's count
+        node = launched.node_ranks() if launched else range(cfg.parallel.layout.world_size)
+        check_gpu_per_rank(cfg.train.device, len(node))
+        check_run_host_memory(cfg, node, host_available_bytes())
         if cfg.parallel.offload_dir:  # else each rank's NVMe store fails alone
             check_out_folder(Path(cfg.parallel.offload_dir), "--offload-dir")
-        if not under_torchrun() or os.environ.get("RANK") == "0":  # one rank owns the folder
+        if launched is None or launched.rank == 0:  # one rank owns the folder
             prepare_out(out, cfg.train.overwrite, bool(cfg.train.resume))
     except ConfigError as e:
         return print_bad_input(err, e)
@@ -69,15 +69,6 @@ def run(args: argparse.Namespace, err: Console) -> int:
         err.print("[bold]plait: interrupted; every rank stopped.[/]")
         return exit_code(getattr(e, "signum", signal.SIGINT))
     return 0
-
-
-def _node_ranks(world: int, local: int) -> range:
-    """The global ranks on this machine: all of them, or under torchrun this node's
-    LOCAL_WORLD_SIZE ranks around this process's RANK (ranks are numbered node by node)."""
-    if not under_torchrun():
-        return range(world)
-    first = int(os.environ.get("RANK", 0)) - int(os.environ.get("LOCAL_RANK", 0))
-    return range(first, first + local)
 
 
 def _kept(out: Path) -> str:
