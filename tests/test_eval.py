@@ -2,9 +2,10 @@
 
 Tiny Llama and GPT-2 models are built from configs (random weights) with the instruction
 tests' BPE (tests/instruct_data.py) saved into their folders, so `--init-from DIR` brings its
-tokenizer. The reference is built here from transformers alone: Stanford's template, [BOS] +
-prompt ids, response ids + [EOS], -100 on the prompt, cross entropy summed over every target
-token of every example and divided by their count. Several examples of different lengths
+tokenizer. The reference is built from transformers alone (tests/chat_reference.py):
+Stanford's train.py construction, or apply_chat_template's tokens with the assistant turns
+as labels, cross entropy summed over every target token of every example and divided by
+their count. Several examples of different lengths
 pack into shared rows (and `--no-pack` gives the same). A checkpoint source equals its
 exported folder; bad input stops before any worker. Multi-rank layouts: test_eval_world.py.
 """
@@ -21,11 +22,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from chat_reference import chat_labels, stanford  # noqa: E402
 from eval_cases import EXAMPLES, SEQ, evaluate, family, model_folder  # noqa: E402
 from hf_models import hf_model, save  # noqa: E402
 from instruct_data import CHATS, TEXT, tokenizer_folder, write_jsonl  # noqa: E402
 from plait.cli import main  # noqa: E402
-from plait.data.templates import alpaca_prompt  # noqa: E402
 
 RTOL = 1e-5
 
@@ -63,34 +64,6 @@ def _loss(folder: Path, examples: list[tuple[list[int], list[int]]]) -> tuple[fl
     return total / count, count
 
 
-def _stanford(tok, row: dict) -> tuple[list[int], list[int]]:
-    prompt = [tok.bos_token_id] + tok(alpaca_prompt(row["instruction"], row.get("input")),
-                                      add_special_tokens=False)["input_ids"]  # fmt: skip
-    response = tok(row["output"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-    return prompt + response, [-100] * len(prompt) + response
-
-
-def _chat(tok, chat: list[dict]) -> tuple[list[int], list[int]]:
-    """The rendered conversation cut at the assistant turns (the text each adds after the
-    generation prompt), each piece tokenized alone; only the turns are labels."""
-    full = tok.apply_chat_template(chat, tokenize=False)
-    ids: list[int] = []
-    labels: list[int] = []
-    done = 0
-    for i, m in enumerate(chat):
-        if m["role"] != "assistant":
-            continue
-        before = tok.apply_chat_template(chat[:i], tokenize=False, add_generation_prompt=True)
-        upto = tok.apply_chat_template(chat[: i + 1], tokenize=False)
-        for text, target in ((full[done : len(before)], False), (upto[len(before) :], True)):
-            piece = tok(text, add_special_tokens=False)["input_ids"]
-            ids += piece
-            labels += piece if target else [-100] * len(piece)
-        done = len(upto)
-    rest = tok(full[done:], add_special_tokens=False)["input_ids"]
-    return ids + rest, labels + [-100] * len(rest)
-
-
 def _scratch() -> set[str]:
     return {p.name for p in Path(tempfile.gettempdir()).glob("plait-eval-*")}
 
@@ -98,7 +71,7 @@ def _scratch() -> set[str]:
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_alpaca_loss_is_transformers_packed_and_padded(folders, rows, kind, capsys) -> None:
     tok = _tokenizer(folders[kind])
-    want, count = _loss(folders[kind], [_stanford(tok, r) for r in EXAMPLES])
+    want, count = _loss(folders[kind], [stanford(tok, r) for r in EXAMPLES])
     before = _scratch()
     base = ["--init-from", str(folders[kind]), "--data", str(rows), "--format", "alpaca",
             "--seq-len", str(SEQ)]  # fmt: skip
@@ -116,7 +89,7 @@ def test_alpaca_loss_is_transformers_packed_and_padded(folders, rows, kind, caps
 
 def test_chat_loss_is_transformers_over_the_assistant_turns(folders, tmp_path, capsys) -> None:
     tok = _tokenizer(folders["llama"])
-    want, count = _loss(folders["llama"], [_chat(tok, c) for c in CHATS])
+    want, count = _loss(folders["llama"], [chat_labels(tok, c) for c in CHATS])
     data = write_jsonl(tmp_path / "chats.jsonl", [{"messages": c} for c in CHATS])
     got = evaluate(["--init-from", str(folders["llama"]), "--data", str(data), "--format",
                     "chat", "--seq-len", str(SEQ)], capsys)  # fmt: skip

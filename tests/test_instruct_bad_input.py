@@ -128,3 +128,16 @@ def test_config_long_has_two_values() -> None:
     cfg.data.long = "cut"
     with pytest.raises(ConfigError, match="long must be one of truncate, drop; got 'cut'"):
         validate_config(cfg, check_data=False)
+
+
+def test_templates_reading_unpassed_names_and_an_eos_not_read_as_one_token(tmp_path, capsys):
+    data = write_jsonl(tmp_path / "c.jsonl", [{"messages": CHATS[0]}])
+    odd = tmp_path / "odd.jinja"
+    odd.write_text("{{ messages[0]['content'] }}{% if enable_thinking %}x{% endif %}")
+    plain = tokenizer_folder(tmp_path / "plain", None)
+    msg = _fails(capsys, tmp_path, data, plain, "--chat-template", str(odd), fmt="chat")
+    assert f"{data}:1: chat template '{odd}' reads 'enable_thinking', which plait" in msg
+    wrong = tokenizer_folder(tmp_path / "wrong", None, eos_token="Ġthe")  # a vocabulary piece
+    alpaca = write_jsonl(tmp_path / "a.jsonl", ROWS)
+    msg = _fails(capsys, tmp_path, alpaca, wrong)
+    assert f"{alpaca}:1: tokenizer '{wrong / 'tokenizer.json'}' does not read its EOS 'Ġthe'" in msg

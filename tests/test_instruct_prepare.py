@@ -1,7 +1,8 @@
 """`plait data prepare --format alpaca|chat`: tokens and targets equal the transformers-based
-reference (Stanford's recipe: prompt ids, response ids + EOS, -100 on the prompt; chat: the
-template's text with only assistant turns as targets), written as memory-mapped shards with
-target masks and example offsets; `--columns` and `--train-on-input`; the summary lines."""
+reference (Stanford's train.py construction; chat: apply_chat_template's tokens with the
+assistant turns as targets, tests/chat_reference.py), written as memory-mapped shards with
+target masks and example offsets; `--columns` and `--train-on-input`; the summary lines.
+Every tokenizer family's shape: test_chat_tokens.py."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from chat_reference import chat_labels, stanford
 from instruct_data import (
     CHATML_TEMPLATE,
     CHATS,
@@ -23,7 +25,7 @@ from instruct_data import (
 from plait.cli import main
 from plait.data.instruct import InstructJob, prepare_examples
 from plait.data.shards import ShardStream, read_index
-from plait.data.templates import alpaca_prompt
+from plait.data.tokenizer import resolve_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -37,14 +39,6 @@ def _examples(folder: Path) -> list[tuple[np.ndarray, np.ndarray]]:
     tokens, mask = ShardStream(folder), ShardStream(folder, key="mask", dtype="uint8")
     offsets = np.fromfile(folder / index["examples"]["offsets"], dtype="<i8")
     return [(tokens.read(a, b), mask.read(a, b)) for a, b in itertools.pairwise(offsets)]
-
-
-def _stanford(tok, row: dict) -> tuple[list[int], list[int]]:
-    """Stanford's train.py with the pieces tokenized apart: input_ids and labels."""
-    prompt = [tok.bos_token_id] + tok(alpaca_prompt(row["instruction"], row.get("input")),
-                                      add_special_tokens=False)["input_ids"]  # fmt: skip
-    response = tok(row["output"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-    return prompt + response, [-100] * len(prompt) + response
 
 
 def test_alpaca_equals_stanfords_tokens_and_labels(llama, tmp_path) -> None:
@@ -62,9 +56,9 @@ def test_alpaca_equals_stanfords_tokens_and_labels(llama, tmp_path) -> None:
     for row, (tokens, mask), length, first, count in zip(
         ROWS, got, meta["lengths"], meta["first_target"], meta["targets"], strict=True
     ):
-        ids, labels = _stanford(tok, row)
+        ids, labels = stanford(tok, row)
         assert tokens.tolist() == ids
-        assert np.where(mask > 0, tokens, -100).tolist() == labels
+        assert np.where(mask > 0, tokens.astype(np.int64), -100).tolist() == labels
         targets = [i for i, x in enumerate(labels) if x != -100]
         assert (length, first, count) == (len(ids), targets[0], len(targets))
     assert index["tokens"] == sum(meta["lengths"])
@@ -100,28 +94,13 @@ def test_chat_targets_are_the_assistant_turns(template, tmp_path) -> None:
     index = prepare_examples(InstructJob(str(data), out, "chat", str(folder)))
     assert index["examples"]["template"]["sha256"]
     for chat, (tokens, mask) in zip(CHATS, _examples(out), strict=True):
-        text = tok.apply_chat_template(chat, tokenize=False)
-        # the BOS comes from the template's own text (Llama) or first (ChatML has none in
-        # its text, and the tokenizer defines one)
-        assert tok.decode(tokens.tolist()) == (text if text.startswith("<s>") else "<s>" + text)
+        ids, labels = chat_labels(tok, chat)
+        assert tokens.tolist() == ids  # no BOS the template does not write (ChatML)
+        assert np.where(mask > 0, tokens.astype(np.int64), -100).tolist() == labels
         said = tok.decode(tokens[mask > 0].tolist())
         answers = [m["content"] for m in chat if m["role"] == "assistant"]
         assert all(a in said for a in answers)
         assert "user" not in said and "[INST]" not in said and "Be brief" not in said
-        assert mask.sum() == sum(
-            len(tok(t, add_special_tokens=False)["input_ids"]) for t in _assistant_texts(tok, chat)
-        )
-
-
-def _assistant_texts(tok, chat: list[dict]) -> list[str]:
-    """The reference cut: the text each assistant turn adds after the generation prompt."""
-    out = []
-    for i, m in enumerate(chat):
-        if m["role"] == "assistant":
-            before = tok.apply_chat_template(chat[:i], tokenize=False, add_generation_prompt=True)
-            upto = tok.apply_chat_template(chat[: i + 1], tokenize=False)
-            out.append(upto[len(before) :])
-    return out
 
 
 def test_cli_prints_examples_tokens_targets_and_lengths(llama, tmp_path, capsys) -> None:
@@ -141,21 +120,35 @@ def test_cli_prints_examples_tokens_targets_and_lengths(llama, tmp_path, capsys)
     assert "would be dropped" in capsys.readouterr().out
 
 
-def test_bos_follows_the_tokenizer_config(tmp_path) -> None:
-    from plait.data.tokenizer import resolve_tokenizer
+def test_bos_follows_transformers_rule(tmp_path) -> None:
+    """The BOS an Alpaca example starts with is the one transformers' tokenizer adds:
+    tokenizer.json's post-processor's (transformers 5 ignores tokenizer_config.json's
+    add_bos_token where a tokenizer.json exists)."""
+    from tokenizers import Tokenizer, processors
+    from transformers import PreTrainedTokenizerFast
 
-    named = tokenizer_folder(tmp_path / "named", None)
-    usual = tokenizer_folder(tmp_path / "usual", None)
-    (usual / "tokenizer_config.json").write_text("{}")  # no names: the usual <s>, </s>
-    gpt2 = tokenizer_folder(tmp_path / "gpt2", None, add_bos_token=False)
-    bos = resolve_tokenizer(named).bos_id
-    assert bos is not None and resolve_tokenizer(usual).bos_id == bos
-    assert resolve_tokenizer(gpt2).bos_id is None
+    def folder(name: str, post: bool, **config) -> Path:
+        made = tokenizer_folder(tmp_path / name, None, **config)
+        if post:
+            tok = Tokenizer.from_file(str(made / "tokenizer.json"))
+            tok.post_processor = processors.TemplateProcessing(
+                single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+            )
+            tok.save(str(made / "tokenizer.json"))
+        return made
+
+    cases = {"plain": folder("plain", False), "post": folder("post", True),
+             "flag": folder("flag", False, add_bos_token=True),
+             "off": folder("off", True, add_bos_token=False)}  # fmt: skip
     data = write_jsonl(tmp_path / "a.jsonl", ROWS[:1])
-    prepare_examples(InstructJob(str(data), tmp_path / "with", "alpaca", str(named)))
-    prepare_examples(InstructJob(str(data), tmp_path / "without", "alpaca", str(gpt2)))
-    with_bos, m1 = _examples(tmp_path / "with")[0]
-    without, m2 = _examples(tmp_path / "without")[0]
-    assert with_bos[0] == bos and with_bos[1:].tolist() == without.tolist()
-    assert m1[1:].tolist() == m2.tolist()  # the prompt's first token is no target either way
-    assert m1.sum() == m2.sum() and read_index(tmp_path / "without")["examples"]["bos_id"] is None
+    bos = resolve_tokenizer(cases["post"]).bos_id
+    assert bos is not None and resolve_tokenizer(cases["off"]).bos_id == bos
+    for name, made in cases.items():
+        out = tmp_path / f"out-{name}"
+        prepare_examples(InstructJob(str(data), out, "alpaca", str(made)))
+        ((tokens, _),) = _examples(out)
+        want = stanford(PreTrainedTokenizerFast.from_pretrained(str(made)), ROWS[0])[0]
+        assert tokens.tolist() == want, name
+        adds = name in ("post", "off")
+        assert (tokens[0] == bos) == adds
+        assert read_index(out)["examples"]["bos_id"] == (bos if adds else None)

@@ -273,8 +273,8 @@ def sample(checkpoint: Path, corpus: Corpus, cfg: Config) -> dict[str, str]:
 def instruct_sample(model: Transformer, cfg: Config) -> dict[str, str]:
     """An instruction run's sample: the model's greedy answer to the first validation
     example's prompt (a fixed instruction, the same for every run on these examples), whose
-    tokens `data prepare` built with `Tokenized.prompt_ids`'s rule (alpaca: Stanford's
-    template with BOS; chat: the conversation up to its first assistant turn with the
+    tokens are the example's tokens before its first target (alpaca: Stanford's prompt as
+    the tokenizer encodes it; chat: the conversation up to its first assistant turn with the
     generation prompt), stopping at `stop_ids` (the --init-from folder's, else EOS)."""
     examples = ExampleStore(cfg.data.path)
     meta = read_index(cfg.data.path)["examples"]

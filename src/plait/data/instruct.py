@@ -1,12 +1,14 @@
 """`plait data prepare --format alpaca|chat`: instruction examples in, shards with targets out.
 
-Each example is a list of pieces (Alpaca: the templated prompt, then `output`; chat: the
-rendered text between assistant turns, then each turn), every piece tokenized on its own
-with no special tokens added, then joined: BOS first where the tokenizer puts one (and the
-rendered text does not already start with it), and for Alpaca the EOS id after the response,
-as Stanford's train.py appends it. Tokenizing the pieces apart makes the target boundary
-exact: no BPE merge crosses from prompt into response. A chat template writes its own end
-of turn (its `eos_token` or an end-of-turn token), so nothing is appended to chat turns.
+Each example is tokenized once, as the references tokenize it (docs/finetuning.md, "Where
+targets begin and end"):
+- Alpaca, as Stanford's train.py: the text prompt + output + the EOS token's text, tokenized
+  with the tokenizer's special tokens (its BOS where it adds one); the prompt tokenized the
+  same way alone gives the boundary: its token count is where the targets start.
+- Chat, as `apply_chat_template(tokenize=True)`: the rendered conversation tokenized without
+  special tokens (the template writes its own); the targets are the tokens whose characters
+  overlap the template's target spans (templates.py), as transformers'
+  `return_assistant_tokens_mask` marks them. A token that spans a boundary is a target.
 
 The folder holds the token shards as today (`shard-*.bin`), a target mask cut the same way
 (`mask-*.bin`, uint8: 1 where the token is a target; never the first token, which nothing
@@ -30,12 +32,12 @@ import numpy as np
 from plait.data.records import Record, parse_columns, read_records
 from plait.data.shards import ShardWriter, write_index
 from plait.data.table_records import instruction_files
-from plait.data.templates import ChatTemplate, Turn, alpaca_identity, alpaca_prompt
+from plait.data.templates import ChatTemplate, alpaca_identity, alpaca_prompt
 from plait.data.tokenizer import (
     Encoder,
     TokenizerSpec,
     resolve_tokenizer,
-    special_name,
+    template_specials,
 )
 from plait.errors import ConfigError
 from plait.outdir import check_out_folder
@@ -73,8 +75,8 @@ class Example:
 class Tokenized:
     """The tokenizer side of a format: encoder, specials and the template. `prepare` makes
     whole examples with it and `plait generate --template|--chat` and a run's sample make
-    prompts with it (`prompt_ids`), through the same pieces and the same joining, so a
-    prompt is tokenized at generation exactly as it was in training."""
+    prompts with it (`prompt_ids`), tokenized as the references tokenize them: Stanford's
+    `tokenizer(prompt)`, transformers' `apply_chat_template(add_generation_prompt=True)`."""
 
     def __init__(
         self, fmt: str, spec: TokenizerSpec, chat_template: str | None = None,
@@ -83,13 +85,13 @@ class Tokenized:
         self.spec, self.encoder = spec, Encoder(spec)
         self.fmt, self.train_on_input = fmt, train_on_input
         file = Path(spec.path) if spec.path else None
-        self.bos_text = self.encoder.token_text(spec.bos_id)
+        self.eos_text = self.encoder.token_text(spec.eos_id)
         self.template: ChatTemplate | None = None
         if fmt == "chat":
-            bos = special_name(file, self.encoder.vocab(), "bos_token", ()) if file else None
-            eos = self.encoder.token_text(spec.eos_id)
+            specials = template_specials(file, self.eos_text) if file else {}
+            ends = self.encoder.control_tokens()
             folder = file.parent if file else None
-            self.template = ChatTemplate.load(chat_template, folder, bos, eos, flag)
+            self.template = ChatTemplate.load(chat_template, folder, specials, ends, flag)
 
     @classmethod
     def of_job(cls, job: InstructJob) -> Tokenized:
@@ -107,67 +109,86 @@ class Tokenized:
     def identity(self) -> dict[str, str]:
         return self.template.identity() if self.template else alpaca_identity()
 
-    def pieces(self, record: Record) -> list[Turn]:
-        """The example's text pieces, targets marked. A chat's first piece is the text up to
-        its first assistant turn, rendered with the generation prompt (`ChatTemplate.turns`):
-        `prompt_pieces` of those messages."""
-        if self.template is not None:
-            return self.template.turns(record.fields["messages"], f"{record.where}: ")
+    def texts(self, record: Record) -> Texts:
+        """What gets tokenized for one example, every template problem raised here."""
         f = record.fields
-        return [*self.prompt_pieces(f), Turn(f["output"], True)]
-
-    def prompt_pieces(self, fields: dict[str, Any]) -> list[Turn]:
-        """What comes before a response: Stanford's prompt of `instruction` and `input`, or
-        the chat template's rendering of `messages` with the generation prompt."""
         if self.template is not None:
-            return [Turn(self.template.render(fields["messages"], True), False)]
-        return [Turn(alpaca_prompt(fields["instruction"], fields.get("input")), False)]
+            text, spans = self.template.spans(f["messages"], f"{record.where}: ")
+            return Texts(text, spans)
+        prompt = alpaca_prompt(f["instruction"], f.get("input"))
+        return Texts(prompt + f["output"] + self.eos_text, [], prompt)
 
     def prompt_ids(self, fields: dict[str, Any]) -> np.ndarray:
-        """The prompt's tokens as `prepare` builds an example's (BOS first where the
-        tokenizer has one, the text tokenized without special tokens): what a model trained
-        on these examples answers."""
-        pieces = self.prompt_pieces(fields)
-        ids = self.encoder.encode_docs([p.text for p in pieces])
-        return self._concat(pieces, ids)[0]
+        """A prompt's tokens as the references make them at generation: Stanford's template
+        tokenized with the tokenizer's special tokens (its BOS), or the conversation rendered
+        with the generation prompt and tokenized once without them (the template writes its
+        own), as `apply_chat_template(add_generation_prompt=True, tokenize=True)`."""
+        if self.template is not None:
+            text, special = self.template.render(fields["messages"], True), False
+        else:
+            text, special = alpaca_prompt(fields["instruction"], fields.get("input")), True
+        ids = self.encoder.encodings([text], special)[0].ids
+        return np.asarray(ids, dtype=self.spec.dtype)
 
-    def encode(self, records: list[Record], pieces: list[list[Turn]]) -> list[Example]:
-        """The examples' tokens and masks, the pieces of all of them in one batch call."""
-        flat = self.encoder.encode_docs([p.text for ps in pieces for p in ps])
-        out, at = [], 0
-        for record, ps in zip(records, pieces, strict=True):
-            out.append(self._join(record, ps, flat[at : at + len(ps)]))
-            at += len(ps)
+    def encode(self, records: list[Record], texts: list[Texts]) -> list[Example]:
+        """The examples' tokens and masks, tokenized in batch calls."""
+        chat = self.template is not None
+        full = self.encoder.encodings([t.text for t in texts], not chat)
+        prompts = [] if chat else self.encoder.encodings([t.prompt for t in texts], True)
+        out = []
+        for i, (record, t, enc) in enumerate(zip(records, texts, full, strict=True)):
+            ids = np.asarray(enc.ids, dtype=self.spec.dtype)
+            if chat:
+                mask = target_mask(enc.offsets, t.spans)
+                prompt = int(np.argmax(mask)) if mask.any() else len(ids)
+            else:
+                prompt = self._alpaca_prompt(record, ids, len(prompts[i].ids))
+                mask = np.zeros(len(ids), np.uint8)
+                mask[prompt:] = 1
+            out.append(self._finish(record, ids, mask, prompt))
         return out
 
-    def _concat(self, pieces: list[Turn], ids: list[np.ndarray]) -> tuple[np.ndarray, ...]:
-        """The pieces' tokens joined, BOS first where the tokenizer puts one (and the text
-        does not start with it), with their target mask and the first target piece's start
-        (the prompt's length; the whole length when no piece is a target)."""
-        dtype = self.spec.dtype
-        parts, masks = [], []
-        starts_with_bos = self.bos_text is not None and pieces[0].text.startswith(self.bos_text)
-        if self.spec.bos_id is not None and not starts_with_bos:
-            parts.append(np.array([self.spec.bos_id], dtype))
-            masks.append(np.zeros(1, np.uint8))
-        prompt = None
-        for piece, tokens in zip(pieces, ids, strict=True):
-            if piece.target and prompt is None:
-                prompt = sum(len(p) for p in parts)
-            parts.append(tokens)
-            masks.append(np.full(len(tokens), piece.target or self.train_on_input, np.uint8))
-        tokens, mask = np.concatenate(parts).astype(dtype), np.concatenate(masks)
-        return tokens, mask, len(tokens) if prompt is None else prompt
+    def _alpaca_prompt(self, record: Record, ids: np.ndarray, prompt: int) -> int:
+        """Stanford's boundary: the prompt's own token count; the EOS must end the text."""
+        if self.spec.eos_id not in ids[prompt:].tolist():
+            raise ConfigError(
+                f"{record.where}: tokenizer {self.spec.name!r} does not read its EOS "
+                f"{self.eos_text!r} in text as one token (Stanford's recipe appends it as text)"
+            )
+        return prompt
 
-    def _join(self, record: Record, pieces: list[Turn], ids: list[np.ndarray]) -> Example:
-        tokens, mask, prompt = self._concat(pieces, ids)
-        if self.fmt == "alpaca":  # the response ends with EOS, as Stanford's train.py
-            tokens = np.append(tokens, self.spec.eos_id).astype(self.spec.dtype)
-            mask = np.append(mask, np.uint8(1))
+    def _finish(self, record: Record, ids: np.ndarray, mask: np.ndarray, prompt: int) -> Example:
+        if self.train_on_input:
+            mask[:] = 1
         mask[0] = 0  # the first token is never predicted
         if not mask.any():
             raise ConfigError(f"{record.where} has no target tokens (its responses are empty)")
-        return Example(tokens, mask, prompt)
+        return Example(ids, mask, prompt)
+
+
+@dataclass(frozen=True)
+class Texts:
+    """One example's text to tokenize: its target character spans (chat), or Alpaca's
+    prompt (whose token count marks where the targets start, as in Stanford's train.py)."""
+
+    text: str
+    spans: list[tuple[int, int]]
+    prompt: str = ""
+
+
+def target_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> np.ndarray:
+    """1 for every token whose characters overlap a target span (transformers' rule for
+    `return_assistant_tokens_mask`): a token spanning a span's edge is a target."""
+    mask = np.zeros(len(offsets), np.uint8)
+    k = 0
+    for i, (start, end) in enumerate(offsets):
+        while k < len(spans) and start >= spans[k][1]:
+            k += 1
+        if k == len(spans):
+            break
+        if end > spans[k][0]:
+            mask[i] = 1
+    return mask
 
 
 def refuse_text_flags(columns: str | None, chat_template: str | None, train_on_input: bool) -> None:
@@ -200,7 +221,7 @@ def prepare_examples(job: InstructJob) -> dict[str, Any]:
     records = [r for rs in per_file for r in rs]
     if not records:
         raise ConfigError(f"data path {job.data!r} holds no examples")
-    pieces = [tok.pieces(r) for r in records]  # every template problem before any writing
+    texts = [tok.texts(r) for r in records]  # every template problem before any writing
     partial = job.out.with_name(job.out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
@@ -209,7 +230,7 @@ def prepare_examples(job: InstructJob) -> dict[str, Any]:
     lengths, first, targets, prompts = [], [], [], []
     try:
         for i in range(0, len(records), CHUNK):
-            for ex in tok.encode(records[i : i + CHUNK], pieces[i : i + CHUNK]):
+            for ex in tok.encode(records[i : i + CHUNK], texts[i : i + CHUNK]):
                 tokens.write(ex.tokens)
                 masks.write(ex.mask)
                 lengths.append(len(ex.tokens))

@@ -38,7 +38,7 @@ class TokenizerSpec:
     vocab_size: int
     eos_id: int
     identity: str | None  # SHA-256 of tokenizer.json; None: the byte tokenizer
-    bos_id: int | None = None  # the beginning-of-sequence id, where the tokenizer has one
+    bos_id: int | None = None  # the id put first when special tokens are added (a BOS)
 
     @property
     def name(self) -> str:
@@ -64,23 +64,42 @@ def _json_file(path: Path) -> Path:
     return path
 
 
+def _config(file: Path) -> dict:
+    """The folder's tokenizer_config.json ({} when there is none)."""
+    config = file.parent / "tokenizer_config.json"
+    return json.loads(config.read_text()) if config.is_file() else {}
+
+
+def _token_text(value) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
+    value = value.get("content") if isinstance(value, dict) else value
+    return value if isinstance(value, str) else None
+
+
 def special_name(file: Path, vocab: dict[str, int], key: str, usual: tuple[str, ...]):
     """The folder's tokenizer_config.json `key` (eos_token, bos_token) if it names a token
     of the vocabulary, else the first usual name the vocabulary has, else None."""
-    config = file.parent / "tokenizer_config.json"
-    if config.is_file():
-        name = json.loads(config.read_text()).get(key)
-        name = name.get("content") if isinstance(name, dict) else name
-        if isinstance(name, str) and name in vocab:
-            return name
+    name = _token_text(_config(file).get(key))
+    if name is not None and name in vocab:
+        return name
     return next((name for name in usual if name in vocab), None)
 
 
-def _adds_bos(file: Path) -> bool:
-    """False where tokenizer_config.json says `add_bos_token: false` (GPT-2's folders, whose
-    bos_token is only a name): transformers puts no BOS first there, and neither does plait."""
-    config = file.parent / "tokenizer_config.json"
-    return not config.is_file() or json.loads(config.read_text()).get("add_bos_token") is not False
+SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                "mask_token")  # fmt: skip
+
+
+def template_specials(file: Path, eos: str | None) -> dict[str, str]:
+    """The special-token names a chat template reads, as transformers passes them: those
+    tokenizer_config.json sets; a bare tokenizer.json (no config) gets its EOS (and BOS)."""
+    config = _config(file)
+    if not config:
+        tok = _load(file)
+        vocab = tok.get_vocab(with_added_tokens=True)
+        bos = next((name for name in _BOS_CANDIDATES if name in vocab), None)
+        return {k: v for k, v in (("bos_token", bos), ("eos_token", eos)) if v is not None}
+    named = {key: _token_text(config.get(key)) for key in SPECIAL_KEYS}
+    return {key: value for key, value in named.items() if value is not None}
 
 
 def resolve_tokenizer(path: str | Path | None, needs_eos: str = _DOCUMENTS) -> TokenizerSpec:
@@ -98,10 +117,18 @@ def resolve_tokenizer(path: str | Path | None, needs_eos: str = _DOCUMENTS) -> T
             f"tokenizer {str(file)!r} has no end-of-sequence token (none of "
             f"{', '.join(_EOS_CANDIDATES)}); {needs_eos}"
         )
-    bos = special_name(file, vocab, "bos_token", _BOS_CANDIDATES) if _adds_bos(file) else None
     size = tok.get_vocab_size(with_added_tokens=True)
     digest = hashlib.sha256(raw).hexdigest()
-    return TokenizerSpec(str(file), size, vocab[eos], digest, None if bos is None else vocab[bos])
+    return TokenizerSpec(str(file), size, vocab[eos], digest, _first_special(tok))
+
+
+def _first_special(tok) -> int | None:
+    """The id the tokenizer puts first when it adds special tokens (its BOS), if any: what
+    tokenizer.json's post-processor adds. transformers 5 does the same (it ignores
+    tokenizer_config.json's add_bos_token where a tokenizer.json exists)."""
+    plain = tok.encode("a", add_special_tokens=False).ids
+    ids = tok.encode("a", add_special_tokens=True).ids
+    return ids[0] if ids and ids[: len(plain)] != plain else None
 
 
 def _load(file: Path):  # -> tokenizers.Tokenizer
@@ -131,9 +158,21 @@ class Encoder:
         encoded = self._tok.encode_batch(texts, add_special_tokens=False)
         return [np.asarray(e.ids, dtype=self.spec.dtype) for e in encoded]
 
+    def encodings(self, texts: Sequence[str], add_special_tokens: bool) -> list:
+        """Each text's `tokenizers.Encoding` (ids and character offsets), in one call."""
+        return self._tok.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+
     def vocab(self) -> dict[str, int]:
         """Every token's id by its string, added tokens included (bytes: none)."""
         return self._tok.get_vocab(with_added_tokens=True) if self._tok else {}
+
+    def control_tokens(self) -> tuple[str, ...]:
+        """The strings of the tokenizer's added tokens, special or not, but whitespace (what
+        may end a chat turn: `<|im_end|>` is added either way; Gemma's "\n" is text)."""
+        if self._tok is None:
+            return ()
+        added = self._tok.get_added_tokens_decoder().values()
+        return tuple(t.content for t in added if t.content.strip())
 
     def token_text(self, token: int | None) -> str | None:
         """The string of a special token (a chat template writes it), None for none."""
