@@ -72,6 +72,20 @@ def test_latest_skips_an_unfinished_save_and_prune_keeps_the_newest(tmp_path: Pa
     assert store.resolve("latest", tmp_path / "elsewhere") is None  # a first start: step 0
 
 
+def test_prune_spares_the_best_checkpoint(tmp_path: Path) -> None:
+    """--keep-best: the checkpoint best.json names outlives pruning though it is not among the
+    newest (the launched run in test_run_features.py cannot count on its data's best being
+    an early step)."""
+    for step in (2, 4, 6, 8):
+        _fake_checkpoint(tmp_path, step, commit=True)
+    store.mark_best(tmp_path, 4, 1.5, keep=1)
+    kept = sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*"))
+    assert kept == ["step-4", "step-8"]
+    assert store.read_best(tmp_path)["step"] == 4
+    store.mark_best(tmp_path, 8, 1.25, keep=1)  # a newer best: the old one goes
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*")) == ["step-8"]
+
+
 def test_a_run_folder_names_its_newest_committed_checkpoint(tmp_path: Path, capsys) -> None:
     """Every command that takes a checkpoint takes its run folder too (`store.complete`), and
     a folder that is neither is named for what it is."""

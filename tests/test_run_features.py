@@ -187,7 +187,8 @@ def test_epochs_eval_data_and_keep_best_in_one_run_and_its_exact_resume(
     val = {r["step"] + 1: r["val_loss"] for r in rows if "val_loss" in r}
     assert sorted(val) == [3, 6, 9, 12, 15, 18, 21, 24]
     best = min(val, key=lambda k: (val[k], k))
-    assert best < 24  # not the last: pruning (--keep-checkpoints 1) had to spare it
+    # Which step is best is the data's business (pruning that spares an earlier best:
+    # test_checkpoint.py::test_prune_spares_the_best_checkpoint).
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["steps"], summary["epochs"], summary["best_step"]) == (24, 2, best)
     assert summary["best_val_loss"] == val[best]

@@ -144,7 +144,8 @@ class ParallelConfig:
     packed_attention: str = field(
         default="auto",
         metadata={
-            "help": "packed rows' attention: auto (per-document on CPU, varlen on CUDA), mask "
+            "help": "packed rows' attention: auto (per-document on CPU; on CUDA varlen in 16-bit, "
+            "else mask), mask "
             "(dense block-causal, the reference), per-document (causal SDPA per example), "
             "varlen (torch's varlen_attn: CUDA, bf16/fp16)"
         },
