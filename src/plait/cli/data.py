@@ -239,6 +239,11 @@ def _prepare_examples(args: argparse.Namespace) -> int:
         f"tokens, {meta['target_tokens']:,} target tokens ({index['dtype']}, "
         f"{len(index['shards'])} shards); {index['tokens'] / seconds:,.0f} tokens/s"
     )
+    dropped = meta.get("unrendered") or {}
+    if dropped:
+        roles = ", ".join(f"{n:,} {role}" for role, n in dropped.items())
+        print(f"the chat template leaves out {sum(dropped.values()):,} messages ({roles}): "
+              "their text is in no example")  # fmt: skip
     if args.seq_len:
         print(length_report(meta["lengths"], meta["first_target"], args.seq_len, args.long))
     return 0

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from plait.data.corpus import unigram_entropy
-from plait.data.packing import Plan, plan_rows, val_split
+from plait.data.packing import Plan, dropped_reason, plan_rows, val_split
 from plait.data.shards import ShardStream, read_index, shard_tokenizer
 from plait.data.tokenizer import resolve_tokenizer
 from plait.errors import ConfigError
@@ -199,9 +199,13 @@ def check_examples(
     train, val = (plan_rows(ids, lengths[ids], first[ids], seq_len, pack, long).rows
                   for ids in (train_ids, val_ids))  # fmt: skip
     if train < global_batch or val < 1:
+        cause = dropped_reason(lengths, seq_len, long)
+        if train == val == 0 and cause:
+            raise ConfigError(f"examples {str(folder)!r}: {cause}")
         raise ConfigError(
             f"examples {str(folder)!r} give {train} training and {val} validation rows of "
             f"seq_len {seq_len} ({'packed' if pack else 'one example a row'}, long={long}), "
             f"but one global batch needs {global_batch} and validation at least 1"
+            + (f" ({cause})" if cause else "")
         )
     return train, val

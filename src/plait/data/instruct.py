@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from plait.data.records import Record, parse_columns, read_records
+from plait.data.records import Record, parse_columns, read_records, unrendered
 from plait.data.shards import ShardWriter, write_index
 from plait.data.sources import source_files
 from plait.data.templates import ChatTemplate, Turn, alpaca_identity, alpaca_prompt
@@ -201,6 +201,8 @@ def prepare_examples(job: InstructJob) -> dict[str, Any]:
     if not records:
         raise ConfigError(f"data path {job.data!r} holds no examples")
     pieces = [tok.pieces(r) for r in records]  # every template problem before any writing
+    template = tok.template
+    dropped = unrendered(records, lambda m: template.render(m, False)) if template else {}
     partial = job.out.with_name(job.out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
@@ -239,6 +241,7 @@ def prepare_examples(job: InstructJob) -> dict[str, Any]:
             "first_target": first,
             "targets": targets,
             "prompts": prompts,
+            "unrendered": dict(sorted(dropped.items())),  # role -> messages the template drops
         },
     }
     sources = [{"path": str(f), "bytes": f.stat().st_size} for f in files]
