@@ -118,7 +118,7 @@ def apply_adapter(cfg: ModelConfig, adapter: str, explicit: dict[str, Any]) -> N
     that disagrees is refused, naming both) and check its tensors against the base's shapes."""
     folder = Path(adapter)
     config = read_adapter_config(folder)
-    fields = adapter_model_fields(config, cfg.mlp, str(folder / "adapter_config.json"))
+    fields = adapter_model_fields(config, cfg, str(folder / "adapter_config.json"))
     for key, value in fields.items():
         if key in explicit and not _same(key, explicit[key], value, cfg.mlp):
             theirs = PEFT_FIELDS[key]
