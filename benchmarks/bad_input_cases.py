@@ -89,6 +89,9 @@ def wrong_values() -> list[Case]:
     cases += [_c(v, *ev, *args) for args in (
         ["--format", "xml"], ["--dp", "0"], ["--seq-len", "nan"], ["--micro-batch", "0"],
         ["--eval-batches", "-1"])]  # fmt: skip
+    cases += [_train(v, "--model", "tiny-llama", "--lora-rank", "4", "--lora-targets", t)
+              for t in ("", ",")]  # names no target: not PEFT's default unsaid  # fmt: skip
+    cases += [_c(v, *plan, "--model", "tiny-llama", "--lora-rank", "4", "--lora-targets", "")]
     cases += [
         _c(v, "lessons", "--only", "nope", "--out", "{S}/lessons"),
         _c(v, "lessons", "--only", "dp", "--only", "zzz", "--out", "{S}/lessons"),
@@ -248,6 +251,34 @@ def wrong_types() -> list[Case]:
         _c(t, "eval", "--checkpoint", "{S}/run", "--data", "{S}/bad.jsonl", "--format", "alpaca"),
         _c(t, "eval", "--init-from", "{S}/bad-hf", "--data", "{S}/text.txt"),
     ]
+    alpaca = ["data", "prepare", "--format", "alpaca", "--tokenizer", "{S}/tok", "--out",
+              "{S}/sft"]  # fmt: skip
+    cases += [_c(t, *alpaca, "--data", f"{{S}}/{name}.json")  # what json.load refuses
+              for name in ("trailing-comma", "extra-comma", "missing-comma", "junk-after",
+                           "two-arrays", "one-object")]  # fmt: skip
+    cases += [_c(t, "data", "prepare", "--format", "chat", "--tokenizer", "{S}/tok", "--data",
+                 "{S}/bad-role.jsonl", "--out", "{S}/sft")]  # fmt: skip
+    cases += [
+        _c(
+            t,
+            "eval",
+            "--init-from",
+            "{S}/hf-ok",
+            "--tokenizer",
+            "{S}/tok",
+            "--data",
+            "{S}/rows.json",
+            "--format",
+            "alpaca",
+            "--seq-len",
+            "2",
+            "--long",
+            "drop",
+        )
+    ]
+    cases += [_c(t, "train", *FROM_HF, "--out", "{S}/new-run", "--init-from", "{S}/hf-nf4"),
+              _c(t, "generate", "--init-from", "{S}/hf-nf4", "--prompt", "x"),
+              _c(t, "eval", "--init-from", "{S}/hf-nf4", "--data", "{S}/text.txt")]  # fmt: skip
     return cases
 
 
@@ -310,6 +341,55 @@ def conflicting_flags() -> list[Case]:
         ),
         _c(f, "eval", "--checkpoint", "{S}/run", "--data", "{S}/text.txt", "--model", "tiny-llama"),
         _c(f, "export", "--checkpoint", "{S}/run", "--out", "{S}/bad-lessons"),
+        _train(f, "--data", "{S}/text.txt", "--data", "{S}/exists.txt"),  # one source, not two
+        _c(f, "estimate", "--data", "{S}/text.txt", "--data", "{S}/exists.txt"),
+        _c(f, "eval", "--checkpoint", "{S}/run", "--data", "{S}/text.txt", "--data", "{S}/x"),
+        _c(
+            f,
+            "data",
+            "prepare",
+            "--data",
+            "{S}/text.txt",
+            "--data",
+            "{S}/exists.txt",
+            "--out",
+            "{S}/shards",
+        ),
+        _c(
+            f,
+            "tokenizer",
+            "train",
+            "--data",
+            "{S}/text.txt",
+            "--data",
+            "{S}/exists.txt",
+            "--out",
+            "{S}/tok.json",
+            "--vocab-size",
+            "300",
+        ),
+        _c(
+            f,
+            "train",
+            *FROM_HF,
+            "--out",
+            "{S}/new-run",
+            "--init-from",
+            "{S}/hf-tok",
+            "--tokenizer",
+            "{S}/tok",
+        ),  # the folder has its own tokenizer
+        _c(
+            f,
+            "train",
+            *FROM_HF,
+            "--out",
+            "{S}/new-run",
+            "--init-from",
+            "{S}/hf-tok",
+            "--data",
+            "{S}/shards-bytes",
+        ),  # shards of bytes for a model of another tokenizer
         _c(
             f,
             "schedule",
