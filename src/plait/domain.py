@@ -94,7 +94,10 @@ class Once(argparse.Action):
     """A flag that names one thing (`--data`): given twice it is refused, in one line, rather
     than the second silently replacing the first (a run reads one data source)."""
 
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+        option_string: str | None = None,
+    ) -> None:  # fmt: skip
         before = getattr(namespace, self.dest, None)
         if before is not None and before is not argparse.SUPPRESS:
             parser.error(
