@@ -258,24 +258,9 @@ def wrong_types() -> list[Case]:
                            "two-arrays", "one-object")]  # fmt: skip
     cases += [_c(t, "data", "prepare", "--format", "chat", "--tokenizer", "{S}/tok", "--data",
                  "{S}/bad-role.jsonl", "--out", "{S}/sft")]  # fmt: skip
-    cases += [
-        _c(
-            t,
-            "eval",
-            "--init-from",
-            "{S}/hf-ok",
-            "--tokenizer",
-            "{S}/tok",
-            "--data",
-            "{S}/rows.json",
-            "--format",
-            "alpaca",
-            "--seq-len",
-            "2",
-            "--long",
-            "drop",
-        )
-    ]
+    cases += [_c(t, "eval", "--init-from", "{S}/hf-ok", "--tokenizer", "{S}/tok", "--data",
+                 "{S}/rows.json", "--format", "alpaca", "--seq-len", "2", "--long",
+                 "drop")]  # every example dropped: said so  # fmt: skip
     cases += [_c(t, "train", *FROM_HF, "--out", "{S}/new-run", "--init-from", "{S}/hf-nf4"),
               _c(t, "generate", "--init-from", "{S}/hf-nf4", "--prompt", "x"),
               _c(t, "eval", "--init-from", "{S}/hf-nf4", "--data", "{S}/text.txt")]  # fmt: skip
@@ -341,55 +326,6 @@ def conflicting_flags() -> list[Case]:
         ),
         _c(f, "eval", "--checkpoint", "{S}/run", "--data", "{S}/text.txt", "--model", "tiny-llama"),
         _c(f, "export", "--checkpoint", "{S}/run", "--out", "{S}/bad-lessons"),
-        _train(f, "--data", "{S}/text.txt", "--data", "{S}/exists.txt"),  # one source, not two
-        _c(f, "estimate", "--data", "{S}/text.txt", "--data", "{S}/exists.txt"),
-        _c(f, "eval", "--checkpoint", "{S}/run", "--data", "{S}/text.txt", "--data", "{S}/x"),
-        _c(
-            f,
-            "data",
-            "prepare",
-            "--data",
-            "{S}/text.txt",
-            "--data",
-            "{S}/exists.txt",
-            "--out",
-            "{S}/shards",
-        ),
-        _c(
-            f,
-            "tokenizer",
-            "train",
-            "--data",
-            "{S}/text.txt",
-            "--data",
-            "{S}/exists.txt",
-            "--out",
-            "{S}/tok.json",
-            "--vocab-size",
-            "300",
-        ),
-        _c(
-            f,
-            "train",
-            *FROM_HF,
-            "--out",
-            "{S}/new-run",
-            "--init-from",
-            "{S}/hf-tok",
-            "--tokenizer",
-            "{S}/tok",
-        ),  # the folder has its own tokenizer
-        _c(
-            f,
-            "train",
-            *FROM_HF,
-            "--out",
-            "{S}/new-run",
-            "--init-from",
-            "{S}/hf-tok",
-            "--data",
-            "{S}/shards-bytes",
-        ),  # shards of bytes for a model of another tokenizer
         _c(
             f,
             "schedule",
@@ -409,6 +345,20 @@ def conflicting_flags() -> list[Case]:
 DAMAGES = ("no-commit", "no-manifest", "bad-manifest", "cut-file", "flipped-byte", "no-trainer",
            "bad-trainer", "empty", "run-without-checkpoint")  # fmt: skip
 """Copies of a real checkpoint, each damaged one way (`_damage`)."""
+
+
+def one_source() -> list[Case]:
+    """Conflicting flags about where the data comes from: `--data` given twice (a run reads
+    one source), and a tokenizer or shards that are not the `--init-from` folder's."""
+    f, twice = "conflicting flags", ["--data", "{S}/text.txt", "--data", "{S}/exists.txt"]
+    return [_train(f, *twice), _c(f, "estimate", *twice),
+            _c(f, "eval", "--checkpoint", "{S}/run", *twice),
+            _c(f, "data", "prepare", *twice, "--out", "{S}/shards"),
+            _c(f, "tokenizer", "train", *twice, "--out", "{S}/tok.json", "--vocab-size", "300"),
+            _c(f, "train", *FROM_HF, "--out", "{S}/new-run", "--init-from", "{S}/hf-tok",
+               "--tokenizer", "{S}/tok"),  # the folder has its own tokenizer
+            _c(f, "train", *FROM_HF, "--out", "{S}/new-run", "--init-from", "{S}/hf-tok",
+               "--data", "{S}/shards-bytes")]  # fmt: skip
 
 
 def damaged_checkpoints() -> list[Case]:
@@ -438,5 +388,5 @@ def signals() -> list[Case]:
 
 
 def all_cases() -> list[Case]:
-    return (wrong_values() + wrong_paths() + wrong_types() + conflicting_flags()
+    return (wrong_values() + wrong_paths() + wrong_types() + conflicting_flags() + one_source()
             + damaged_checkpoints() + signals())  # fmt: skip
