@@ -90,6 +90,9 @@ def wrong_values() -> list[Case]:
     cases += [_c(v, *ev, *args) for args in (
         ["--format", "xml"], ["--dp", "0"], ["--seq-len", "nan"], ["--micro-batch", "0"],
         ["--eval-batches", "-1"])]  # fmt: skip
+    cases += [_train(v, "--model", "tiny-llama", "--lora-rank", "4", "--lora-targets", t)
+              for t in ("", ",")]  # names no target: not PEFT's default unsaid  # fmt: skip
+    cases += [_c(v, *plan, "--model", "tiny-llama", "--lora-rank", "4", "--lora-targets", "")]
     cases += [
         _c(v, "lessons", "--only", "nope", "--out", "{S}/lessons"),
         _c(v, "lessons", "--only", "dp", "--only", "zzz", "--out", "{S}/lessons"),
@@ -249,6 +252,19 @@ def wrong_types() -> list[Case]:
         _c(t, "eval", "--checkpoint", "{S}/run", "--data", "{S}/bad.jsonl", "--format", "alpaca"),
         _c(t, "eval", "--init-from", "{S}/bad-hf", "--data", "{S}/text.txt"),
     ]
+    alpaca = ["data", "prepare", "--format", "alpaca", "--tokenizer", "{S}/tok", "--out",
+              "{S}/sft"]  # fmt: skip
+    cases += [_c(t, *alpaca, "--data", f"{{S}}/{name}.json")  # what json.load refuses
+              for name in ("trailing-comma", "extra-comma", "missing-comma", "junk-after",
+                           "two-arrays", "one-object")]  # fmt: skip
+    cases += [_c(t, "data", "prepare", "--format", "chat", "--tokenizer", "{S}/tok", "--data",
+                 "{S}/bad-role.jsonl", "--out", "{S}/sft")]  # fmt: skip
+    cases += [_c(t, "eval", "--init-from", "{S}/hf-ok", "--tokenizer", "{S}/tok", "--data",
+                 "{S}/rows.json", "--format", "alpaca", "--seq-len", "2", "--long",
+                 "drop")]  # every example dropped: said so  # fmt: skip
+    cases += [_c(t, "train", *FROM_HF, "--out", "{S}/new-run", "--init-from", "{S}/hf-nf4"),
+              _c(t, "generate", "--init-from", "{S}/hf-nf4", "--prompt", "x"),
+              _c(t, "eval", "--init-from", "{S}/hf-nf4", "--data", "{S}/text.txt")]  # fmt: skip
     return cases
 
 
@@ -332,6 +348,20 @@ DAMAGES = ("no-commit", "no-manifest", "bad-manifest", "cut-file", "flipped-byte
 """Copies of a real checkpoint, each damaged one way (`_damage`)."""
 
 
+def one_source() -> list[Case]:
+    """Conflicting flags about where the data comes from: `--data` given twice (a run reads
+    one source), and a tokenizer or shards that are not the `--init-from` folder's."""
+    f, twice = "conflicting flags", ["--data", "{S}/text.txt", "--data", "{S}/exists.txt"]
+    return [_train(f, *twice), _c(f, "estimate", *twice),
+            _c(f, "eval", "--checkpoint", "{S}/run", *twice),
+            _c(f, "data", "prepare", *twice, "--out", "{S}/shards"),
+            _c(f, "tokenizer", "train", *twice, "--out", "{S}/tok.json", "--vocab-size", "300"),
+            _c(f, "train", *FROM_HF, "--out", "{S}/new-run", "--init-from", "{S}/hf-tok",
+               "--tokenizer", "{S}/tok"),  # the folder has its own tokenizer
+            _c(f, "train", *FROM_HF, "--out", "{S}/new-run", "--init-from", "{S}/hf-tok",
+               "--data", "{S}/shards-bytes")]  # fmt: skip
+
+
 def damaged_checkpoints() -> list[Case]:
     d = "damaged checkpoint"
     cases = []
@@ -359,5 +389,5 @@ def signals() -> list[Case]:
 
 
 def all_cases() -> list[Case]:
-    return (wrong_values() + wrong_paths() + wrong_types() + conflicting_flags()
+    return (wrong_values() + wrong_paths() + wrong_types() + conflicting_flags() + one_source()
             + damaged_checkpoints() + signals())  # fmt: skip

@@ -61,9 +61,53 @@ def scratch(root: Path, trained: bool = True) -> Path:
         (root / name).mkdir(exist_ok=True)
     (root / "bad-lessons" / "lessons.json").write_text("{half")
     (root / "bad-hf" / "config.json").write_text('{"model_type": "bert"}')
+    _instruction_files(root)
     if trained:
         _train_tiny(root)
     return root
+
+
+def _word_tokenizer(folder: Path, words: list[str], template: str | None = None) -> None:
+    """A small word-level tokenizer folder with an EOS (and a chat template)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {w: i for i, w in enumerate(["<unk>", "</s>", *words])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    folder.mkdir(exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"eos_token": "</s>"} | ({"chat_template": template} if template else {})
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def _instruction_files(root: Path) -> None:
+    """A tokenizer with a chat template ({S}/tok), instruction files json.load refuses, one
+    object over lines, a chat with an unknown role, and good rows ({S}/rows.json)."""
+    _word_tokenizer(root / "tok", ["a", "b"], "{% for m in messages %}{{ m.content }}{% endfor %}")
+    row = json.dumps({"instruction": "a", "input": "", "output": "b"})
+    broken = {"trailing-comma": f"[{row},\n{row},\n]", "extra-comma": f"[{row},,\n{row}]",
+              "missing-comma": f"[{row}\n{row}]", "junk-after": f"[{row}]\nx",
+              "two-arrays": f"[{row}]\n[{row}]\n", "one-object": row.replace(", ", ",\n"),
+              "rows": f"[{row},\n{row},\n{row}]"}  # fmt: skip
+    for name, text in broken.items():
+        (root / f"{name}.json").write_text(text)
+    chat = [{"role": "bot", "content": "a"}, {"role": "assistant", "content": "b"}]
+    (root / "bad-role.jsonl").write_text(json.dumps({"messages": chat}) + "\n")
+
+
+def _models_of_other_kinds(root: Path) -> None:
+    """Copies of {S}/hf-ok: quantized by its config.json ({S}/hf-nf4), and with a tokenizer
+    of its own ({S}/hf-tok); and shards of bytes ({S}/shards-bytes)."""
+    from plait.data.prepare import PrepareJob, prepare
+
+    shutil.copytree(root / "hf-ok", root / "hf-nf4")
+    config = json.loads((root / "hf-ok" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True,
+                                     "bnb_4bit_quant_type": "nf4"}  # fmt: skip
+    (root / "hf-nf4" / "config.json").write_text(json.dumps(config))
+    shutil.copytree(root / "hf-ok", root / "hf-tok")
+    _word_tokenizer(root / "hf-tok", ["x", "y", "z"])
+    prepare(PrepareJob(str(root / "text.txt"), root / "shards-bytes"))
 
 
 def _train_tiny(root: Path) -> None:
@@ -78,6 +122,7 @@ def _train_tiny(root: Path) -> None:
         assert code == 0, "the sweep's tiny run failed"
         ckpt = latest(root / "run")
         assert main(["export", "--checkpoint", str(ckpt), "--out", str(root / "hf-ok")]) == 0
+    _models_of_other_kinds(root)
     for damage in DAMAGES:
         _damage(ckpt, root / "damaged" / damage, damage)
 

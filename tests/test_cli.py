@@ -278,10 +278,21 @@ def test_version(capsys) -> None:
     assert capsys.readouterr().out.startswith("plait ")
 
 
-def test_fp16_on_cpu_warns_once(capsys, monkeypatch, corpus: Path) -> None:
+def test_fp16_on_cpu_warns_once(capsys, monkeypatch, corpus: Path, tmp_path: Path) -> None:
     monkeypatch.setattr("plait.cli.train.launch", lambda cfg: None)  # validate and warn, no run
     monkeypatch.setattr("plait.config.device_kind", lambda kind: "cpu")
-    assert main(["train", "--precision", "fp16", "--data", str(corpus), "--seq-len", "32"]) == 0
+    argv = [
+        "train",
+        "--precision",
+        "fp16",
+        "--data",
+        str(corpus),
+        "--seq-len",
+        "32",
+        "--out",
+        str(tmp_path / "run"),
+    ]  # its own folder: runs/default may hold `make train`'s run
+    assert main(argv) == 0
     err = capsys.readouterr().err
     assert err.startswith("plait: warning: fp16 on a CPU") and "bf16" in err
 

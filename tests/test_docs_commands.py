@@ -1,6 +1,9 @@
 """Every `plait` command line in README.md and docs/ runs as written (nothing trained).
 
-Each line of a fenced code block that runs `plait` (or `.venv/bin/plait`) is run by the real
+Every line reaches plait as `.venv/bin/plait`, where the README's `make` installs it (the
+README says so once; a bare `plait` is refused here), and every model, adapter or checkpoint
+a line reads is one an earlier line writes. Each line of a fenced code block that runs
+`.venv/bin/plait` is run by the real
 `plait.cli.main` in a folder of its own, which holds what the docs' earlier lines would have
 made (tests/docs_scratch: the configs, a stand-in corpus, a tokenizer and shards prepared
 from it, tiny Hugging Face folders), so relative paths resolve and nothing lands in the
@@ -61,6 +64,46 @@ COMMANDS = _commands()
 
 def test_the_docs_have_commands() -> None:
     assert len(COMMANDS) >= 30
+
+
+def _code_lines() -> list[tuple[str, str]]:
+    """(where, line) of every line in a fenced block of README.md and docs/."""
+    found = []
+    for doc in DOCS:
+        in_block = False
+        for n, line in enumerate(doc.read_text().splitlines(), 1):
+            if line.lstrip().startswith("```"):
+                in_block = not in_block
+            elif in_block:
+                found.append((f"{doc.name}:{n}", line.strip()))
+    return found
+
+
+def test_every_line_reaches_plait_as_the_readme_says() -> None:
+    """The README installs plait into .venv and says, once, that every line reaches it as
+    `.venv/bin/plait`: a bare `plait` (exit 127 in a fresh shell) is nowhere, at the start
+    of a line or after `&&`."""
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert readme.count("every command line here and in docs/ reaches it as `.venv/bin/plait`") == 1
+    bare = [where for where, line in _code_lines()
+            if re.search(r"(?:^|&&\s*)plait\s", line)]  # fmt: skip
+    assert not bare, bare
+    assert sum(".venv/bin/plait " in line for _, line in _code_lines()) >= len(COMMANDS)
+
+
+def test_every_folder_a_line_reads_is_made_by_a_line() -> None:
+    """A model, adapter or checkpoint a line reads (`--init-from`, `--adapter`,
+    `--checkpoint`, `--resume`) is one an earlier line of the docs writes (its `--out`, or a
+    checkpoint inside it), or `make train`'s runs/default: never a folder nothing makes."""
+    outs = {_out(argv) for _, argv in COMMANDS if _out(argv)} | {"runs/default"}
+    missing = []
+    for where, argv in COMMANDS:
+        for flag in ("--init-from", "--adapter", "--checkpoint", "--resume"):
+            if flag in argv and argv[argv.index(flag) + 1] != "latest":
+                given = argv[argv.index(flag) + 1].rstrip("/")
+                if not any(given == o or given.startswith(o + "/") for o in outs):
+                    missing.append(f"{where}: {flag} {given}")
+    assert not missing, missing
 
 
 def _out(argv: list[str]) -> str | None:

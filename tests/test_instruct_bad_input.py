@@ -52,13 +52,13 @@ def test_missing_field_and_wrong_type_name_file_and_line(tok, tmp_path, capsys) 
 def test_invalid_json_names_the_line(tok, tmp_path, capsys) -> None:
     data = tmp_path / "bad.jsonl"
     data.write_text(json.dumps(ROWS[0]) + "\n\n" + '{"instruction": "x", "output": \n')
-    assert f"{data}:3 is not valid JSON (Expecting value)" in _fails(capsys, tmp_path, data, tok)
+    assert f"{data}:3:32 is not valid JSON (Expecting value)" in _fails(capsys, tmp_path, data, tok)
     array = tmp_path / "bad.json"
     text = json.dumps(ROWS, indent=2)
     array.write_text(text.replace('"Add the numbers."', '"Add the numbers.,'))
     line = text[: text.index("Add the numbers.")].count("\n") + 1
     msg = _fails(capsys, tmp_path, array, tok)
-    assert f"{array}:{line} is not valid JSON" in msg
+    assert f"{array}:{line}:" in msg and "is not valid JSON" in msg
     array.write_text(json.dumps(ROWS, indent=1).replace('"output": "5"', '"output": 5'))
     lines = json.dumps(ROWS, indent=1).split("\n")
     line = [i for i, text in enumerate(lines, 1) if text == " {"][1]  # the second row's {

@@ -201,7 +201,7 @@ def peft_saved(folders, tmp_path_factory) -> dict[str, Path]:
 
 def from_adapter(base: Path, folder: Path) -> tuple[ModelConfig, Transformer]:
     cfg = load_config(base)
-    fields = adapter_model_fields(read_adapter_config(folder), cfg.mlp)
+    fields = adapter_model_fields(read_adapter_config(folder), cfg)
     for key, value in fields.items():
         setattr(cfg, key, value)
     return cfg, plait_model(base, cfg, adapter_source(folder, cfg))
@@ -210,7 +210,7 @@ def from_adapter(base: Path, folder: Path) -> tuple[ModelConfig, Transformer]:
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_plait_reads_what_peft_saves(folders, peft_saved, kind: str) -> None:
     fields = adapter_model_fields(read_adapter_config(peft_saved[kind]), load_config(
-        folders[kind]).mlp)  # fmt: skip
+        folders[kind]))  # fmt: skip
     assert fields == {"lora_rank": RANK, "lora_alpha": ALPHA, "lora_dropout": 0.0,
                       "lora_targets": ALL[kind]}  # fmt: skip
     _, ours = from_adapter(folders[kind], peft_saved[kind])
@@ -333,7 +333,7 @@ def _bad(folder: Path, tmp_path: Path, what: str) -> Path:
         (bad / "adapter_model.safetensors").write_bytes(b"\x00" * 16)
     else:
         config.update({"dora": {"use_dora": True}, "head": {"target_modules": ["lm_head"]},
-                       "regex": {"target_modules": r".*\.q_proj"}}[what])  # fmt: skip
+                       "regex": {"target_modules": r".*\.0\.self_attn\.q_proj"}}[what])  # fmt: skip
         (bad / "adapter_config.json").write_text(json.dumps(config))
     return bad
 
@@ -347,8 +347,15 @@ def _bad(folder: Path, tmp_path: Path, what: str) -> Path:
         ("pickle", "holds adapter_model.bin (a pickle), which plait does not run"),
         ("bad-weights", "adapter_model.safetensors' is not a readable safetensors file"),
         ("dora", "use_dora=True is not plain LoRA; plait cannot compute it"),
-        ("head", "target_modules ['lm_head'] name no Linear of a LLaMA block that plait adapts"),
-        ("regex", "is not a list of module names plait can map"),
+        (
+            "head",
+            "target_modules=['lm_head'] adapt 'lm_head' (1 such), which is not a Linear "
+            "of a LLaMA block that plait adapts",
+        ),
+        (
+            "regex",
+            "adapts self_attn.q_proj in layers [0] of 2 only; plait adapts a target in every layer",
+        ),
     ],
 )
 def test_bad_adapters_stop_before_workers(peft_saved, folders, corpus, tmp_path, capsys, what,
@@ -375,8 +382,8 @@ def test_an_adapter_for_another_base_or_rank_is_refused(folders, peft_saved, cor
           "8"], f"model.lora_rank=8 conflicts with r=4 from --adapter {adapter}"),
         (["train", "--adapter", adapter], f"--adapter {adapter} needs --init-from BASE"),
         (["eval", "--init-from", str(folders["gpt2"]), "--adapter", adapter],
-         "target_modules ['down_proj', 'gate_proj', 'k_proj', 'o_proj', 'q_proj', 'up_proj', "
-         "'v_proj'] name no Linear of a GPT-2 block"),
+         "target_modules=['down_proj', 'gate_proj', 'k_proj', 'o_proj', 'q_proj', 'up_proj', "
+         "'v_proj'] match no module of the base; its Linears: c_attn, c_fc, c_proj"),
     ]  # fmt: skip
     for argv, message in cases:  # eval refuses training flags (--out, --steps) of its own
         run = ["--out", str(tmp_path / "run"), *RUN] if argv[0] == "train" else RUN[2:4]

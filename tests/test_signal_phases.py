@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 import uuid
 from pathlib import Path
 
@@ -181,3 +182,32 @@ def test_data_commands_stop_cleanly(command, signum, text, tmp_path):
     what = "interrupted" if signum == INT else "stopped by SIGTERM"
     assert err.strip().splitlines()[-1] == f"plait: {what}; nothing more runs.", err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pause"]  # no o, o.partial, .o.tmp
+
+
+START = {"launch": ("prepare-launch", "plait", TERM), "worker": ("prepare-worker", "worker", INT)}
+"""`data prepare` paused while a worker starts: inside the parent's start of one (the
+forkserver asked for it; a signal there used to leave a worker whose task never came, which
+printed a 14-line EOFError traceback after plait's line), and in a worker's own first code."""
+
+
+@pytest.mark.parametrize("case", START, ids=list(START))
+def test_prepare_stops_at_once_while_its_workers_start(case, text, tmp_path):
+    """One line, 130 or 143, nothing left, no traceback at any moment; the line comes within
+    seconds of the signal (the workers are killed, not waited for: that took up to 55 s)."""
+    phase, who, signum = START[case]
+    marker, pause, out = f"PLAIT_TEST_MARK_{uuid.uuid4().hex}", tmp_path / "pause", tmp_path / "o"
+    pause.mkdir()
+    argv = ["data", "prepare", "--data", str(text), "--workers", "2", "--no-progress"]
+    proc = start_plait([*argv, "--out", str(out)], marker, pause_env(phase, pause))
+    wait_for_phase(pause, phase, [who], proc)
+    _send(proc, signum)
+    sent = time.monotonic()
+    release(pause, phase)
+    line = proc.stderr.readline()  # printed before the interpreter's own exit
+    took = time.monotonic() - sent
+    err = line + ended(proc)
+    _clean(err, marker, proc.returncode, signum)
+    what = "interrupted" if signum == INT else "stopped by SIGTERM"
+    assert err.strip().splitlines() == [f"plait: {what}; nothing more runs."], err
+    assert took < 10, f"{took:.1f} s from the signal to plait's line"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pause"]

@@ -185,6 +185,7 @@ class DataConfig:
         metadata={
             "help": "text file or folder; default: this Python's standard library sources",
             "flag": "--data",
+            "once": True,  # a second --data is refused, not silently kept instead
         },
     )
     max_bytes: int = field(

@@ -106,6 +106,23 @@ def fraction(low_open: bool = False, high_open: bool = True) -> Domain:
     return Domain(float, 0.0, 1.0, low_open, high_open)
 
 
+class Once(argparse.Action):
+    """A flag that names one thing (`--data`): given twice it is refused, in one line, rather
+    than the second silently replacing the first (a run reads one data source)."""
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+        option_string: str | None = None,
+    ) -> None:  # fmt: skip
+        before = getattr(namespace, self.dest, None)
+        if before is not None and before is not argparse.SUPPRESS:
+            parser.error(
+                f"{option_string} given twice ({before!r}, then {values!r}): a run reads one "
+                "source; put the files in one folder, or prepare them together into one"
+            )
+        setattr(namespace, self.dest, values)
+
+
 class Parser(argparse.ArgumentParser):
     """argparse's parser that keeps its numeric flags and subcommands, so `check_parsed` and
     the tests can walk every one; a plain `type=int`/`float` flag (no domain) is refused here,

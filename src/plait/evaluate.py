@@ -26,7 +26,7 @@ from rich.console import Console
 from plait.config import Config
 from plait.data.batches import Corpus, MicroBatch
 from plait.data.examples import ExampleRows, ExampleStore, is_examples_dir
-from plait.data.packing import plan_rows
+from plait.data.packing import dropped_reason, plan_rows
 from plait.data.sampler import Rows, TokenWindows
 from plait.data.stream import load_stream
 from plait.errors import ConfigError
@@ -62,15 +62,21 @@ def eval_rows(cfg: Config) -> EvalRows:
     return EvalRows(windows, len(windows), 0, 0)
 
 
-def fit_rows(cfg: Config, made: EvalRows) -> None:
-    """Every replica needs a row: fewer rows than dp is refused; a micro-batch larger than
-    the rows per replica is lowered to them (a small file needs no --micro-batch), and the
-    global batch is one micro-batch per replica."""
-    rows, dp = len(made.rows), cfg.parallel.layout.dp
+def fit_rows(cfg: Config, made: EvalRows, data: str | None = None) -> None:
+    """Every replica needs a row: fewer rows than dp is refused, naming the cause (`data`:
+    the path the user gave, where `cfg.data.path` is a prepared copy of it); a micro-batch
+    larger than the rows per replica is lowered to them (a small file needs no
+    --micro-batch), and the global batch is one micro-batch per replica."""
+    rows, dp, seq = len(made.rows), cfg.parallel.layout.dp, cfg.train.seq_len
+    name = data or cfg.data.path
+    if rows == 0 and isinstance(made.rows, ExampleRows):
+        lengths = made.rows.store.lengths
+        cause = dropped_reason(lengths, seq, cfg.data.long) or "no example has 2 tokens"
+        raise ConfigError(f"data {name!r} gives no rows of seq_len {seq}: {cause}")
     if rows < dp:
         raise ConfigError(
-            f"data {cfg.data.path!r} gives {rows} rows of seq_len {cfg.train.seq_len}, "
-            f"fewer than dp {dp} replicas; lower --dp"
+            f"data {name!r} gives {rows} rows of seq_len {seq}, fewer than dp {dp} "
+            "replicas; lower --dp"
         )
     cfg.train.micro_batch = min(cfg.train.micro_batch, rows // dp)
     cfg.train.global_batch = cfg.train.micro_batch * dp

@@ -88,6 +88,28 @@ def blocked() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
+@contextmanager
+def deferred() -> Iterator[None]:
+    """While inside, a signal of `HANDLED` is noted, not raised; on leaving (without an error
+    of its own) the first one noted raises `Stopping`. For work that must not be cut in half:
+    a pool's worker launched through the forkserver, its parent stopped between asking for
+    it and sending it its task, prints an EOFError traceback after plait's last line. The
+    handler runs in the main thread whichever thread the signal reached."""
+    noted: list[int] = []
+
+    def note(signum: int, frame: FrameType | None) -> None:
+        noted.append(FORWARDED.get(signum, signum))
+
+    previous = {s: signal.signal(s, note) for s in HANDLED}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if noted:
+        raise Stopping(noted[0])
+
+
 def unblock() -> None:
     """In a child started under `blocked`, once its handlers are set: take what waited."""
     signal.pthread_sigmask(signal.SIG_UNBLOCK, HANDLED)

@@ -29,7 +29,7 @@ from plait.data.sources import check_sources, iter_texts, source_files, total_by
 from plait.data.stdlib_instructions import Limits, write_jsonl
 from plait.data.stdlib_instructions import build as build_instructions
 from plait.data.tokenizer import train_bpe
-from plait.domain import at_least
+from plait.domain import Once, at_least
 from plait.errors import ConfigError, print_bad_input
 from plait.outdir import atomic_file, check_out_file
 
@@ -95,8 +95,9 @@ def _add_instruct_flags(prep: argparse.ArgumentParser) -> None:
 
 def _add_data_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--data", default=None, help="file or folder (default: the standard library sources)"
-    )
+        "--data", default=None, action=Once,
+        help="file or folder (default: the standard library sources); once",
+    )  # fmt: skip
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
@@ -239,6 +240,11 @@ def _prepare_examples(args: argparse.Namespace) -> int:
         f"tokens, {meta['target_tokens']:,} target tokens ({index['dtype']}, "
         f"{len(index['shards'])} shards); {index['tokens'] / seconds:,.0f} tokens/s"
     )
+    dropped = meta.get("unrendered") or {}
+    if dropped:
+        roles = ", ".join(f"{n:,} {role}" for role, n in dropped.items())
+        print(f"the chat template leaves out {sum(dropped.values()):,} messages ({roles}): "
+              "their text is in no example")  # fmt: skip
     if args.seq_len:
         print(length_report(meta["lengths"], meta["first_target"], args.seq_len, args.long))
     return 0

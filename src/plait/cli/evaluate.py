@@ -210,10 +210,11 @@ def check_request(args: argparse.Namespace) -> Request:
     if folder and not Path(folder).is_dir():
         raise ConfigError(f"--init-from {folder} is not a folder (a Hugging Face model folder)")
     checkpoint = checkpoint_path(args.checkpoint) if args.checkpoint else None
+    data = _given(args, "data.path")  # the user's path, before a raw file's prepared copy
     scratch = _prepare_raw(args, checkpoint)
     try:
         cfg = config_from_args(args, check_data=False, adjust=_adjust(checkpoint, base_folder))
-        fit_rows(cfg, eval_rows(cfg))
+        fit_rows(cfg, eval_rows(cfg), data)
     except BaseException:
         if scratch is not None:
             shutil.rmtree(scratch.parent, ignore_errors=True)

@@ -16,7 +16,9 @@ from typing import Any
 from rich.console import Console
 
 from plait.checkpoint import inspect, store
+from plait.data.examples import is_examples_dir
 from plait.data.instruct import Tokenized
+from plait.data.shards import is_shard_dir, shard_tokenizer
 from plait.data.stream import data_tokenizer
 from plait.data.tokenizer import TokenizerSpec, resolve_tokenizer, text_tokenizer
 from plait.domain import above, at_least
@@ -118,12 +120,41 @@ def init_model(
     return cfg
 
 
+def init_tokenizer(folder: str, path: str | None, given: str | None) -> str | None:
+    """The tokenizer a run from `--init-from folder` reads `--data path` with. A folder with
+    a tokenizer.json speaks its ids: raw text is tokenized with it (not as bytes, which would
+    feed a 32K-token model ids 0-255), and a --tokenizer or text shards made with another
+    tokenizer are refused, naming both (instruction examples: `check_examples`). A folder
+    without one leaves `given` (bytes if none) as it is."""
+    if not (Path(folder) / "tokenizer.json").is_file():
+        return given
+    own = resolve_tokenizer(folder)
+    if is_examples_dir(path):
+        return given
+    if is_shard_dir(path):
+        made = shard_tokenizer(path, None)
+        if made.identity != own.identity:
+            raise ConfigError(
+                f"shards {path!r} were made with tokenizer {made.name}"
+                + (f" (sha256 {made.identity})" if made.identity else "")
+                + f", not with --init-from {folder}'s; prepare them again with --tokenizer {folder}"
+            )
+        return given
+    if given and resolve_tokenizer(given).identity != own.identity:
+        raise ConfigError(
+            f"--tokenizer {given} is not --init-from {folder}'s tokenizer (sha256 "
+            f"{resolve_tokenizer(given).identity} vs {own.identity}): the model's ids are its "
+            "own tokens; leave --tokenizer out"
+        )
+    return given or folder
+
+
 def apply_adapter(cfg: ModelConfig, adapter: str, explicit: dict[str, Any]) -> None:
     """Set `cfg`'s LoRA fields from a PEFT folder's adapter_config.json (an explicit value
     that disagrees is refused, naming both) and check its tensors against the base's shapes."""
     folder = Path(adapter)
     config = read_adapter_config(folder)
-    fields = adapter_model_fields(config, cfg.mlp, str(folder / "adapter_config.json"))
+    fields = adapter_model_fields(config, cfg, str(folder / "adapter_config.json"))
     for key, value in fields.items():
         if key in explicit and not _same(key, explicit[key], value, cfg.mlp):
             theirs = PEFT_FIELDS[key]

@@ -12,6 +12,7 @@ from plait.domain import at_least, fraction
 from plait.errors import ConfigError, print_bad_input
 from plait.mixed_precision import check_base_dtype, parse_precision
 from plait.models.architecture import ModelConfig
+from plait.models.lora import check_given_targets
 from plait.models.presets import get_preset
 from plait.outdir import check_out_file
 from plait.plan.enumerate import Request, divisors, shapes
@@ -87,6 +88,8 @@ def lora_model(args: argparse.Namespace, model: ModelConfig) -> ModelConfig:
             raise ConfigError(f"{flags} given without --lora-rank: plan a LoRA run with both")
         return model
     model.lora_rank = args.lora_rank
+    if args.lora_targets is not None:
+        check_given_targets(args.lora_targets)
     model.lora_targets = args.lora_targets or ""
     if args.lora_dropout is not None:
         model.lora_dropout = args.lora_dropout

@@ -13,12 +13,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from plait.cli.models import init_model
+from plait.cli.models import init_model, init_tokenizer
 from plait.config import SECTIONS, Config, ParallelConfig, build_config, flag_name
-from plait.domain import AUTO
+from plait.domain import AUTO, Once
 from plait.errors import ConfigError
 from plait.launcher_env import Launched, auto_dp, from_environment
 from plait.models.architecture import ModelConfig
+from plait.models.lora import check_given_targets
 from plait.models.presets import get_preset
 
 try:
@@ -53,6 +54,8 @@ def _add_section(parser: argparse.ArgumentParser, section: str, cls: type) -> No
         kwargs["help"] = f.metadata.get("help", "") + f" (default: {default})"
         if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
+        elif f.metadata.get("once"):
+            kwargs["action"] = Once
         else:  # a number's domain (field metadata) converts it and is checked before a run
             kwargs["type"] = f.metadata.get("domain", kind)
             kwargs["metavar"] = kind.__name__.upper()
@@ -90,6 +93,7 @@ def config_from_args(
         resolve_auto_dp(overrides["parallel"], launch)
     lora_given = [k for k in LORA_OPTIONS if k in overrides.get("model", {})]
     check_one_of(overrides.get("train", {}))
+    check_given_targets(overrides.get("model", {}).get("lora_targets"))
     folder = overrides.get("train", {}).get("init_from")
     if folder and toml_preset and not args.preset and hasattr(args, "train.init_from"):
         preset = None  # a recipe's preset (for `estimate`) yields to the flag's folder ...
@@ -100,6 +104,8 @@ def config_from_args(
         )
     if folder:  # the model is the folder's: explicit model values must agree with it
         model = init_model(folder, overrides.pop("model", {}), preset, adapter or "")
+        data = overrides.setdefault("data", {})
+        data["tokenizer"] = init_tokenizer(folder, data.get("path"), data.get("tokenizer"))
         if toml_preset and preset is None:  # ... if it describes the same model
             check_same_shape(toml_preset, model, folder)
         cfg = build_config(f"hf:{folder}", overrides, model)

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from plait.data.corpus import unigram_entropy
-from plait.data.packing import Plan, plan_rows, val_split
+from plait.data.packing import Plan, dropped_reason, plan_rows, val_split
 from plait.data.shards import ShardStream, read_index, shard_tokenizer
 from plait.data.tokenizer import resolve_tokenizer
 from plait.errors import ConfigError
@@ -216,10 +216,14 @@ def check_examples(
         val = plan_rows(np.arange(len(held)), held, held_first, seq_len, pack, long).rows
     if train < global_batch or val < 1:
         where = f" (--eval-data {eval_folder})" if eval_folder is not None else ""
+        cause = dropped_reason(lengths, seq_len, long)
+        if train == val == 0 and cause:
+            raise ConfigError(f"examples {str(folder)!r}: {cause}")
         raise ConfigError(
             f"examples {str(folder)!r} give {train} training and {val} validation rows{where} of "
             f"seq_len {seq_len} ({'packed' if pack else 'one example a row'}, long={long}), "
             f"but one global batch needs {global_batch} and validation at least 1"
+            + (f" ({cause})" if cause else "")
         )
     return train, val
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from plait.data.records import Record, parse_columns, read_records
+from plait.data.records import Record, parse_columns, read_records, unrendered
 from plait.data.shards import ShardWriter, write_index
 from plait.data.table_records import instruction_files
 from plait.data.templates import ChatTemplate, alpaca_identity, alpaca_prompt
@@ -222,6 +222,8 @@ def prepare_examples(job: InstructJob) -> dict[str, Any]:
     if not records:
         raise ConfigError(f"data path {job.data!r} holds no examples")
     texts = [tok.texts(r) for r in records]  # every template problem before any writing
+    template = tok.template
+    dropped = unrendered(records, lambda m: template.render(m, False)) if template else {}
     partial = job.out.with_name(job.out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
@@ -260,6 +262,7 @@ def prepare_examples(job: InstructJob) -> dict[str, Any]:
             "first_target": first,
             "targets": targets,
             "prompts": prompts,
+            "unrendered": dict(sorted(dropped.items())),  # role -> messages the template drops
         },
     }
     sources = [{"path": str(f), "bytes": f.stat().st_size} for f in files]

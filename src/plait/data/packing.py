@@ -68,6 +68,26 @@ def fit(
     return ids[keep], positions[keep], truncated, int((~keep).sum())
 
 
+def dropped_reason(lengths, seq_len: int, long: str) -> str:
+    """Why examples are missing from the rows, for a message that finds too few of them:
+    how many `--long drop` leaves out (all of them said so, with the `--seq-len` that keeps
+    the shortest), or '' when it drops none."""
+    lengths = np.asarray(lengths)
+    too_long = lengths > seq_len + 1
+    n = int(too_long.sum())
+    if long != "drop" or n == 0:
+        return ""
+    if n == len(lengths):
+        return (
+            f"every one of the {n:,} examples is longer than seq_len {seq_len} + 1 tokens (the "
+            f"shortest has {int(lengths.min()):,}), and --long drop leaves them all out: give "
+            f"--seq-len {int(lengths.min()) - 1} or more, or --long truncate"
+        )
+    return (
+        f"--long drop left out {n:,} of {len(lengths):,} examples, longer than {seq_len + 1} tokens"
+    )
+
+
 def best_fit_decreasing(sizes: np.ndarray, capacity: int) -> list[list[int]]:
     """Items (indices into `sizes`) in bins of `capacity`: the largest item first (ties by
     index), each into the open bin with the least room that holds it, else a new bin.

@@ -11,13 +11,11 @@ the same for any number of workers. Everything is written into `OUT.partial` and
 from __future__ import annotations
 
 import functools
-import multiprocessing
 import os
 import shutil
-import signal
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Executor, Future, ProcessPoolExecutor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +34,7 @@ from plait.data.sources import (
     source_files,
 )
 from plait.data.tokenizer import Encoder, TokenizerSpec, resolve_tokenizer
+from plait.data.workers import Workers
 from plait.errors import ConfigError
 from plait.outdir import check_out_folder
 from plait.signals import pause_at
@@ -79,11 +78,12 @@ def _encoder(spec: TokenizerSpec) -> Encoder:
     return Encoder(spec)
 
 
-def _quiet_tokenizer() -> None:
-    # Each pool worker is one process: the tokenizer's own thread pool would only compete
-    # with its siblings for the same cores.
+def _worker_start() -> None:
+    """A worker's first code (data/workers.py: it starts with the stop signals blocked; the
+    parent ends it). Each worker is one process: the tokenizer's own thread pool would only
+    compete with its siblings for the same cores."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the parent stops the pool, cleanly
+    pause_at("prepare-worker", "worker")  # a worker starting: a test's signal
 
 
 def _encode(batch: list[Piece], text_key: str, spec: TokenizerSpec) -> list[tuple[np.ndarray, int]]:
@@ -172,12 +172,4 @@ def prepare(job: PrepareJob, advance: Callable[[int], None] | None = None) -> di
 
 
 def _pool(workers: int) -> Executor:
-    if workers == 1:
-        return _InProcess()
-    # forkserver: workers fork from a clean server process that imported this module once,
-    # never from this one (whose threads, a progress bar's among them, a fork would cut).
-    method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
-    ctx = multiprocessing.get_context(method)
-    if method == "forkserver":
-        ctx.set_forkserver_preload([__name__])
-    return ProcessPoolExecutor(workers, mp_context=ctx, initializer=_quiet_tokenizer)
+    return _InProcess() if workers == 1 else Workers(workers, _worker_start)

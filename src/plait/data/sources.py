@@ -80,8 +80,12 @@ def _check_jsonl(file: Path, key: str) -> None:
                 continue
             try:
                 record = json.loads(line)
-            except ValueError:
-                raise ConfigError(f"{file}:{number} is not valid JSON") from None
+            except json.JSONDecodeError as e:
+                raise ConfigError(
+                    f"{file}:{number}:{e.colno} is not valid JSON ({e.msg})"
+                ) from None
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"{file}:{number} is not UTF-8 ({e.reason})") from None
             if not isinstance(record, dict) or not isinstance(record.get(key), str):
                 raise ConfigError(
                     f"{file}:{number} has no string field {key!r} (set the field with --text-key)"

@@ -74,6 +74,17 @@ class LoRASpec:
         return LORA_SITE + 16 * layer + LINEAR_PATHS.index(self.a_of(leaf))
 
 
+def check_given_targets(text: object) -> None:
+    """An explicit --lora-targets (flag or TOML) that names nothing is refused: leaving the
+    flag out is how PEFT's default is asked for, and an empty value (a shell variable that
+    was never set) must not stand for it unsaid."""
+    if isinstance(text, str) and not text.replace(",", " ").strip():
+        raise ConfigError(
+            f"--lora-targets {text!r} names no target: leave it out for PEFT's default "
+            "(LLaMA q,v; GPT-2 q,k,v) or name them (q,k,v,o,gate,up,down, attn, mlp, all)"
+        )
+
+
 def parse_targets(text: str, mlp: str) -> tuple[str, ...]:
     """'q,v', 'attn', 'mlp', 'all' (or '' for PEFT's default) -> target words, in the block
     table's order (`table_for(mlp)`); an unknown or absent name is refused, naming the known

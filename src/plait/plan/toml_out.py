@@ -19,7 +19,9 @@ def plan_sections(r: Ranked) -> dict[str, dict[str, Any]]:
     if cfg.model.lora_rank is not None:  # a LoRA plan: the adapters it was sized for
         m = cfg.model
         model |= {"lora_rank": m.lora_rank, "lora_alpha": m.lora_alpha}
-        model |= {"lora_dropout": m.lora_dropout, "lora_targets": m.lora_targets}
+        model |= {"lora_dropout": m.lora_dropout}
+        if m.lora_targets:  # '' is PEFT's default, which leaving the key out asks for
+            model["lora_targets"] = m.lora_targets
     return {"model": model, "parallel": par, "train": train}
 
 

@@ -8,8 +8,10 @@ transposes the merged update, never A or B. So the map is the base model's (mapp
 target's module is its weight's Hugging Face name without '.weight', and the B of GPT-2's q, k
 and v are row ranges of c_attn's B at the offsets their weights have in c_attn (A is wq's).
 
-Reading refuses what plait's adapters cannot compute (DoRA, rsLoRA, per-module ranks, layers
-left out, trained biases or extra modules, a target that is not a block's Linear), naming the
+Reading maps target_modules (names, full paths, a pattern, "all-linear"), layers_to_transform
+and exclude_modules as PEFT does (peft_targets.py), refuses what plait's adapters cannot
+compute (DoRA, rsLoRA, per-module ranks, a target in some layers only, trained biases or
+extra modules, a target that is not a block's Linear, a base rewritten by its init), naming the
 field, and checks every tensor's shape against the base before a worker starts.
 """
 
@@ -26,10 +28,10 @@ from torch import Tensor
 
 from plait.errors import ConfigError
 from plait.models.architecture import ModelConfig
-from plait.models.block_table import table_for
 from plait.models.hf.config_json import family, read_json_object
 from plait.models.hf.load import region_source
 from plait.models.hf.mapping import Piece, assemble, block_linears, pieces
+from plait.models.hf.peft_targets import peft_targets
 from plait.models.init import ValueSource
 from plait.models.transformer import Transformer
 from plait.outdir import atomic_folder
@@ -37,12 +39,16 @@ from plait.outdir import atomic_folder
 PREFIX = "base_model.model."
 CONFIG, WEIGHTS, PICKLE = "adapter_config.json", "adapter_model.safetensors", "adapter_model.bin"
 NOT_PLAIN_LORA = ("use_dora", "use_rslora", "lora_bias", "rank_pattern", "alpha_pattern",
-                  "layers_to_transform", "layers_pattern", "layer_replication",
-                  "modules_to_save", "exclude_modules", "trainable_token_indices",
+                  "layer_replication", "modules_to_save", "trainable_token_indices",
                   "target_parameters", "alora_invocation_tokens", "use_bdlora",
-                  "use_qalora")  # fmt: skip
+                  "use_qalora", "velora_config", "monteclora_config", "arrow_config",
+                  "kasa_config")  # fmt: skip
 """adapter_config.json fields that change what the adapter computes or which modules it
-holds: each must be off (false, null or empty) for plait to compute what PEFT computes."""
+holds: each must be off (false, null or empty) for plait to compute what PEFT computes.
+(Which Linears it adapts, layers_to_transform and exclude_modules included: peft_targets.py.)"""
+PLAIN_INIT = (True, False, "gaussian", "eva", "orthogonal")
+"""init_lora_weights that only choose A and B's first values; the others (pissa, olora, corda,
+loftq, lora_ga, ...) also rewrite the base's weights, which the adapter then needs."""
 
 
 def adapter_pieces(cfg: ModelConfig) -> dict[str, Piece]:
@@ -181,9 +187,11 @@ def _number(config: dict[str, Any], field: str, where: str, default: float | Non
     return value
 
 
-def adapter_model_fields(config: dict[str, Any], mlp: str, where: str = CONFIG) -> dict[str, Any]:
-    """The ModelConfig lora_* values an adapter_config.json implies for a base whose MLP is
-    `mlp`; ConfigError naming the field plait cannot represent."""
+def adapter_model_fields(
+    config: dict[str, Any], cfg: ModelConfig, where: str = CONFIG
+) -> dict[str, Any]:
+    """The ModelConfig lora_* values an adapter_config.json implies for the base `cfg`;
+    ConfigError naming the field plait cannot represent."""
     if config.get("peft_type") != "LORA":
         raise ConfigError(f"{where}: peft_type={config.get('peft_type')!r} is not LORA")
     for field in NOT_PLAIN_LORA:
@@ -191,6 +199,12 @@ def adapter_model_fields(config: dict[str, Any], mlp: str, where: str = CONFIG) 
             raise ConfigError(
                 f"{where}: {field}={config[field]!r} is not plain LoRA; plait cannot compute it"
             )
+    init = config.get("init_lora_weights", True)
+    if not any(init is p or (isinstance(p, str) and init == p) for p in PLAIN_INIT):
+        raise ConfigError(
+            f"{where}: init_lora_weights={init!r} also rewrites the base's weights, which this "
+            "adapter needs; plait reads the base as its folder holds it"
+        )
     if config.get("bias", "none") != "none":
         raise ConfigError(f"{where}: bias={config['bias']!r} trains biases; plait needs 'none'")
     rank = _number(config, "r", where, None)
@@ -205,29 +219,8 @@ def adapter_model_fields(config: dict[str, Any], mlp: str, where: str = CONFIG) 
         "lora_rank": rank,
         "lora_alpha": float(alpha),
         "lora_dropout": float(dropout),
-        "lora_targets": _targets(config.get("target_modules"), mlp, where),
+        "lora_targets": peft_targets(config, cfg, where),
     }
-
-
-def _targets(given: Any, mlp: str, where: str) -> str:
-    """PEFT's target_modules -> plait's --lora-targets (the block table's words, in order)."""
-    linears = block_linears(mlp)
-    if given == "all-linear":  # PEFT: every Linear and Conv1D but the output head
-        given = sorted(set(linears.values()))
-    if not isinstance(given, list) or not given or not all(isinstance(t, str) for t in given):
-        raise ConfigError(
-            f"{where}: target_modules={given!r} is not a list of module names plait can map "
-            f"(a regular expression is not read); known: {', '.join(sorted(set(linears.values())))}"
-        )
-    found = {t: {leaf for leaf, m in linears.items() if _matching(t, {m})} for t in given}
-    unknown = sorted(t for t, leaves in found.items() if not leaves)
-    if unknown:
-        raise ConfigError(
-            f"{where}: target_modules {unknown} name no Linear of a {table_for(mlp).name} "
-            f"block that plait adapts; known: {', '.join(sorted(set(linears.values())))}"
-        )
-    leaves = set().union(*found.values())
-    return ",".join(name for name, leaf in table_for(mlp).targets.items() if leaf in leaves)
 
 
 def check_adapter(folder: Path, cfg: ModelConfig) -> None:
