@@ -64,6 +64,15 @@ def _loss(folder: Path, examples: list[tuple[list[int], list[int]]]) -> tuple[fl
     return total / count, count
 
 
+@pytest.fixture(autouse=True)
+def _own_tempdir(tmp_path, monkeypatch) -> None:
+    """Eval's scratch folders go under this test's own folder: other runs sharing /tmp (a
+    second suite, another session) made and removed theirs under the check's feet."""
+    own = tmp_path / "tempdir"
+    own.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(own))
+
+
 def _scratch() -> set[str]:
     return {p.name for p in Path(tempfile.gettempdir()).glob("plait-eval-*")}
 
