@@ -52,6 +52,7 @@ from plait.mixed_precision import (
     parse_precision,
 )
 from plait.models.contract import contract_of
+from plait.models.nf4.format import NF4Source
 from plait.parallel.adamw import ElementwiseOptimizer, clip_segments
 from plait.parallel.grads import SplitGradRules
 from plait.parallel.zero.flat_params import Gatherer, ParamStore, initial_flat
@@ -91,15 +92,18 @@ class ZeroEngine:
         base_dtype: torch.dtype | None = None,
         plans: Sequence[StagePlan] | None = None,
         reshard_after_forward: str = "default",
+        nf4: NF4Source | None = None,
     ) -> None:
         """`isolate`: parameters that get a flat group each (see `layout.build_groups`).
         `initial_value(p, rows=None)`: p's fp32 initial value (or its dim-0 rows [r0, r1)),
         for a model whose parameters are not materialized (stage 3 asks for its shard's rows
         only, and never holds more than one group's shard at a time). `base_dtype`: what
         the frozen parameters (a LoRA run's base) are held in; default the precision's
-        parameter dtype (zero/frozen.py). `plans`: the pipeline stages this rank runs (None:
-        no pipeline); `reshard_after_forward`: stage 3's policy under one (default: keep
-        the stage gathered through the step; always: regather per micro-batch)."""
+        parameter dtype (zero/frozen.py); `nf4`: where the blocks' Linear weights come from
+        in NF4, when the base is held so (zero/nf4_base.py). `plans`: the pipeline stages
+        this rank runs (None: no pipeline); `reshard_after_forward`: stage 3's policy under
+        one (default: keep the stage gathered through the step; always: regather per
+        micro-batch)."""
         check_zero(stage, offload, str(offload_dir) if offload_dir else None)
         check_reshard(reshard_after_forward, stage, 2 if plans else 1)
         self.precision = parse_precision(precision) if isinstance(precision, str) else precision
@@ -116,7 +120,7 @@ class ZeroEngine:
         keep = reshard_after_forward != "always"  # stage 3 under a pipeline
         self.frozen, frozen_gatherer = hold_base(  # a LoRA run's base (zero/frozen.py)
             model, stage, base_dtype or compute, compute, comm, axis, self.memory,
-            initial_value, plans, keep,
+            initial_value, plans, keep, nf4,
         )  # fmt: skip
         values = [initial_flat(g, stage, self.device, initial_value) for g in self.groups]
         self.params = ParamStore(
