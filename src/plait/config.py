@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from importlib.util import find_spec
-from pathlib import Path
 from typing import Any
 
 from plait.composition import (
@@ -33,7 +32,7 @@ from plait.domain import Domain, above, at_least, check_fields, fraction
 from plait.errors import ConfigError
 from plait.mixed_precision import parse_base_dtype, parse_precision
 from plait.models.architecture import ModelConfig
-from plait.models.nf4.hf import is_nf4_folder
+from plait.models.nf4.checks import check_nf4_run
 from plait.models.presets import get_preset
 from plait.topology import Layout
 
@@ -451,7 +450,9 @@ def check_types(cfg: Config) -> None:
                 )
 
 
-def _check_base_dtype(par: ParallelConfig, lora: bool, init_from: str = "") -> None:
+def _check_base_dtype(
+    par: ParallelConfig, model: ModelConfig, lora: bool, init_from: str = ""
+) -> None:
     """`--base-dtype` names a dtype, needs `--lora-rank`, and is honoured by the engine that
     runs: the ZeRO engine holds the frozen base in it (parallel/zero/frozen.py); naive data
     parallelism and 2BW keep every parameter in the precision's dtype. A folder saved 4-bit
@@ -464,16 +465,7 @@ def _check_base_dtype(par: ParallelConfig, lora: bool, init_from: str = "") -> N
             f"--base-dtype {par.base_dtype} is held by the ZeRO engine only; {engine} keeps "
             f"the base in the precision's dtype ({par.precision}): give --base-dtype auto"
         )
-    if par.base_dtype == "nf4" and par.zero == 3:
-        raise ConfigError(
-            "--base-dtype nf4 holds the 4-bit base whole on each data-parallel rank; "
-            "--zero 3 does not shard it yet: give --zero 0, 1 or 2"
-        )
-    if init_from and par.base_dtype != "nf4" and is_nf4_folder(Path(init_from)):
-        raise ConfigError(
-            f"--init-from {init_from} is saved 4-bit (bitsandbytes NF4): train LoRA adapters "
-            "on it with --lora-rank R --base-dtype nf4"
-        )
+    check_nf4_run(par.base_dtype, par.zero, par.tp, model, init_from)
 
 
 def validate_config(cfg: Config, check_data: bool = True) -> None:
@@ -517,7 +509,7 @@ def validate_config(cfg: Config, check_data: bool = True) -> None:
         par.schedule,
     )
     check_reshard(par.reshard_after_forward, par.zero, par.pp)
-    _check_base_dtype(par, cfg.model.lora is not None, t.init_from)
+    _check_base_dtype(par, cfg.model, cfg.model.lora is not None, t.init_from)
     check_loss_average(t.loss_average)
     if t.nan_policy not in ("stop", "skip"):
         raise ConfigError(f"nan_policy must be stop or skip; got {t.nan_policy!r}")

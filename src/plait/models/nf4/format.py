@@ -237,6 +237,15 @@ def take_cols(t: NF4Tensor, c0: int, c1: int) -> NF4Tensor:
     return replace(t, codes=codes, absmax=absmax, shape=(out_f, c1 - c0), grid=grid)
 
 
+def whole_blocks(shape: tuple[int, int], split_dim: int, tp: int) -> bool:
+    """Whether splitting a (out, in) weight tp ways along `split_dim` leaves each rank whole
+    64-blocks (`take_rows`, `take_cols`)."""
+    out_f, in_f = shape
+    if split_dim == 0:
+        return (out_f // tp * in_f) % BLOCK == 0
+    return in_f % BLOCK == 0 and (in_f // tp) % BLOCK == 0
+
+
 def bits_per_weight() -> float:
     """4 bits of code, 8 of absmax per 64, 32 of nested scale per 64 * 256: 4.127."""
     return 4 + 8 / BLOCK + 32 / (BLOCK * NESTED_BLOCK)
