@@ -140,7 +140,8 @@ def frozen_bytes(trainer: Trainer) -> int:
         return sum(s.numel() * s.element_size() for s in gatherer.store.shards)
     storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
                 for p in trainer.model.parameters() if not p.requires_grad}  # fmt: skip
-    return sum(storages.values())
+    nf4 = getattr(trainer.engine, "nf4_weights", {})  # an NF4 base: its codes and constants
+    return sum(storages.values()) + sum(h.weight.nbytes for h in nf4.values())
 
 
 def compare(est: Estimate, measured: dict[str, Any]) -> dict[str, tuple[int, int]]:

@@ -44,6 +44,13 @@ LAYOUTS = [
          accum=4),
     Case("lora dp2 recompute full", "small-llama", parallel={"dp": 2, "recompute": "full"},
          model={"lora_rank": 4, "lora_targets": "mlp"}),
+    # QLoRA: the blocks' Linear weights in NF4 (each rank its tp slice), the rest in fp32
+    Case("qlora dp2 zero1", "small-llama", parallel={"dp": 2, "zero": 1, "base_dtype": "nf4"},
+         model=ALL),
+    Case("qlora tp2 sp", "small-llama", parallel={"tp": 2, "sequence_parallel": True,
+                                                  "base_dtype": "nf4"}, model=ALL),
+    Case("qlora pp2 1f1b", "small-llama", parallel={"pp": 2, "schedule": "1f1b",
+                                                    "base_dtype": "nf4"}, model=ALL, accum=4),
     # then docs/memory.md's LoRA rows (tests/memory_table.py): ZeRO-3 in fp32 and bf16, and
     # with full recomputation (its peak: a forward's block done)
 ] + [c for c in TABLE if is_lora(c)]  # fmt: skip

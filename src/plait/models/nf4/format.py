@@ -246,6 +246,13 @@ def whole_blocks(shape: tuple[int, int], split_dim: int, tp: int) -> bool:
     return in_f % BLOCK == 0 and (in_f // tp) % BLOCK == 0
 
 
+def held_bytes(local: int, whole: int) -> int:
+    """Bytes held of a weight of `whole` elements by a rank keeping `local` of them (whole
+    blocks): codes, absmax codes, and the whole weight's nested scales and offset."""
+    blocks = -(-whole // BLOCK)
+    return -(-local // 2) + -(-local // BLOCK) + 4 * -(-blocks // NESTED_BLOCK) + 4
+
+
 def bits_per_weight() -> float:
     """4 bits of code, 8 of absmax per 64, 32 of nested scale per 64 * 256: 4.127."""
     return 4 + 8 / BLOCK + 32 / (BLOCK * NESTED_BLOCK)

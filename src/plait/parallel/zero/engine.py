@@ -63,6 +63,7 @@ from plait.parallel.zero.layout import (
     nvme_sub_group,
 )
 from plait.parallel.zero.master_states import ResidentStates
+from plait.parallel.zero.nf4_base import hold_nf4
 from plait.parallel.zero.nvme import NvmeStates
 from plait.parallel.zero.pipeline_gather import PipelineGatherer, PipelineGathers
 from plait.parallel.zero.reducer import GradReducer
@@ -118,9 +119,12 @@ class ZeroEngine:
         self.groups = build_groups(model, stage, int(bucket_mb * 2**20), rank, n, isolate)
         compute = self.precision.param_dtype
         keep = reshard_after_forward != "always"  # stage 3 under a pipeline
+        if nf4 is not None and stage == 3:
+            raise ConfigError("an NF4 base is held whole on each rank (ZeRO stages 0-2)")
+        self.nf4_weights = hold_nf4(model, nf4, self.device, self.memory) if nf4 else {}
         self.frozen, frozen_gatherer = hold_base(  # a LoRA run's base (zero/frozen.py)
             model, stage, base_dtype or compute, compute, comm, axis, self.memory,
-            initial_value, plans, keep, nf4,
+            initial_value, plans, keep, self.nf4_weights,
         )  # fmt: skip
         values = [initial_flat(g, stage, self.device, initial_value) for g in self.groups]
         self.params = ParamStore(

@@ -25,7 +25,7 @@ a stage-3 shard, `gathered-frozen:I` a gathered unit, transient).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -34,10 +34,8 @@ from plait.comm import Comm
 from plait.memory_tracker import MemoryTracker, tensor_bytes
 from plait.mixed_precision import compute_frozen_in
 from plait.models.contract import contract_of
-from plait.models.nf4.format import NF4Source
 from plait.parallel.zero.flat_params import Gatherer, ParamStore, initial_flat
 from plait.parallel.zero.layout import frozen_groups
-from plait.parallel.zero.nf4_base import hold_nf4
 from plait.parallel.zero.pipeline_gather import PipelineGatherer
 from plait.schedule.stages import StagePlan
 
@@ -65,18 +63,13 @@ def hold_base(
     initial_value: Callable[..., Tensor] | None = None,
     plans: Sequence[StagePlan] | None = None,
     keep: bool = True,
-    nf4: NF4Source | None = None,
+    held: Collection[str] = (),
 ) -> tuple[dict[str, nn.Parameter], FrozenGatherer | PipelineGatherer | None]:
     """Hold `model`'s frozen parameters in `dtype` and make it use them in `compute`:
     whole (stages 0-2) or sharded over `axis` (stage 3, whose gatherer is returned; under a
-    pipeline, `plans`, one that keeps the stage gathered through the step or not). With
-    `nf4`, the blocks' Linear weights are held in NF4 from that source (stages 0-2)."""
-    frozen = frozen_params(model)
-    if nf4 is not None:
-        if stage == 3:
-            raise ValueError("an NF4 base is held whole per rank (stages 0-2)")
-        quantized = hold_nf4(model, nf4, comm.mesh.device, tracker)
-        frozen = {n: p for n, p in frozen.items() if n not in quantized}
+    pipeline, `plans`, one that keeps the stage gathered through the step or not). `held`:
+    the names held otherwise already (an NF4 base's weights, zero/nf4_base.py)."""
+    frozen = {n: p for n, p in frozen_params(model).items() if n not in held}
     gatherer = None
     if stage == 3 and frozen:
         n, rank = comm.mesh.size(axis), comm.mesh.axis_rank(axis)
