@@ -21,7 +21,7 @@ def check_nf4_run(base_dtype: str, zero: int, tp: int, model: ModelConfig, init_
             "--zero 3 does not shard it yet: give --zero 0, 1 or 2"
         )
     if base_dtype == "nf4" and tp > 1:
-        _check_slices(model, tp)
+        check_slices(model, tp)
     if init_from and base_dtype != "nf4" and is_nf4_folder(Path(init_from)):
         raise ConfigError(
             f"--init-from {init_from} is saved 4-bit (bitsandbytes NF4): train LoRA adapters "
@@ -29,7 +29,7 @@ def check_nf4_run(base_dtype: str, zero: int, tp: int, model: ModelConfig, init_
         )
 
 
-def _check_slices(model: ModelConfig, tp: int) -> None:
+def check_slices(model: ModelConfig, tp: int) -> None:
     """Each tensor-parallel rank holds whole 64-weight NF4 blocks of every block Linear."""
     for d in block_params(model):
         base = len(d.shape) == 2 and d.split_dim is not None and not is_adapter(d.leaf)
