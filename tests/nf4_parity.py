@@ -21,12 +21,19 @@ from plait.train import Trainer
 from reference import corpus_for
 
 
-def nf4_config(steps: int, zero: int = 0, offload_activations: str = "none", **kw) -> Config:
+def nf4_config(
+    steps: int,
+    zero: int = 0,
+    offload_activations: str = "none",
+    reshard_after_forward: str = "default",
+    **kw,
+) -> Config:
     kw.setdefault("preset", "small-llama")
     kw.setdefault("n_layers", 2)
     cfg = lora_config(steps, **kw)
     cfg.parallel.base_dtype, cfg.parallel.zero = "nf4", zero
     cfg.parallel.offload_activations = offload_activations
+    cfg.parallel.reshard_after_forward = reshard_after_forward
     cfg.validate(check_data=False)
     return cfg
 
@@ -38,15 +45,21 @@ def nf4_run(steps: int = 4, **kw) -> dict:
     mesh = build_mesh(cfg.parallel.layout, torch.device("cpu"), cfg.parallel.comm_timeout)
     trainer = Trainer(cfg, mesh, corpus_for(cfg))
     results = [trainer.train_step() for _ in range(steps)]
+    rows = trainer.comm.stats.as_rows()  # the last step's collectives
     val = trainer.evaluate()
     specs = param_shard_specs(trainer.model)
-    adapters = {
-        n: full_tensor(p, specs[n], trainer.comm) if n in specs else p.detach().clone()
-        for n, p in trainer.model.named_parameters()
-        if is_adapter(n)
-    }
+    with trainer.engine.unsharded():  # ZeRO-3: every parameter (and NF4 block) gathered
+        adapters = {
+            n: full_tensor(p, specs[n], trainer.comm) if n in specs else p.detach().clone()
+            for n, p in trainer.model.named_parameters()
+            if is_adapter(n)
+        }
     memory = trainer.engine.memory
     out = {
+        "gathered": {
+            tag: sum(r["bytes"] for r in rows if r["tag"] == tag and r["op"] == "all_gather")
+            for tag in ("nf4", "frozen")
+        },
         "losses": [r.loss for r in results],
         "norms": [r.grad_norm for r in results],
         "val": val,

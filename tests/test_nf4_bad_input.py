@@ -1,7 +1,7 @@
 """Bad input to a QLoRA run stops before any worker starts: one line naming the values, exit 2.
 
 `--base-dtype nf4` without LoRA, or with an engine that does not hold it (naive data
-parallelism, 2BW, ZeRO-3 for now), or a tensor-parallel cut through a 64-weight block; a
+parallelism, 2BW), or a tensor-parallel cut through a 64-weight block; a
 folder quantized with another scheme than bitsandbytes' NF4 with double quantization (fp4,
 NF4 without double quantization, 8-bit, GPTQ, AWQ); a folder saved 4-bit trained without
 `--base-dtype nf4`. (fp32, bf16 and fp16 all compute over an NF4 base: none is refused.)
@@ -54,9 +54,6 @@ def refused(argv: list[str], tmp_path: Path, capsys) -> str:
     [
         ([], "--base-dtype nf4 quantizes a frozen base to 4 bits (QLoRA), and only LoRA's "
              "adapters train over it: give --lora-rank R"),
-        (["--lora-rank", "4", "--dp", "2", "--zero", "3"],
-         "--base-dtype nf4 holds the 4-bit base whole on each data-parallel rank; --zero 3 "
-         "does not shard it yet: give --zero 0, 1 or 2"),
         (["--lora-rank", "4", "--dp", "2", "--dp-mode", "naive"],
          "--base-dtype nf4 is held by the ZeRO engine only; --dp-mode naive keeps the base"),
         (["--lora-rank", "4", "--pp", "2", "--schedule", "2bw", "--microbatches", "2",
@@ -67,7 +64,7 @@ def refused(argv: list[str], tmp_path: Path, capsys) -> str:
          "that are not whole 64-weight NF4 blocks: give a --tp that divides it into multiples "
          "of 64"),
     ],
-    ids=["no-lora", "zero3", "naive", "2bw", "tp-cut"],
+    ids=["no-lora", "naive", "2bw", "tp-cut"],
 )  # fmt: skip
 def test_nf4_needs_lora_and_the_zero_engine(base, tmp_path, capsys, flags, message) -> None:
     argv = ["--init-from", str(base), "--base-dtype", "nf4", *flags]

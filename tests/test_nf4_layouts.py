@@ -76,6 +76,38 @@ def test_pipelined_nf4_equals_one_process(world2, case):
     assert held == set(want["adapters"])  # the stages hold all the adapters between them
 
 
+def test_zero3_shards_the_packed_bytes_and_gathers_them_per_block(world2):
+    """ZeRO-3: each rank keeps half of every block's codes and absmax codes (the nested
+    scales and offsets whole beside them) and all-gathers each block's bytes before its
+    forward and its backward: 2 x micro-batches x the padded packed bytes per step (tag
+    "nf4"), 4.127/16 of what a bf16 base moves, less the replicated constants."""
+    accum = 2
+    out = world2.run(nf4_run, dp=2, zero=3, accum=accum)
+    want = one_process(micro=2, accum=2 * accum)
+    h, f, kv = 128, 512, 64
+    weights = [h * h, h * kv, h * kv, h * h, h * f, h * f, h * f]  # one block's Linears
+    packed = sum(n // 2 + n // 64 for n in weights)  # codes and absmax codes (even: no pad)
+    for rank in out:
+        assert_same_run(rank, want)
+        assert rank["gathered"]["nf4"] == 2 * accum * 2 * packed  # 2 blocks
+        bf16 = 2 * accum * 2 * 2 * sum(weights)  # the same gathers of a bf16 base
+        constants = 4 * sum(-(-(n // 64) // 256) for n in weights)  # nested, not gathered
+        assert rank["gathered"]["nf4"] + 2 * accum * 2 * constants == pytest.approx(
+            bf16 * bits_per_weight() / 16, rel=1e-9, abs=2 * accum * 2 * 4 * 7
+        )
+    per_rank = out[0]["params"]
+    assert per_rank == out[1]["params"] < 0.75 * want["params"]  # half the NF4 bytes each
+
+
+@pytest.mark.parametrize("reshard", ["default", "always"])
+def test_zero3_pipelined_nf4_equals_one_process(world2, reshard):
+    out = world2.run(nf4_run, pp=2, zero=3, schedule="1f1b", accum=4,
+                     reshard_after_forward=reshard)  # fmt: skip
+    want = one_process(micro=2, accum=4)
+    for rank in out:
+        assert_same_run(rank, want)
+
+
 @pytest.mark.parametrize(
     "case",
     [dict(recompute="full"), dict(recompute="full", offload_activations="cpu")],

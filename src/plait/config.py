@@ -465,7 +465,7 @@ def _check_base_dtype(
             f"--base-dtype {par.base_dtype} is held by the ZeRO engine only; {engine} keeps "
             f"the base in the precision's dtype ({par.precision}): give --base-dtype auto"
         )
-    check_nf4_run(par.base_dtype, par.zero, par.tp, model, init_from)
+    check_nf4_run(par.base_dtype, par.tp, model, init_from)
 
 
 def validate_config(cfg: Config, check_data: bool = True) -> None:

@@ -15,8 +15,11 @@ The ZeRO engine holds the base apart from the trainable flat groups (parallel/ze
 
 `--base-dtype nf4` (QLoRA): the blocks' Linear weights in NF4 (parallel/zero/nf4_base.py),
 `models/nf4/format.held_bytes` each (4.127 bits per weight of this rank's slice, plus the whole
-weight's nested scales and offset), the rest of the base in the precision's dtype; stages
-0-2 only.
+weight's nested scales and offset), the rest of the base in the precision's dtype. Under
+stage 3 each block's packed bytes are a second flat buffer beside its fp one, padded to a
+multiple of N (zero/nf4_shards.py), and the nested scales and offsets stay whole on every
+rank: the units are then counted in bytes (`element` 1), each block's fp part times its
+dtype's bytes plus its packed bytes, so the gathers, peaks and traffic below are bytes.
 
 This module is the one place the estimator and the planner (plan/traffic.py) read those
 figures from, so memory and traffic come from the same groups.
@@ -87,6 +90,7 @@ class FrozenBase:
     blocks: tuple[int, ...] = ()  # each block unit's block number, in unit order
     kept: bool = False  # stage 3 under a pipeline, kept gathered through the step
     nf4: tuple[int, int] = (0, 0)  # (elements, bytes) held in NF4 (stages 0-2)
+    constants: int = 0  # stage 3 with NF4: the nested scales and offsets, whole per rank
 
     def unit_blocks(self) -> list[frozenset[int | None]]:
         """Each unit's block (None: the root), as `zero_pipeline` reads flat groups."""
@@ -105,7 +109,7 @@ class FrozenBase:
         """Bytes this rank keeps between uses: the whole base, or its shards (stage 3)."""
         if self.stage != 3:
             return (self.numel - self.nf4[0]) * self.element + self.nf4[1]
-        return self.padded // self.world * self.element
+        return self.padded // self.world * self.element + self.constants
 
     def _blocks_and_root(self) -> tuple[list[int], int]:
         padded = [p for _, p in self.units]
@@ -155,8 +159,32 @@ def frozen_base(params: list[ParamSpec], cfg: Config, prec: Precision) -> Frozen
     e = base_bytes(par.base_dtype, prec)
     kept = par.pp > 1 and not par.two_bw and par.reshard_after_forward != "always"
     held = tuple(b for b, n in zip(blocks, sizes, strict=False) if n)
+    if par.base_dtype == "nf4" and par.zero == 3:
+        return _sharded_nf4(frozen, cfg, e, blocks, held, kept)
     nf4 = nf4_weights(frozen, cfg.model) if par.base_dtype == "nf4" else (0, 0)
     return FrozenBase(units, root > 0, par.zero, par.dp, e, held, kept and par.zero == 3, nf4)
+
+
+def _sharded_nf4(
+    frozen: list[ParamSpec], cfg: Config, e: int, blocks: list[int], held: tuple, kept: bool
+) -> FrozenBase:
+    """Stage 3 over an NF4 base, in bytes: each block unit its fp flat group (e bytes per
+    element, padded to N elements) and its packed flat group (codes and absmax codes, padded
+    to N bytes); the root fp; the nested scales and offsets whole beside the shards."""
+    whole, n = _quantized(cfg.model), cfg.parallel.dp
+    quantized = [p for p in frozen if p.block is not None and p.name.split(".", 2)[-1] in whole]
+    names = {p.name for p in quantized}
+    units, constants = [], 0
+    for b in [*blocks, None]:
+        fp = sum(p.numel for p in frozen if p.block == b and p.name not in names)
+        packed = sum(-(-p.numel // 2) + -(-p.numel // 64) for p in quantized if p.block == b)
+        units.append((fp * e + packed, padded_size(fp, n) * e + padded_size(packed, n)))
+    for p in quantized:
+        leaf = p.name.split(".", 2)[-1]
+        constants += held_bytes(p.numel, whole[leaf]) - -(-p.numel // 2) - -(-p.numel // 64)
+    root = units.pop()
+    units = [u for u in units if u[0]] + ([root] if root[0] else [])
+    return FrozenBase(tuple(units), root[0] > 0, 3, n, 1, held, kept, constants=constants)
 
 
 def frozen_line(base: FrozenBase, cfg: Config) -> Line:
@@ -166,6 +194,16 @@ def frozen_line(base: FrozenBase, cfg: Config) -> Line:
     name = par.base_dtype
     name = f"{par.precision} = auto" if name == "auto" else name
     e = base.element
+    if base.stage == 3 and base.constants:
+        why = (
+            f"{base.padded // base.world:,} B (base nf4, ZeRO-3: {len(base.units)} units of "
+            f"fp {par.precision} and packed NF4 bytes, padded to {base.padded:,} B, 1/"
+            f"{base.world} each) + {base.constants:,} B of nested scales and offsets, whole"
+        )
+        gathered = base.gathered_per_step(cfg.accumulation)
+        if gathered:
+            why += f"; all-gathers {gathered:,} B per step"
+        return Line(FROZEN, base.held(), formula=why)
     if base.stage != 3 and base.nf4[0]:
         rest, (q, held) = base.numel - base.nf4[0], base.nf4
         why = (

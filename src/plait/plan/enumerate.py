@@ -192,8 +192,8 @@ def knobs(req: Request, shape: Candidate, offload_activations: bool = True) -> l
                 continue
             if shape.dp == 1 and zero > 0:
                 continue  # nothing to shard over one replica
-            if req.base_dtype == "nf4" and (zero == 3 or shape.schedule == "2bw"):
-                continue  # an NF4 base is held whole per replica by the ZeRO engine
+            if req.base_dtype == "nf4" and shape.schedule == "2bw":
+                continue  # an NF4 base is held by the ZeRO engine, not 2BW's versions
             # ZeRO-3 under a pipeline: the stage kept gathered through the step, or not.
             reshards = ("default", "always") if zero == 3 and shape.pp > 1 else ("default",)
             for rc in ("none", "selective", "full"):

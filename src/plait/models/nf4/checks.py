@@ -12,14 +12,9 @@ from plait.models.nf4.format import whole_blocks
 from plait.models.nf4.hf import is_nf4_folder
 
 
-def check_nf4_run(base_dtype: str, zero: int, tp: int, model: ModelConfig, init_from: str) -> None:
-    """An NF4 base is held whole per data-parallel rank (not ZeRO-3), each tensor-parallel
-    rank holds whole 64-weight blocks of it, and a folder saved 4-bit is read only so."""
-    if base_dtype == "nf4" and zero == 3:
-        raise ConfigError(
-            "--base-dtype nf4 holds the 4-bit base whole on each data-parallel rank; "
-            "--zero 3 does not shard it yet: give --zero 0, 1 or 2"
-        )
+def check_nf4_run(base_dtype: str, tp: int, model: ModelConfig, init_from: str) -> None:
+    """Each tensor-parallel rank holds whole 64-weight blocks of an NF4 base, and a folder
+    saved 4-bit is read only so."""
     if base_dtype == "nf4" and tp > 1:
         check_slices(model, tp)
     if init_from and base_dtype != "nf4" and is_nf4_folder(Path(init_from)):

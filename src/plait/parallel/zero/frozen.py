@@ -69,11 +69,13 @@ def hold_base(
     whole (stages 0-2) or sharded over `axis` (stage 3, whose gatherer is returned; under a
     pipeline, `plans`, one that keeps the stage gathered through the step or not). `held`:
     the names held otherwise already (an NF4 base's weights, zero/nf4_base.py)."""
-    frozen = {n: p for n, p in frozen_params(model).items() if n not in held}
+    every = frozen_params(model)
+    frozen = {n: p for n, p in every.items() if n not in held}
+    skip = frozenset(id(p) for n, p in every.items() if n in held)
     gatherer = None
     if stage == 3 and frozen:
         n, rank = comm.mesh.size(axis), comm.mesh.axis_rank(axis)
-        groups = frozen_groups(model, rank, n)
+        groups = frozen_groups(model, rank, n, skip)
         values = [initial_flat(g, stage, comm.mesh.device, initial_value) for g in groups]
         store = ParamStore(groups, values, stage, dtype, comm, axis, tracker, "frozen")
         if plans:
