@@ -155,6 +155,27 @@ def test_one_step_is_peft_linear4bit(folder4) -> None:
         torch.testing.assert_close(ours_grads[key], grad, rtol=RTOL, atol=scale, msg=key)
 
 
+def test_plait_quantizes_the_folder_as_transformers_does(folder4) -> None:
+    """From the unquantized folder, plait's NF4 weights are transformers' own: the 4-bit
+    codes, nested scales and offsets byte for byte; the absmax codes but where bitsandbytes'
+    CPU kernel breaks a near-tie by its 65536-bin table (tests/test_nf4_format.py), where
+    they are neighbours."""
+    cfg = qlora_config(folder4)
+    ours = nf4_source(cfg, 0, str(folder4.parent / "fp32"))
+    theirs = nf4_source(cfg, 0, str(folder4))
+    model = Transformer(cfg)
+    differ = total = 0
+    for entry, _ in nf4_targets(model):
+        a, b = ours(entry.name, entry.decl.shape), theirs(entry.name, entry.decl.shape)
+        assert (a.shape, a.dtype) == (b.shape, b.dtype) == (entry.decl.shape, torch.float32)
+        assert torch.equal(a.codes, b.codes) and torch.equal(a.nested, b.nested)
+        assert torch.equal(a.offset, b.offset)
+        gap = (a.absmax.int() - b.absmax.int()).abs()
+        assert gap.max() <= 1, entry.name
+        differ, total = differ + int(gap.sum()), total + gap.numel()
+    assert differ <= total // 20, (differ, total)  # near-ties only
+
+
 def test_twenty_steps_are_peft_qlora(folder4, tmp_path) -> None:
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("QLoRA trains adapters over a four-bit base, exactly. " * 60)
