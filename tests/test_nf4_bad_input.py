@@ -102,3 +102,25 @@ def test_a_4bit_folder_needs_base_dtype_nf4(base, tmp_path, capsys) -> None:
             f"--init-from {folder} is saved 4-bit (bitsandbytes NF4): train LoRA adapters "
             "on it with --lora-rank R --base-dtype nf4" in err
         )
+
+
+def test_a_qlora_checkpoint_resumes_on_its_quantized_base_only(tmp_path) -> None:
+    """A checkpoint names its base's quantization; resuming NF4-trained adapters on the
+    unquantized base (or the reverse) is refused, naming both."""
+    from plait.checkpoint.base import base_record, check_same_adapters_and_base
+    from plait.errors import ConfigError
+
+    def config(base_dtype: str) -> dict:
+        return {"model": {"lora_rank": 4, "lora_targets": "all", "lora_alpha": 8.0},
+                "parallel": {"base_dtype": base_dtype}, "train": {"seed": 3}}  # fmt: skip
+
+    saved = {"config": config("nf4"), "base": base_record(config("nf4"))}
+    assert saved["base"] == {"init_from": None, "sha256": None, "seed": 3,
+                             "quantization": "nf4"}  # fmt: skip
+    check_same_adapters_and_base(tmp_path, saved, config("nf4"))
+    with pytest.raises(
+        ConfigError,
+        match=r"adapters trained on the seeded init \(seed 3\), "
+        r"quantized to NF4; this run's base is the seeded init \(seed 3\) ",
+    ):
+        check_same_adapters_and_base(tmp_path, saved, config("bf16"))

@@ -27,7 +27,8 @@ pytest.importorskip("bitsandbytes")
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # a missing optional CPU kernel
 
 from hf_models import llama_config, save  # noqa: E402
-from plait.cli import build_parser, config_from_args  # noqa: E402
+from plait.checkpoint import inspect, store  # noqa: E402
+from plait.cli import build_parser, config_from_args, main  # noqa: E402
 from plait.data import GlobalBatchSampler  # noqa: E402
 from plait.memory_tracker import MemoryTracker  # noqa: E402
 from plait.mesh import build_mesh  # noqa: E402
@@ -174,6 +175,38 @@ def test_plait_quantizes_the_folder_as_transformers_does(folder4) -> None:
         assert gap.max() <= 1, entry.name
         differ, total = differ + int(gap.sum()), total + gap.numel()
     assert differ <= total // 20, (differ, total)  # near-ties only
+
+
+def test_a_qlora_checkpoint_exports_to_peft_on_the_4bit_model(folder4, tmp_path) -> None:
+    """A QLoRA run's checkpoint names its base and its quantization; `plait export --format
+    peft` loads in PEFT on transformers' 4-bit model with the logits plait computes for the
+    checkpoint (its base read back dequantized, as the run computed with it), which are
+    also those of plait's NF4 model with the checkpoint's adapters."""
+    from transformers import AutoModelForCausalLM
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("Adapters trained over four bits, and out to PEFT. " * 40)
+    run = tmp_path / "run"
+    assert main(["train", "--init-from", str(folder4), "--data", str(corpus), "--lora-rank",
+                 "4", "--lora-alpha", "16", "--lora-targets", "all", "--base-dtype", "nf4",
+                 "--steps", "2", "--lr", "1e-2", "--seq-len", "16", "--global-batch", "2",
+                 "--micro-batch", "1", "--eval-batches", "1", "--no-progress", "--device",
+                 "cpu", "--out", str(run)]) == 0  # fmt: skip
+    checkpoint = store.complete(run)
+    assert store.read_trainer(checkpoint)["base"]["quantization"] == "nf4"
+    out = tmp_path / "peft"
+    assert main(["export", "--checkpoint", str(run), "--format", "peft", "--out", str(out)]) == 0
+    base = AutoModelForCausalLM.from_pretrained(folder4, dtype=torch.float32)
+    # In train mode, as in training (no dropout here): in eval mode on a CPU with AVX512-BF16
+    # bitsandbytes repacks the weights for its own inference kernel, another arithmetic.
+    theirs = peft.PeftModel.from_pretrained(base, out, is_trainable=True).train()
+    logits = theirs(input_ids=TOKENS).logits.detach()
+    with torch.no_grad():
+        ours = inspect.load_model(checkpoint).eval()(TOKENS)
+        torch.testing.assert_close(ours, logits, rtol=RTOL, atol=1e-6)
+        cfg = inspect.model_config(checkpoint)
+        nf4_model, _ = plait_qlora(folder4, cfg, inspect.read_masters(checkpoint))
+        torch.testing.assert_close(nf4_model(TOKENS), ours, rtol=RTOL, atol=1e-6)
 
 
 def test_twenty_steps_are_peft_qlora(folder4, tmp_path) -> None:

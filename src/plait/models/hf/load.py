@@ -24,7 +24,7 @@ from plait.models.architecture import ModelConfig
 from plait.models.hf.config_json import LLAMA, family, model_config, read_config
 from plait.models.hf.mapping import Piece, piece, pieces, to_hf
 from plait.models.init import ShardLike, ValueSource, padded
-from plait.models.nf4.hf import folder_scheme, quantized_shape
+from plait.models.nf4.hf import dequantizing, folder_scheme, quantized_shape
 from plait.models.transformer import Transformer
 
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -102,8 +102,12 @@ class HFWeights:
 
 
 def hf_source(folder: Path, cfg: ModelConfig) -> ValueSource:
-    """A ValueSource reading each parameter (or shard) from the folder, in fp32."""
-    return region_source(cfg, pieces(cfg), HFWeights(folder).read)
+    """A ValueSource reading each parameter (or shard) from the folder, in fp32 (a weight
+    stored 4-bit dequantized: models/nf4/hf.py)."""
+    weights = HFWeights(folder)
+    return region_source(
+        cfg, pieces(cfg), dequantizing(weights.files, weights.tensor, weights.read)
+    )
 
 
 def region_source(

@@ -26,6 +26,7 @@ from plait.models.nf4.format import (
     NESTED_BLOCK,
     BlockGrid,
     NF4Tensor,
+    dequantize,
     dynamic_map,
     nf4_table,
 )
@@ -115,3 +116,18 @@ def read_nf4(read: Read, name: str) -> NF4Tensor:
         dtype=_DTYPES[state["dtype"]],
         grid=BlockGrid(0, 1, blocks, blocks),
     )
+
+
+def dequantizing(
+    files: Mapping[str, Any], whole: Read, read: Callable[[str, tuple[slice, ...]], Tensor]
+) -> Callable[[str, tuple[slice, ...]], Tensor]:
+    """`read(name, region)` over a folder's tensors, a weight stored 4-bit dequantized to
+    fp32 (whole, then the region): a 4-bit folder read as plain weights, the values a QLoRA
+    run computes with (`plait eval`/`generate --init-from`, a checkpoint's base)."""
+
+    def region(name: str, where: tuple[slice, ...]) -> Tensor:
+        if name + STATE not in files:
+            return read(name, where)
+        return dequantize(read_nf4(whole, name), torch.float32)[where]
+
+    return region
