@@ -16,8 +16,9 @@ The engine still decides how it is held:
   model without storage, so the shards are filled from the run's initial values;
 - used in the compute dtype: when the base is held in another dtype, each module owning a
   frozen parameter casts it per forward (`mixed_precision.compute_frozen_in`);
-- `--base-dtype nf4` (QLoRA): the blocks' Linear weights in NF4 (zero/nf4_base.py), the rest
-  of the base in the compute dtype as above (stages 0-2).
+- `--base-dtype nf4` (QLoRA): the blocks' Linear weights in NF4 (zero/nf4_base.py; under
+  stage 3 their packed bytes sharded per block, zero/nf4_shards.py), the rest of the base in
+  the compute dtype as above.
 
 Their bytes count as `parameters` in the memory tracker (`frozen:NAME` whole, `frozen:I`
 a stage-3 shard, `gathered-frozen:I` a gathered unit, transient).

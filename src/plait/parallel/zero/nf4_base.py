@@ -9,7 +9,9 @@ from the run's source (`NF4Source`: the seed, a Hugging Face folder, or a 4-bit 
 it is), and this rank keeps only its tensor-parallel slice, cut on 64-block boundaries with
 the whole weight's nested scales and offset: so a slice dequantizes to exactly its part of
 the single process's weight, and every layout computes with the same numbers. Then the
-layer computes through `models/nf4/linear.py` and the parameter keeps no storage.
+layer computes through `models/nf4/linear.py` and the parameter keeps no storage. (Stage 3
+then shards these bytes per block: zero/nf4_shards.py; until it does, each rank holds the
+whole quantized base once, one weight's full-precision values at a time.)
 
 Memory tracker: `nf4:NAME` (parameters), the bytes of codes and constants this rank holds.
 """
