@@ -136,11 +136,17 @@ def frozen_bytes(trainer: Trainer) -> int:
     ZeRO engine tells of the base, under parameters: zero/frozen.py). Under ZeRO-3 the
     model's views of the base have no storage between uses: the engine's shards instead."""
     gatherer = getattr(trainer.engine, "frozen_gatherer", None)
+    nf4 = getattr(trainer.engine, "nf4_weights", {})  # an NF4 base: its codes and constants
     if gatherer is not None:
-        return sum(s.numel() * s.element_size() for s in gatherer.store.shards)
+        held = sum(s.numel() * s.element_size() for s in gatherer.store.shards)
+        packed = getattr(trainer.engine, "nf4_gatherer", None)  # ZeRO-3: the bytes' shards,
+        if packed is not None:  # the nested scales and offsets whole
+            held += sum(s.numel() for s in packed.store.shards)
+            held += sum(4 * h.weight.nested.numel() + 4 for h in nf4.values())
+        return held
     storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
                 for p in trainer.model.parameters() if not p.requires_grad}  # fmt: skip
-    return sum(storages.values())
+    return sum(storages.values()) + sum(h.weight.nbytes for h in nf4.values())
 
 
 def compare(est: Estimate, measured: dict[str, Any]) -> dict[str, tuple[int, int]]:

@@ -44,6 +44,17 @@ LAYOUTS = [
          accum=4),
     Case("lora dp2 recompute full", "small-llama", parallel={"dp": 2, "recompute": "full"},
          model={"lora_rank": 4, "lora_targets": "mlp"}),
+    # QLoRA: the blocks' Linear weights in NF4 (each rank its tp slice), the rest in fp32
+    Case("qlora dp2 zero1", "small-llama", parallel={"dp": 2, "zero": 1, "base_dtype": "nf4"},
+         model=ALL),
+    Case("qlora tp2 sp", "small-llama", parallel={"tp": 2, "sequence_parallel": True,
+                                                  "base_dtype": "nf4"}, model=ALL),
+    Case("qlora pp2 1f1b", "small-llama", parallel={"pp": 2, "schedule": "1f1b",
+                                                    "base_dtype": "nf4"}, model=ALL, accum=4),
+    Case("qlora dp2 zero3", "small-llama", parallel={"dp": 2, "zero": 3, "base_dtype": "nf4"},
+         model=ALL),
+    Case("qlora pp2 zero3", "small-llama", parallel={"pp": 2, "zero": 3, "base_dtype": "nf4",
+                                                     "schedule": "1f1b"}, model=ALL, accum=4),
     # then docs/memory.md's LoRA rows (tests/memory_table.py): ZeRO-3 in fp32 and bf16, and
     # with full recomputation (its peak: a forward's block done)
 ] + [c for c in TABLE if is_lora(c)]  # fmt: skip
@@ -60,14 +71,18 @@ def test_lora_estimate_matches_measurement(world2, layout):
             if term not in ("activations", "total") and layout.parallel.get("zero") == 3:
                 assert pair[0] == pair[1], (layout.name, term, pair)  # the base's shards too
         assert _small_collectives(measured) == _planned(layout, measured["pp_rank"])
-        assert _frozen_gathered(measured) == _frozen_planned(layout, measured["pp_rank"])
+        gathered, planned = _frozen_gathered(measured), _frozen_planned(layout, measured["pp_rank"])
+        if layout.parallel.get("base_dtype") == "nf4":  # fp and packed units: in bytes
+            gathered, planned = gathered[1], planned[1]
+        assert gathered == planned, (layout.name, gathered, planned)
         if layout.parallel.get("tp", 1) > 1:
             assert _tp_rows(measured) == _tp_planned(layout), layout.name
 
 
 def _frozen_gathered(measured: dict) -> tuple[int, int]:
-    """(elements, bytes) the step all-gathered of the frozen base (tag 'frozen')."""
-    rows = [r for r in measured["comm"] if r["tag"] == "frozen"]
+    """(elements, bytes) the step all-gathered of the frozen base (tags 'frozen' and, for
+    an NF4 base's packed bytes, 'nf4')."""
+    rows = [r for r in measured["comm"] if r["tag"] in ("frozen", "nf4")]
     assert all(r["op"] == "all_gather" and r["axis"] == "dp" for r in rows), rows
     return sum(r["elements"] for r in rows), sum(r["bytes"] for r in rows)
 

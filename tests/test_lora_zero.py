@@ -65,7 +65,7 @@ def lora_config(
 
 
 def test_base_dtype_is_validated_with_one_line():
-    one_line = r"^--base-dtype must be one of auto, fp32, bf16, fp16; got 'int8'$"
+    one_line = r"^--base-dtype must be one of auto, fp32, bf16, fp16, nf4; got 'int8'$"
     with pytest.raises(ConfigError, match=one_line):
         parse_base_dtype("int8", "bf16", lora=True)
     cfg = small_config()

@@ -1,6 +1,7 @@
 """What used to run silently wrong now does the right thing or stops in one line, exit 2, before
 any worker: `--init-from DIR` reads text with DIR's tokenizer (a --tokenizer or shards of
-another refused), a config.json with a quantization_config is refused naming the method, a
+another refused), a config.json with a quantization_config plait cannot read (all but QLoRA's
+NF4 with double quantization: models/nf4/hf.py) is refused naming the scheme, a
 second `--data` is refused rather than replacing the first, and an empty `--lora-targets` is
 refused rather than standing for PEFT's default. No process is started."""
 
@@ -99,9 +100,9 @@ def test_a_quantized_folder_is_refused_naming_the_method(model, corpus, tmp_path
                                      "bnb_4bit_quant_type": "nf4"}  # fmt: skip
     (folder / "config.json").unlink()
     (folder / "config.json").write_text(json.dumps(config))
-    want = (f"{folder / 'config.json'}: quantization_config (quant_method='bitsandbytes', "
-            "load_in_4bit, bnb_4bit_quant_type='nf4') is a quantized model, which plait does "
-            "not read")  # fmt: skip
+    want = (f"{folder / 'config.json'}: quantization_config is bitsandbytes 4-bit nf4 "
+            "without double quantization; plait reads only bitsandbytes NF4 with double "
+            "quantization (QLoRA's format) or an unquantized folder")  # fmt: skip
     for argv in (["train", "--init-from", str(folder), "--data", str(corpus), "--out",
                   str(tmp_path / "r"), *RUN],
                  ["eval", "--init-from", str(folder), "--data", str(corpus), "--seq-len", "16"],
@@ -111,7 +112,7 @@ def test_a_quantized_folder_is_refused_naming_the_method(model, corpus, tmp_path
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3"}
     (folder / "config.json").write_text(json.dumps(config))
     said = _refused(["estimate", "--init-from", str(folder)], capsys)
-    assert "quantization_config (quant_method='fp8') is a quantized model" in said
+    assert "quantization_config is FP8; plait reads only bitsandbytes NF4" in said
 
 
 def test_a_second_data_is_refused_not_kept_instead(corpus, tmp_path, capsys) -> None:

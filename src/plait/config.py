@@ -36,6 +36,7 @@ from plait.domain import Domain, OrAuto, above, at_least, check_fields, fraction
 from plait.errors import ConfigError
 from plait.mixed_precision import parse_base_dtype, parse_precision
 from plait.models.architecture import ModelConfig
+from plait.models.nf4.checks import check_nf4_run
 from plait.models.presets import get_preset
 from plait.topology import Layout
 
@@ -107,7 +108,8 @@ class ParallelConfig:
         default="auto",
         metadata={
             "help": "how a LoRA run holds its frozen base: auto (the precision's parameter "
-            "dtype), bf16, fp16 or fp32; adapters keep fp32 masters under every precision"
+            "dtype), bf16, fp16, fp32, or nf4 (QLoRA: the blocks' Linear weights in 4-bit "
+            "NormalFloat, the rest in the precision's dtype); adapters keep fp32 masters"
         },
     )
     reshard_after_forward: str = field(
@@ -512,19 +514,22 @@ def check_types(cfg: Config) -> None:
                 )
 
 
-def _check_base_dtype(par: ParallelConfig, lora: bool) -> None:
+def _check_base_dtype(
+    par: ParallelConfig, model: ModelConfig, lora: bool, init_from: str = ""
+) -> None:
     """`--base-dtype` names a dtype, needs `--lora-rank`, and is honoured by the engine that
     runs: the ZeRO engine holds the frozen base in it (parallel/zero/frozen.py); naive data
-    parallelism and 2BW keep every parameter in the precision's dtype."""
+    parallelism and 2BW keep every parameter in the precision's dtype. A folder saved 4-bit
+    is read only as an NF4 base."""
     base = parse_base_dtype(par.base_dtype, par.precision, lora)
-    if base != parse_precision(par.precision).param_dtype and (
-        par.dp_mode == "naive" or par.two_bw
-    ):
+    changed = base != parse_precision(par.precision).param_dtype or par.base_dtype == "nf4"
+    if changed and (par.dp_mode == "naive" or par.two_bw):
         engine = "--dp-mode naive" if par.dp_mode == "naive" else "--schedule 2bw"
         raise ConfigError(
             f"--base-dtype {par.base_dtype} is held by the ZeRO engine only; {engine} keeps "
             f"the base in the precision's dtype ({par.precision}): give --base-dtype auto"
         )
+    check_nf4_run(par.base_dtype, par.tp, model, init_from)
 
 
 def validate_config(cfg: Config, check_data: bool = True) -> None:
@@ -571,7 +576,7 @@ def validate_config(cfg: Config, check_data: bool = True) -> None:
     check_reshard(par.reshard_after_forward, par.zero, par.pp)
     check_packed_attention(par.packed_attention, device_kind(t.device), par.precision,
                            cfg.model.dropout)  # fmt: skip
-    _check_base_dtype(par, cfg.model.lora is not None)
+    _check_base_dtype(par, cfg.model, cfg.model.lora is not None, t.init_from)
     check_loss_average(t.loss_average)
     if t.nan_policy not in ("stop", "skip"):
         raise ConfigError(f"nan_policy must be stop or skip; got {t.nan_policy!r}")

@@ -30,7 +30,7 @@ from plait.errors import ConfigError
 from plait.torch_private import parameters_as
 
 PRECISIONS = ("fp32", "bf16", "fp16")
-BASE_DTYPES = ("auto", *PRECISIONS)
+BASE_DTYPES = ("auto", *PRECISIONS, "nf4")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -83,14 +83,21 @@ def check_base_dtype(name: str) -> None:
 def parse_base_dtype(name: str, precision: str, lora: bool) -> torch.dtype:
     """The dtype a LoRA run holds its frozen base in (`--base-dtype`): `auto` is the
     precision's parameter dtype; an explicit one only means something beside adapters,
-    because without LoRA every parameter trains and is held in the precision's dtype."""
+    because without LoRA every parameter trains and is held in the precision's dtype.
+    `nf4` holds the blocks' Linear weights in NF4 (parallel/zero/nf4_base.py) and the rest of
+    the base in the precision's dtype, which this returns."""
     check_base_dtype(name)
+    if name == "nf4" and not lora:
+        raise ConfigError(
+            "--base-dtype nf4 quantizes a frozen base to 4 bits (QLoRA), and only LoRA's "
+            "adapters train over it: give --lora-rank R (a run without LoRA trains every weight)"
+        )
     if name != "auto" and not lora:
         raise ConfigError(
             f"--base-dtype {name} is for a LoRA run's frozen base; this run has no "
             "--lora-rank (every parameter trains in the precision's dtype)"
         )
-    return _DTYPES[precision if name == "auto" else name]
+    return _DTYPES[precision if name in ("auto", "nf4") else name]
 
 
 def compute_frozen_in(model: nn.Module, frozen: Sequence[nn.Parameter], dtype: torch.dtype) -> int:

@@ -43,6 +43,7 @@ from plait.models.init import (
     tie_all,
     with_adapters,
 )
+from plait.models.nf4.source import nf4_source
 from plait.models.transformer import Transformer
 from plait.parallel.activation_offload import apply_activation_offload
 from plait.parallel.activation_recompute import apply_recompute
@@ -161,8 +162,10 @@ def first_weights(cfg: Config) -> ValueSource:
 
 
 def _streams_init(cfg: Config) -> bool:
-    """ZeRO stage 3 initializes shard by shard: the full model is never materialized."""
-    return cfg.parallel.zero == 3 and not cfg.parallel.two_bw
+    """ZeRO stage 3 initializes shard by shard, an NF4 base weight by weight: the full model
+    is never materialized in full precision."""
+    par = cfg.parallel
+    return (par.zero == 3 or par.base_dtype == "nf4") and not par.two_bw
 
 
 def _zero_engine(
@@ -184,6 +187,9 @@ def _zero_engine(
         base_dtype=parse_base_dtype(par.base_dtype, par.precision, cfg.model.lora is not None),
         plans=pipeline.plans if pipeline else None,
         reshard_after_forward=par.reshard_after_forward,
+        nf4=nf4_source(cfg.model, cfg.train.seed, cfg.train.init_from)
+        if par.base_dtype == "nf4"
+        else None,
     )
 
 

@@ -7,7 +7,8 @@ the trainer state:
 
     "base": {"init_from": the --init-from folder (absolute) or None,
              "sha256": SHA-256 of that folder's config.json and weight files, or None,
-             "seed": the seed (which made the base when there is no folder)}
+             "seed": the seed (which made the base when there is no folder),
+             "quantization": "nf4" for a QLoRA run (`--base-dtype nf4`; absent otherwise)}
 
 The hash covers the full bytes of `config.json`, `model.safetensors.index.json` (if any)
 and every `*.safetensors` file, in name order, each with its name and size: about 1.7 GB/s
@@ -59,10 +60,11 @@ def base_record(config: dict[str, Any]) -> dict[str, Any] | None:
         return None
     train = config["train"]
     folder = train.get("init_from") or None
+    nf4 = {"quantization": "nf4"} if config["parallel"].get("base_dtype") == "nf4" else {}
     if folder is None:
-        return {"init_from": None, "sha256": None, "seed": train["seed"]}
+        return {"init_from": None, "sha256": None, "seed": train["seed"], **nf4}
     sha = train.get("init_from_sha256") or folder_sha256(Path(folder))
-    return {"init_from": str(Path(folder).resolve()), "sha256": sha, "seed": train["seed"]}
+    return {"init_from": str(Path(folder).resolve()), "sha256": sha, "seed": train["seed"]} | nf4
 
 
 def saved_base(state: dict[str, Any]) -> dict[str, Any] | None:
@@ -77,17 +79,21 @@ def saved_base(state: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def describe(base: dict[str, Any]) -> str:
-    """`--init-from /path (sha256 1a2b3c4d5e6f...)` or `the seeded init (seed 0)`."""
+    """`--init-from /path (sha256 1a2b3c4d5e6f...)` or `the seeded init (seed 0)`, with
+    `, quantized to NF4` for a QLoRA base."""
+    nf4 = ", quantized to NF4" if base.get("quantization") == "nf4" else ""
     if base["init_from"] is None:
-        return f"the seeded init (seed {base['seed']})"
+        return f"the seeded init (seed {base['seed']}){nf4}"
     sha = f" (sha256 {base['sha256'][:12]}...)" if base["sha256"] else ""
-    return f"--init-from {base['init_from']}{sha}"
+    return f"--init-from {base['init_from']}{sha}{nf4}"
 
 
 def same_base(saved: dict[str, Any], now: dict[str, Any]) -> bool:
     """Two records name the same base: the same folder content (a moved folder is the same
-    base), or the same seed for a seeded one."""
+    base), or the same seed for a seeded one; quantized alike (NF4 or not)."""
     if (saved["init_from"] is None) != (now["init_from"] is None):
+        return False
+    if saved.get("quantization") != now.get("quantization"):
         return False
     if saved["init_from"] is None:
         return saved["seed"] == now["seed"]

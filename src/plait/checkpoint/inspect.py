@@ -28,6 +28,7 @@ from plait.models.architecture import ModelConfig
 from plait.models.declare import is_adapter
 from plait.models.hf.load import hf_source
 from plait.models.init import ValueSource, canonical_name, fill_parameters, seeded
+from plait.models.nf4.source import dequantized
 from plait.models.transformer import Transformer
 from plait.outdir import atomic_file
 
@@ -121,10 +122,16 @@ def checked_base(
 
 
 def _base_source(base: dict[str, Any], cfg: ModelConfig) -> ValueSource:
-    """Where a LoRA checkpoint's base comes from: its folder or its seed."""
-    if base["init_from"] is None:
-        return seeded(cfg, base["seed"])
-    return hf_source(Path(base["init_from"]), cfg)
+    """Where a LoRA checkpoint's base comes from: its folder or its seed; a QLoRA base's
+    Linear weights as its run computed with them, dequantized from NF4."""
+    source = (
+        seeded(cfg, base["seed"])
+        if base["init_from"] is None
+        else hf_source(Path(base["init_from"]), cfg)
+    )
+    if base.get("quantization") == "nf4":
+        return dequantized(source, cfg, base["seed"], base["init_from"] or "")
+    return source
 
 
 def model_config(path: Path) -> ModelConfig:

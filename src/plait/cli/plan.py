@@ -43,7 +43,7 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lora-rank", type=at_least(1), help="plan a LoRA run of this rank")
     p.add_argument("--lora-targets", help="LoRA targets (default PEFT's; docs/lora.md)")
     p.add_argument("--lora-dropout", type=fraction(), help="dropout on the adapters' input")
-    p.add_argument("--base-dtype", default="auto", help="LoRA's frozen base: auto, bf16, fp32")
+    p.add_argument("--base-dtype", default="auto", help="LoRA's frozen base: auto, bf16, fp32, nf4")
     for axis in ("dp", "tp", "pp"):
         p.add_argument(f"--{axis}", type=at_least(1), help=f"only layouts with this {axis}")
     p.add_argument("--top", type=at_least(1), default=8, help="layouts shown")

@@ -31,7 +31,7 @@ from plait.estimate.formulas import (
     sixteen_bit_finetune_bytes,
     zero_model_state_bytes,
 )
-from plait.estimate.frozen_base import FrozenBase, base_bytes, frozen_base, frozen_line
+from plait.estimate.frozen_base import FrozenBase, base_total_bytes, frozen_base, frozen_line
 from plait.estimate.lines import LESSON_ORDER, PLACES, Estimate, Line, RankEstimate
 from plait.estimate.model_states import (
     ADAM_STATES,
@@ -315,6 +315,6 @@ def _reference(cfg: Config) -> dict[str, float]:
         out |= {
             "lora_phi": phi,
             "lora_bytes_per_adapter_param": per,
-            "lora_one_gpu": base_bytes(par.base_dtype, prec) * psi + per * phi,
+            "lora_one_gpu": base_total_bytes(cfg, prec, psi) + per * phi,
         }
     return out

@@ -13,6 +13,14 @@ The ZeRO engine holds the base apart from the trainable flat groups (parallel/ze
   pipeline the base is kept gathered through the step (`kept`: once per step, the whole
   stage held) unless `--reshard-after-forward always` (estimate/zero_pipeline.py).
 
+`--base-dtype nf4` (QLoRA): the blocks' Linear weights in NF4 (parallel/zero/nf4_base.py),
+`models/nf4/format.held_bytes` each (4.127 bits per weight of this rank's slice, plus the whole
+weight's nested scales and offset), the rest of the base in the precision's dtype. Under
+stage 3 each block's packed bytes are a second flat buffer beside its fp one, padded to a
+multiple of N (zero/nf4_shards.py), and the nested scales and offsets stay whole on every
+rank: the units are then counted in bytes (`element` 1), each block's fp part times its
+dtype's bytes plus its packed bytes, so the gathers, peaks and traffic below are bytes.
+
 This module is the one place the estimator and the planner (plan/traffic.py) read those
 figures from, so memory and traffic come from the same groups.
 """
@@ -26,14 +34,47 @@ from plait.estimate.lines import FROZEN, Line
 from plait.estimate.model_states import DTYPE_BYTES, Precision
 from plait.estimate.rank_params import ParamSpec
 from plait.mixed_precision import check_base_dtype
+from plait.models.architecture import ModelConfig
+from plait.models.declare import block_params, is_adapter
+from plait.models.nf4.format import held_bytes
 from plait.parallel.zero.layout import padded_size
 
 
 def base_bytes(base_dtype: str, prec: Precision) -> int:
     """Bytes per element of a LoRA run's frozen base: `--base-dtype`, auto = the
-    precision's parameter dtype (2 under bf16/fp16, 4 under fp32)."""
+    precision's parameter dtype (2 under bf16/fp16, 4 under fp32); under nf4 that of what is
+    not quantized (`nf4_weights` prices the rest)."""
     check_base_dtype(base_dtype)
-    return prec.param if base_dtype == "auto" else DTYPE_BYTES[base_dtype]
+    return prec.param if base_dtype in ("auto", "nf4") else DTYPE_BYTES[base_dtype]
+
+
+def nf4_weights(params: list[ParamSpec], model: ModelConfig) -> tuple[int, int]:
+    """(elements, bytes) of the NF4-held weights among `params` (a rank's, `rank_params`):
+    the frozen 2-D weights of its blocks, each `held_bytes` of its slice."""
+    whole = _quantized(model)
+    numel = held = 0
+    for p in params:
+        leaf = p.name.split(".", 2)[-1]
+        if p.block is not None and not p.trainable and leaf in whole:
+            numel += p.numel
+            held += held_bytes(p.numel, whole[leaf])
+    return numel, held
+
+
+def base_total_bytes(cfg: Config, prec: Precision, psi: int) -> int:
+    """A single process's whole frozen base of `psi` elements, in `--base-dtype`."""
+    e = base_bytes(cfg.parallel.base_dtype, prec)
+    if cfg.parallel.base_dtype != "nf4":
+        return e * psi
+    sizes = _quantized(cfg.model).values()
+    layers = cfg.model.n_layers
+    return layers * sum(held_bytes(n, n) for n in sizes) + e * (psi - layers * sum(sizes))
+
+
+def _quantized(model: ModelConfig) -> dict[str, int]:
+    """Each block Linear weight held in NF4, by its leaf in a block: its whole elements."""
+    return {d.leaf: d.shape[0] * d.shape[1] for d in block_params(model)
+            if len(d.shape) == 2 and not is_adapter(d.leaf)}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -48,6 +89,8 @@ class FrozenBase:
     element: int  # bytes per element (--base-dtype)
     blocks: tuple[int, ...] = ()  # each block unit's block number, in unit order
     kept: bool = False  # stage 3 under a pipeline, kept gathered through the step
+    nf4: tuple[int, int] = (0, 0)  # (elements, bytes) held in NF4 (stages 0-2)
+    constants: int = 0  # stage 3 with NF4: the nested scales and offsets, whole per rank
 
     def unit_blocks(self) -> list[frozenset[int | None]]:
         """Each unit's block (None: the root), as `zero_pipeline` reads flat groups."""
@@ -65,8 +108,8 @@ class FrozenBase:
     def held(self) -> int:
         """Bytes this rank keeps between uses: the whole base, or its shards (stage 3)."""
         if self.stage != 3:
-            return self.numel * self.element
-        return self.padded // self.world * self.element
+            return (self.numel - self.nf4[0]) * self.element + self.nf4[1]
+        return self.padded // self.world * self.element + self.constants
 
     def _blocks_and_root(self) -> tuple[list[int], int]:
         padded = [p for _, p in self.units]
@@ -116,7 +159,32 @@ def frozen_base(params: list[ParamSpec], cfg: Config, prec: Precision) -> Frozen
     e = base_bytes(par.base_dtype, prec)
     kept = par.pp > 1 and not par.two_bw and par.reshard_after_forward != "always"
     held = tuple(b for b, n in zip(blocks, sizes, strict=False) if n)
-    return FrozenBase(units, root > 0, par.zero, par.dp, e, held, kept and par.zero == 3)
+    if par.base_dtype == "nf4" and par.zero == 3:
+        return _sharded_nf4(frozen, cfg, e, blocks, held, kept)
+    nf4 = nf4_weights(frozen, cfg.model) if par.base_dtype == "nf4" else (0, 0)
+    return FrozenBase(units, root > 0, par.zero, par.dp, e, held, kept and par.zero == 3, nf4)
+
+
+def _sharded_nf4(
+    frozen: list[ParamSpec], cfg: Config, e: int, blocks: list[int], held: tuple, kept: bool
+) -> FrozenBase:
+    """Stage 3 over an NF4 base, in bytes: each block unit its fp flat group (e bytes per
+    element, padded to N elements) and its packed flat group (codes and absmax codes, padded
+    to N bytes); the root fp; the nested scales and offsets whole beside the shards."""
+    whole, n = _quantized(cfg.model), cfg.parallel.dp
+    quantized = [p for p in frozen if p.block is not None and p.name.split(".", 2)[-1] in whole]
+    names = {p.name for p in quantized}
+    units, constants = [], 0
+    for b in [*blocks, None]:
+        fp = sum(p.numel for p in frozen if p.block == b and p.name not in names)
+        packed = sum(-(-p.numel // 2) + -(-p.numel // 64) for p in quantized if p.block == b)
+        units.append((fp * e + packed, padded_size(fp, n) * e + padded_size(packed, n)))
+    for p in quantized:
+        leaf = p.name.split(".", 2)[-1]
+        constants += held_bytes(p.numel, whole[leaf]) - -(-p.numel // 2) - -(-p.numel // 64)
+    root = units.pop()
+    units = [u for u in units if u[0]] + ([root] if root[0] else [])
+    return FrozenBase(tuple(units), root[0] > 0, 3, n, 1, held, kept, constants=constants)
 
 
 def frozen_line(base: FrozenBase, cfg: Config) -> Line:
@@ -126,6 +194,23 @@ def frozen_line(base: FrozenBase, cfg: Config) -> Line:
     name = par.base_dtype
     name = f"{par.precision} = auto" if name == "auto" else name
     e = base.element
+    if base.stage == 3 and base.constants:
+        why = (
+            f"{base.padded // base.world:,} B (base nf4, ZeRO-3: {len(base.units)} units of "
+            f"fp {par.precision} and packed NF4 bytes, padded to {base.padded:,} B, 1/"
+            f"{base.world} each) + {base.constants:,} B of nested scales and offsets, whole"
+        )
+        gathered = base.gathered_per_step(cfg.accumulation)
+        if gathered:
+            why += f"; all-gathers {gathered:,} B per step"
+        return Line(FROZEN, base.held(), formula=why)
+    if base.stage != 3 and base.nf4[0]:
+        rest, (q, held) = base.numel - base.nf4[0], base.nf4
+        why = (
+            f"{q:,} el in NF4 = {held:,} B (4.127 bits each + 4 B per weight) + {rest:,} el "
+            f"x {e} B ({par.precision}), replicated over dp (ZeRO-{par.zero})"
+        )
+        return Line(FROZEN, base.held(), formula=why)
     if base.stage != 3:
         why = f"{base.numel:,} el x {e} B (base {name}), replicated over dp (ZeRO-{par.zero})"
         return Line(FROZEN, base.held(), formula=why)

@@ -18,6 +18,7 @@ from typing import Any
 from plait.composition import check_tensor_parallel, check_zero
 from plait.errors import ConfigError
 from plait.models.architecture import ModelConfig
+from plait.models.nf4.checks import check_slices
 
 INTERLEAVE = (2, 4)  # virtual stages an interleaved schedule is offered with
 FRUGAL = {"none": 0, "selective": 1, "full": 2, "cpu": 1, "nvme": 2, "default": 0, "always": 1}
@@ -123,6 +124,8 @@ def tp_sizes(req: Request) -> list[int]:
     for t in divisors(req.gpus):
         try:
             check_tensor_parallel(req.model, t)
+            if req.base_dtype == "nf4" and t > 1:
+                check_slices(req.model, t)  # whole NF4 blocks on every rank
         except ConfigError:
             continue
         if t <= req.gpus_per_node:
@@ -189,6 +192,8 @@ def knobs(req: Request, shape: Candidate, offload_activations: bool = True) -> l
                 continue
             if shape.dp == 1 and zero > 0:
                 continue  # nothing to shard over one replica
+            if req.base_dtype == "nf4" and shape.schedule == "2bw":
+                continue  # an NF4 base is held by the ZeRO engine, not 2BW's versions
             # ZeRO-3 under a pipeline: the stage kept gathered through the step, or not.
             reshards = ("default", "always") if zero == 3 and shape.pp > 1 else ("default",)
             for rc in ("none", "selective", "full"):

@@ -16,6 +16,7 @@ from typing import Any
 
 from plait.errors import ConfigError
 from plait.models.architecture import ModelConfig
+from plait.models.nf4.hf import folder_scheme
 
 LLAMA, GPT2 = "llama", "gpt2"
 ARCHITECTURES = {LLAMA: "LlamaForCausalLM", GPT2: "GPT2LMHeadModel"}
@@ -124,29 +125,9 @@ def _gpt2(hf: dict[str, Any], where: str) -> ModelConfig:
     )
 
 
-def _refuse_quantized(hf: dict[str, Any], where: str) -> None:
-    """A folder whose config.json has a `quantization_config` holds quantized weights (or is
-    meant to be loaded quantized): read as plain tensors they would train and score a model
-    that is not the one described. Refused, naming the method, until plait reads it."""
-    quant = hf.get("quantization_config")
-    if not quant:
-        return
-    method = quant.get("quant_method", "unnamed") if isinstance(quant, dict) else quant
-    detail = ""
-    if isinstance(quant, dict):
-        bits = [k for k in ("load_in_4bit", "load_in_8bit") if quant.get(k)]
-        kind = quant.get("bnb_4bit_quant_type") if "load_in_4bit" in bits else None
-        detail = ", ".join([*bits, *([f"bnb_4bit_quant_type={kind!r}"] if kind else [])])
-    raise ConfigError(
-        f"{where}: quantization_config (quant_method={method!r}"
-        f"{', ' + detail if detail else ''}) is a quantized model, which plait does not read; "
-        "give the folder of the unquantized model"
-    )
-
-
 def from_hf_config(hf: dict[str, Any], where: str = "config.json") -> ModelConfig:
     """plait's ModelConfig for a Hugging Face config; ConfigError naming a field it can't."""
-    _refuse_quantized(hf, where)
+    folder_scheme(hf, where)  # a quantized folder: NF4 (QLoRA) read, any other refused
     try:
         cfg = _llama(hf, where) if family_of(hf, where) == LLAMA else _gpt2(hf, where)
     except KeyError as e:

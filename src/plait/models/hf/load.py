@@ -21,9 +21,10 @@ from torch import Tensor
 
 from plait.errors import ConfigError
 from plait.models.architecture import ModelConfig
-from plait.models.hf.config_json import from_hf_config, read_config
+from plait.models.hf.config_json import LLAMA, family, from_hf_config, read_config
 from plait.models.hf.mapping import Piece, piece, pieces, to_hf
 from plait.models.init import ShardLike, ValueSource, padded
+from plait.models.nf4.hf import dequantizing, folder_scheme, quantized_shape
 from plait.models.transformer import Transformer
 
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -83,21 +84,30 @@ class HFWeights:
         """Only `region` of tensor `name` is read from disk."""
         return self._slice(name)[region]
 
+    def tensor(self, name: str) -> Tensor:
+        """The whole tensor `name` (a 4-bit weight's codes or constants: models/nf4/hf.py)."""
+        return self._slice(name)[:]
+
     def check(self, cfg: ModelConfig) -> None:
         """Every tensor plait needs is there with its shape (headers only, no data read)."""
         with torch.device("meta"):
             params = dict(Transformer(cfg).named_parameters())
         for name, t in to_hf(cfg, params).items():
-            if self.shape(name) != tuple(t.shape):
+            shape = quantized_shape(self.files, self.tensor, name) or self.shape(name)
+            if shape != tuple(t.shape):
                 raise ConfigError(
-                    f"{str(self.folder)!r}: tensor {name!r} has shape {list(self.shape(name))}, "
+                    f"{str(self.folder)!r}: tensor {name!r} has shape {list(shape)}, "
                     f"config.json implies {list(t.shape)}"
                 )
 
 
 def hf_source(folder: Path, cfg: ModelConfig) -> ValueSource:
-    """A ValueSource reading each parameter (or shard) from the folder, in fp32."""
-    return region_source(cfg, pieces(cfg), HFWeights(folder).read)
+    """A ValueSource reading each parameter (or shard) from the folder, in fp32 (a weight
+    stored 4-bit dequantized: models/nf4/hf.py)."""
+    weights = HFWeights(folder)
+    return region_source(
+        cfg, pieces(cfg), dequantizing(weights.files, weights.tensor, weights.read)
+    )
 
 
 def region_source(
@@ -121,6 +131,9 @@ def region_source(
 
 def load_config(folder: Path) -> ModelConfig:
     """The ModelConfig of a Hugging Face folder, its weights checked against it (headers)."""
-    cfg = from_hf_config(read_config(folder), str(folder / "config.json"))
+    hf, where = read_config(folder), str(folder / "config.json")
+    cfg = from_hf_config(hf, where)
+    if folder_scheme(hf, where) and family(cfg) != LLAMA:  # GPT-2's q, k, v share one Conv1D
+        raise ConfigError(f"{where}: plait reads 4-bit folders of Llama models only")
     HFWeights(folder).check(cfg)
     return cfg

@@ -52,6 +52,7 @@ from plait.mixed_precision import (
     parse_precision,
 )
 from plait.models.contract import contract_of
+from plait.models.nf4.format import NF4Source
 from plait.parallel.adamw import ElementwiseOptimizer, clip_segments
 from plait.parallel.grads import SplitGradRules
 from plait.parallel.zero.flat_params import Gatherer, ParamStore, initial_flat
@@ -62,6 +63,8 @@ from plait.parallel.zero.layout import (
     nvme_sub_group,
 )
 from plait.parallel.zero.master_states import ResidentStates
+from plait.parallel.zero.nf4_base import hold_nf4
+from plait.parallel.zero.nf4_shards import shard_nf4
 from plait.parallel.zero.nvme import NvmeStates
 from plait.parallel.zero.pipeline_gather import PipelineGatherer, PipelineGathers
 from plait.parallel.zero.reducer import GradReducer
@@ -91,15 +94,18 @@ class ZeroEngine:
         base_dtype: torch.dtype | None = None,
         plans: Sequence[StagePlan] | None = None,
         reshard_after_forward: str = "default",
+        nf4: NF4Source | None = None,
     ) -> None:
         """`isolate`: parameters that get a flat group each (see `layout.build_groups`).
         `initial_value(p, rows=None)`: p's fp32 initial value (or its dim-0 rows [r0, r1)),
         for a model whose parameters are not materialized (stage 3 asks for its shard's rows
         only, and never holds more than one group's shard at a time). `base_dtype`: what
         the frozen parameters (a LoRA run's base) are held in; default the precision's
-        parameter dtype (zero/frozen.py). `plans`: the pipeline stages this rank runs (None:
-        no pipeline); `reshard_after_forward`: stage 3's policy under one (default: keep
-        the stage gathered through the step; always: regather per micro-batch)."""
+        parameter dtype (zero/frozen.py); `nf4`: where the blocks' Linear weights come from
+        in NF4, when the base is held so (zero/nf4_base.py). `plans`: the pipeline stages
+        this rank runs (None: no pipeline); `reshard_after_forward`: stage 3's policy under
+        one (default: keep the stage gathered through the step; always: regather per
+        micro-batch)."""
         check_zero(stage, offload, str(offload_dir) if offload_dir else None)
         check_reshard(reshard_after_forward, stage, 2 if plans else 1)
         self.precision = parse_precision(precision) if isinstance(precision, str) else precision
@@ -114,9 +120,15 @@ class ZeroEngine:
         self.groups = build_groups(model, stage, int(bucket_mb * 2**20), rank, n, isolate)
         compute = self.precision.param_dtype
         keep = reshard_after_forward != "always"  # stage 3 under a pipeline
+        self.nf4_weights = hold_nf4(model, nf4, self.device, self.memory) if nf4 else {}
+        self.nf4_gatherer = None  # stage 3: an NF4 base's bytes, sharded (zero/nf4_shards.py)
+        if stage == 3 and self.nf4_weights:
+            self.nf4_gatherer = shard_nf4(
+                model, self.nf4_weights, comm, axis, self.memory, plans, keep
+            )
         self.frozen, frozen_gatherer = hold_base(  # a LoRA run's base (zero/frozen.py)
             model, stage, base_dtype or compute, compute, comm, axis, self.memory,
-            initial_value, plans, keep,
+            initial_value, plans, keep, self.nf4_weights,
         )  # fmt: skip
         values = [initial_flat(g, stage, self.device, initial_value) for g in self.groups]
         self.params = ParamStore(
@@ -131,7 +143,9 @@ class ZeroEngine:
         self.frozen_gatherer = frozen_gatherer
         if stage == 3 and plans:
             self.gatherer = PipelineGatherer(model, self.params, plans, keep)
-            self.pipeline_actions = PipelineGathers([self.gatherer, frozen_gatherer])
+            self.pipeline_actions = PipelineGathers(
+                [self.gatherer, frozen_gatherer, self.nf4_gatherer]
+            )
         elif stage == 3:
             self.gatherer = Gatherer(model, self.params)
         self.grads = GradReducer(
@@ -175,8 +189,9 @@ class ZeroEngine:
 
     def micro_batch(self, is_last: bool) -> None:
         """Call before each micro-batch (before its forward in stage 3)."""
-        if isinstance(self.frozen_gatherer, FrozenGatherer):  # the last one's backward is
-            self.frozen_gatherer.release_all()  # over: 2 gathers per unit each
+        for frozen in (self.frozen_gatherer, self.nf4_gatherer):  # the last one's backward
+            if isinstance(frozen, FrozenGatherer):  # is over: 2 gathers per unit each
+                frozen.release_all()
         self.grads.micro_batch(is_last)
 
     def scale_loss(self, loss: Tensor) -> Tensor:
@@ -192,8 +207,9 @@ class ZeroEngine:
         self.grads.finish()
         if self.pipeline_actions:  # the update writes the shards: nothing stays gathered
             self.pipeline_actions.end_step()
-        if isinstance(self.frozen_gatherer, FrozenGatherer):  # no unit of the base is needed
-            self.frozen_gatherer.release_all()
+        for frozen in (self.frozen_gatherer, self.nf4_gatherer):  # no unit of the base is
+            if isinstance(frozen, FrozenGatherer):  # needed
+                frozen.release_all()
         self._found_inf = None
         self._coef = 1.0
         if self.stage == 0 and self.precision.reduce_dtype == self.precision.param_dtype:
@@ -279,7 +295,7 @@ class ZeroEngine:
 
     def _gatherers(self) -> list[Gatherer]:
         """Stage 3's gatherers: the trainable parameters' and a LoRA base's."""
-        return [g for g in (self.gatherer, self.frozen_gatherer) if g]
+        return [g for g in (self.gatherer, self.frozen_gatherer, self.nf4_gatherer) if g]
 
     # -- checkpoints -----------------------------------------------------------------------
     @property

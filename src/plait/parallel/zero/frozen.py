@@ -15,7 +15,10 @@ The engine still decides how it is held:
   through the step, or regathered per micro-batch and block); The trainer builds a stage-3
   model without storage, so the shards are filled from the run's initial values;
 - used in the compute dtype: when the base is held in another dtype, each module owning a
-  frozen parameter casts it per forward (`mixed_precision.compute_frozen_in`).
+  frozen parameter casts it per forward (`mixed_precision.compute_frozen_in`);
+- `--base-dtype nf4` (QLoRA): the blocks' Linear weights in NF4 (zero/nf4_base.py; under
+  stage 3 their packed bytes sharded per block, zero/nf4_shards.py), the rest of the base in
+  the compute dtype as above.
 
 Their bytes count as `parameters` in the memory tracker (`frozen:NAME` whole, `frozen:I`
 a stage-3 shard, `gathered-frozen:I` a gathered unit, transient).
@@ -23,7 +26,7 @@ a stage-3 shard, `gathered-frozen:I` a gathered unit, transient).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -61,15 +64,19 @@ def hold_base(
     initial_value: Callable[..., Tensor] | None = None,
     plans: Sequence[StagePlan] | None = None,
     keep: bool = True,
+    held: Collection[str] = (),
 ) -> tuple[dict[str, nn.Parameter], FrozenGatherer | PipelineGatherer | None]:
     """Hold `model`'s frozen parameters in `dtype` and make it use them in `compute`:
     whole (stages 0-2) or sharded over `axis` (stage 3, whose gatherer is returned; under a
-    pipeline, `plans`, one that keeps the stage gathered through the step or not)."""
-    frozen = frozen_params(model)
+    pipeline, `plans`, one that keeps the stage gathered through the step or not). `held`:
+    the names held otherwise already (an NF4 base's weights, zero/nf4_base.py)."""
+    every = frozen_params(model)
+    frozen = {n: p for n, p in every.items() if n not in held}
+    skip = frozenset(id(p) for n, p in every.items() if n in held)
     gatherer = None
     if stage == 3 and frozen:
         n, rank = comm.mesh.size(axis), comm.mesh.axis_rank(axis)
-        groups = frozen_groups(model, rank, n)
+        groups = frozen_groups(model, rank, n, skip)
         values = [initial_flat(g, stage, comm.mesh.device, initial_value) for g in groups]
         store = ParamStore(groups, values, stage, dtype, comm, axis, tracker, "frozen")
         if plans:

@@ -190,11 +190,15 @@ def build_groups(
     return _flat_groups(lists, names, me, shards)
 
 
-def frozen_groups(model: nn.Module, rank: int, world: int) -> list[FlatGroup]:
+def frozen_groups(
+    model: nn.Module, rank: int, world: int, skip: frozenset[int] = frozenset()
+) -> list[FlatGroup]:
     """Stage 3 with a frozen base (LoRA): the frozen parameters' flat groups, one per block
     and the root (`block_units(trainable=False)`), sharded over `world` ranks like the
-    trainable ones, but never given a gradient, a master or an optimizer state."""
-    return _flat_groups(block_units(model, trainable=False), parameter_names(model), rank, world)
+    trainable ones, but never given a gradient, a master or an optimizer state. `skip`: ids
+    of parameters held otherwise (an NF4 base's weights: zero/nf4_shards.py)."""
+    units = [[p for p in u if id(p) not in skip] for u in block_units(model, trainable=False)]
+    return _flat_groups(units, parameter_names(model), rank, world)
 
 
 def _flat_groups(

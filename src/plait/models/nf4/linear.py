@@ -1,0 +1,91 @@
+"""A Linear over an NF4 weight: dequantized per use, only the packed bytes kept for backward.
+
+The base weight of a QLoRA Linear is frozen, so backward needs it only for the input's
+gradient, dx = dy W. `NF4Linear` dequantizes W for the forward product, lets it go, and
+dequantizes it again in backward from the bytes it refers to (the held `NF4Tensor`, which the
+model holds anyway): no full-precision copy of a weight outlives the product that uses it,
+and autograd keeps nothing for the weight (x is not kept either: W takes no gradient). The
+arithmetic is bitsandbytes' `MatMul4Bit` (what PEFT's `Linear4bit` runs): forward
+`linear(x, dequantize(W, x.dtype), b)`, backward `matmul(dy, dequantize(W).to(dy.dtype))`
+(dequantized to the dtype W was quantized from, then cast).
+
+The layers themselves are unchanged (models/lora.py, parallel/tp/layers.py call
+`F.linear(x, self.weight, ...)`): `compute_over_nf4` runs a layer's forward under a
+`TorchFunctionMode` (torch's public override hook) that sends the one `F.linear` whose weight
+is this layer's NF4-held parameter to `NF4Linear`, and every other call on as it was. The
+parameter itself keeps its name, shape and dtype with no storage, as ZeRO-3's released
+parameters do: its values live in the NF4 bytes only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from plait.models.nf4.format import NF4Tensor, dequantize
+
+
+@dataclass
+class HeldNF4:
+    """The NF4 weight one layer computes with (replaced, not mutated, when it moves)."""
+
+    weight: NF4Tensor
+
+
+class NF4Linear(torch.autograd.Function):
+    """y = x W^T + b, W dequantized from `held` in the forward and again in backward."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, bias: Tensor | None, held: HeldNF4) -> Tensor:
+        ctx.held = held  # the packed bytes, by reference: nothing copied, nothing saved
+        w = dequantize(held.weight, x.dtype)  # (out, in), for this product only
+        return F.linear(x, w, bias)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, None, None]:
+        if not ctx.needs_input_grad[0]:
+            return None, None, None
+        w = dequantize(ctx.held.weight).to(grad.dtype)  # as MatMul4Bit: its dtype, then dy's
+        return torch.matmul(grad, w), None, None
+
+
+class _Route(TorchFunctionMode):
+    """Inside a layer's forward: `F.linear(x, weight, bias)` on this layer's NF4-held weight
+    becomes `NF4Linear`; any other call (the adapter's products) runs unchanged."""
+
+    def __init__(self, weight: Tensor, held: HeldNF4) -> None:
+        super().__init__()
+        self.weight, self.held = weight, held
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear and len(args) > 1 and args[1] is self.weight:
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            return NF4Linear.apply(args[0], bias, self.held)
+        return func(*args, **kwargs)
+
+
+def compute_over_nf4(module: nn.Module, held: HeldNF4) -> None:
+    """Make `module` (a Linear: plain, LoRA or tensor-parallel) compute with `held` where its
+    forward multiplies by `module.weight` (an instance attribute, this module only)."""
+    inner = module.forward
+    weight = module.get_parameter("weight")
+
+    def forward(*args, **kwargs):
+        with _Route(weight, held):
+            return inner(*args, **kwargs)
+
+    module.forward = forward
+
+
+@torch.no_grad()
+def release_storage(param: nn.Parameter) -> None:
+    """`param` keeps its name, shape and dtype with zero bytes of storage (its values live
+    in NF4 now), as a released ZeRO-3 parameter does; nothing may read it."""
+    empty = torch.empty(param.shape, dtype=param.dtype, device=param.device)
+    empty.untyped_storage().resize_(0)
+    param.data = empty
