@@ -10,8 +10,9 @@ How train.py uses it (when the model consumes segments and IGNORE targets):
                           cfg.data.pack, cfg.data.long)   # in every worker, deterministic
     corpus = Corpus(made.train, made.val, made.baseline); print(made.report) on rank 0
 
-`made.train` and `made.val` are Rows (HELPERS21.md): `seq_len`, `len()`, `draw(idx)` ->
-(tokens, targets with IGNORE, segments) int64 (b, seq_len), and `target_count(idx)`. The
+`made.train` and `made.val` are Rows (`data/sampler.py`'s protocol): `seq_len`, `len()`,
+`draw(idx)` -> (tokens, targets with IGNORE, segments) int64 (b, seq_len), and
+`target_count(idx)`. The
 split is `packing.val_split`: an evenly spaced `val_fraction` of the examples, the same ones
 for any seq_len; each side is then packed on its own (`packing.plan_rows`), so no row mixes
 training and validation examples. Nothing is read up front: tokens and masks are

@@ -20,7 +20,7 @@ from plait.lessons.section import Case, Row, Run, Section
 
 NAME = "dp"
 TITLE = "Data parallelism: naive (one coordinator) vs plait DP vs torch DDP"
-LOSS_RTOL = 1e-5  # fp32 parity (DESIGN.md); same gradients, AdamW arithmetic as torch's
+LOSS_RTOL = 1e-5  # fp32 parity (docs/exactness.md); same gradients, AdamW arithmetic as torch's
 MODES = {"naive": "naive", "ddp": "plait DP", "torch-ddp": "torch DDP"}
 
 

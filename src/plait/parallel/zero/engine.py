@@ -120,16 +120,9 @@ class ZeroEngine:
         self.groups = build_groups(model, stage, int(bucket_mb * 2**20), rank, n, isolate)
         compute = self.precision.param_dtype
         keep = reshard_after_forward != "always"  # stage 3 under a pipeline
-        self.nf4_weights = hold_nf4(model, nf4, self.device, self.memory) if nf4 else {}
-        self.nf4_gatherer = None  # stage 3: an NF4 base's bytes, sharded (zero/nf4_shards.py)
-        if stage == 3 and self.nf4_weights:
-            self.nf4_gatherer = shard_nf4(
-                model, self.nf4_weights, comm, axis, self.memory, plans, keep
-            )
-        self.frozen, frozen_gatherer = hold_base(  # a LoRA run's base (zero/frozen.py)
-            model, stage, base_dtype or compute, compute, comm, axis, self.memory,
-            initial_value, plans, keep, self.nf4_weights,
-        )  # fmt: skip
+        frozen_gatherer = self._hold_frozen(
+            nf4, base_dtype or compute, compute, initial_value, plans, keep
+        )
         values = [initial_flat(g, stage, self.device, initial_value) for g in self.groups]
         self.params = ParamStore(
             self.groups, values, stage, self.precision.param_dtype, comm, axis, self.memory
@@ -164,6 +157,32 @@ class ZeroEngine:
         self.last_step_skipped = False
         self._coef = 1.0
         self._found_inf: bool | None = None
+
+    def _hold_frozen(
+        self,
+        nf4: NF4Source | None,
+        base_dtype: torch.dtype,
+        compute: torch.dtype,
+        initial_value: Callable[..., Tensor] | None,
+        plans: Sequence[StagePlan] | None,
+        keep: bool,
+    ) -> FrozenGatherer | PipelineGatherer | None:
+        """A LoRA run's frozen base (zero/frozen.py): the blocks' Linear weights in NF4 where
+        the base is held so (zero/nf4_base.py; under stage 3 their bytes sharded,
+        zero/nf4_shards.py), the rest in `base_dtype`. Sets `frozen`, `nf4_weights` and
+        `nf4_gatherer`; returns the frozen base's gatherer (stage 3), else None."""
+        model, comm, axis, stage = self.model, self.comm, self.axis, self.stage
+        self.nf4_weights = hold_nf4(model, nf4, self.device, self.memory) if nf4 else {}
+        self.nf4_gatherer = None
+        if stage == 3 and self.nf4_weights:
+            self.nf4_gatherer = shard_nf4(
+                model, self.nf4_weights, comm, axis, self.memory, plans, keep
+            )
+        self.frozen, gatherer = hold_base(
+            model, stage, base_dtype, compute, comm, axis, self.memory,
+            initial_value, plans, keep, self.nf4_weights,
+        )  # fmt: skip
+        return gatherer
 
     def _make_states(
         self, values: list[Tensor], offload: str, directory, sub_group_mb: float
