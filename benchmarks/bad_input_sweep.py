@@ -53,7 +53,7 @@ def scratch(root: Path, trained: bool = True) -> Path:
     (root / "exists.safetensors").write_bytes(b"\0" * 16)
     (root / "binary.toml").write_bytes(bytes(range(256)) * 4)
     (root / "bad.toml").write_text("[train\nsteps = \n")
-    (root / "wrong-type.toml").write_text('[train]\nlr = "fast"\n')
+    (root / "wrong-type.toml").write_text('[optim]\nlr = "fast"\n')
     (root / "unknown-key.toml").write_text("[train]\nstepz = 3\n")
     (root / "bad.jsonl").write_text('{"text": "fine"}\nnot json\n')
     (root / "bad-tokenizer.json").write_text("{not a tokenizer")

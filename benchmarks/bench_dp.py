@@ -52,7 +52,7 @@ from output import (
     time_cells,
 )
 from plait.comm import Comm
-from plait.config import TrainConfig
+from plait.config import OptimConfig
 from plait.mesh import build_mesh
 from plait.models.presets import get_preset
 from plait.optim import build_optimizer
@@ -87,10 +87,10 @@ def make_batches(opts: argparse.Namespace, rank: int, world: int, vocab: int) ->
 class PlaitSide(Side):
     """plait's data parallelism (the ZeRO engine at stage 0) and step, with per-phase timings."""
 
-    def __init__(self, model, comm: Comm, opts, train_cfg: TrainConfig) -> None:
+    def __init__(self, model, comm: Comm, opts, train_cfg: OptimConfig) -> None:
         super().__init__("plait", PHASES)
         self.model, self.comm, self.clip, self.lr = model, comm, opts.clip, train_cfg.lr
-        optimizer = AdamW.from_train(train_cfg)
+        optimizer = AdamW.from_optim(train_cfg)
         self.dp = ZeroEngine(model, comm, optimizer, stage=0, bucket_mb=opts.bucket_mb)
         self.rules = SplitGradRules.of(model, comm.mesh)
         self.step = 0
@@ -144,7 +144,7 @@ class PlaitSide(Side):
 class DDPSide(Side):
     """The DDP replica with the same optimizer and step, timed by the same phases."""
 
-    def __init__(self, model, opts, train_cfg: TrainConfig) -> None:
+    def __init__(self, model, opts, train_cfg: OptimConfig) -> None:
         super().__init__("ddp", PHASES)
         self.module, self.clip = model, opts.clip
         self.ddp = DDP(
@@ -191,7 +191,7 @@ def worker(rank: int, world: int, opts: argparse.Namespace) -> dict:
     cfg = get_preset(opts.model)
     mesh = build_mesh(Layout(dp=world), device)
     comm = Comm(mesh)
-    train_cfg = TrainConfig(lr=opts.lr, seq_len=opts.seq_len, micro_batch=opts.micro_batch)
+    train_cfg = OptimConfig(lr=opts.lr)
     plait_side = PlaitSide(build_model(cfg, device, opts.seed), comm, opts, train_cfg)
     ddp_side = DDPSide(build_model(cfg, device, opts.seed), opts, train_cfg)
     batches = make_batches(opts, rank, world, cfg.vocab_size)

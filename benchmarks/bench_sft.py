@@ -33,10 +33,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Side, alternate, machine, median, summarize, usable_cores
 from output import machine_line, markdown_table, publish
-from plait.config import Config, build_config
+from plait.config import Config
 from plait.data import GlobalBatchSampler
-from plait.data.batches import MicroBatch
 from plait.mesh import single_process_mesh
+from plait.microbatch import MicroBatch
+from plait.preflight import configure
 from plait.step import evaluate_totals
 from plait.train import Trainer
 from sft_data import length_summary, prepare_throughput, train_tokenizer, write_set
@@ -65,13 +66,24 @@ def timed_step(side: TrainerSide) -> tuple[float, dict[str, Any]]:
 def trainer_config(opts: argparse.Namespace, data: Path, pack: bool) -> Config:
     overrides = {
         "model": {"max_seq_len": opts.seq_len, "dropout": 0.0},
-        "train": {"micro_batch": opts.micro_batch, "global_batch": opts.global_batch,
-                  "seq_len": opts.seq_len, "lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 2,
-                  "seed": opts.seed, "progress": False, "device": "cpu", "steps": 10_000},
-        "data": {"path": str(data), "pack": pack, "long": "drop",
-                 "val_fraction": opts.val_fraction},
-    }  # fmt: skip
-    cfg = build_config(opts.model, overrides)
+        "train": {
+            "micro_batch": opts.micro_batch,
+            "global_batch": opts.global_batch,
+            "seq_len": opts.seq_len,
+            "seed": opts.seed,
+            "device": "cpu",
+            "steps": 10_000,
+        },
+        "optim": {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 2},
+        "log": {"progress": False},
+        "data": {
+            "path": str(data),
+            "pack": pack,
+            "long": "drop",
+            "val_fraction": opts.val_fraction,
+        },
+    }
+    cfg = configure(opts.model, overrides)
     cfg.validate()
     return cfg
 

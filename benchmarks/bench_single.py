@@ -42,7 +42,7 @@ from common import (
 )
 from output import TIME_COLUMNS, machine_line, markdown_table, publish, ratio_line, time_cells
 from plait.comm import Comm
-from plait.config import Config, TrainConfig, build_config
+from plait.config import Config, OptimConfig, build_config
 from plait.data import GlobalBatchSampler, load_tokens, split_micro
 from plait.mesh import single_process_mesh
 from plait.models.presets import get_preset
@@ -91,7 +91,7 @@ def plain_step_fn(model, opt, clip: float, next_micro: Callable[[], list]) -> Ca
 
 def plait_dp_step_fn(model, opts, train_cfg, next_micro) -> tuple[Callable[[], float], object]:
     comm = Comm(single_process_mesh())
-    dp = ZeroEngine(model, comm, AdamW.from_train(train_cfg), stage=0, bucket_mb=opts.bucket_mb)
+    dp = ZeroEngine(model, comm, AdamW.from_optim(train_cfg), stage=0, bucket_mb=opts.bucket_mb)
     rules = SplitGradRules.of(model, comm.mesh)
     counter = [0]
 
@@ -145,7 +145,7 @@ def build_sides(opts: argparse.Namespace) -> tuple[FnSide, FnSide, dict]:
     extra: dict = {}
     if opts.plait == "dp":
         cfg = get_preset(opts.model)
-        train_cfg = TrainConfig(lr=opts.lr)
+        train_cfg = OptimConfig(lr=opts.lr)
         batches = fixed_batches(opts, cfg.vocab_size)
         model_p = build_model(cfg, device, opts.seed)
         step_p, dp = plait_dp_step_fn(model_p, opts, train_cfg, cycler(batches))
@@ -163,17 +163,17 @@ def build_sides(opts: argparse.Namespace) -> tuple[FnSide, FnSide, dict]:
             return trainer.train_step().loss
 
         model_q = build_model(full.model, device, full.train.seed)
-        opt_q = build_optimizer(model_q, full.train)
+        opt_q = build_optimizer(model_q, full.optim)
         sampler = GlobalBatchSampler(len(corpus.train), full.train.global_batch, full.train.seed)
         counter = [0]
 
         def next_micro() -> list:
-            set_lr(opt_q, lr_at(counter[0], full.train))
+            set_lr(opt_q, lr_at(counter[0], full.optim, full.train.steps))
             counter[0] += 1
             idx = split_micro(sampler.next_batch(), full.train.micro_batch)
             return [corpus.train.batch(i) for i in idx]
 
-        step_q = plain_step_fn(model_q, opt_q, full.train.grad_clip, next_micro)
+        step_q = plain_step_fn(model_q, opt_q, full.optim.grad_clip, next_micro)
     return FnSide("plait", step_p), FnSide("plain", step_q), extra
 
 
@@ -183,14 +183,12 @@ def trainer_config(opts: argparse.Namespace) -> Config:
             "micro_batch": opts.micro_batch,
             "global_batch": opts.micro_batch * opts.accum,
             "seq_len": opts.seq_len,
-            "lr": opts.lr,
-            "min_lr": opts.lr / 10,
-            "grad_clip": opts.clip,
             "seed": opts.seed,
-            "progress": False,
             "device": "cpu",
             "steps": 10_000,
         },
+        "optim": {"lr": opts.lr, "min_lr": opts.lr / 10, "grad_clip": opts.clip},
+        "log": {"progress": False},
         "parallel": {"bucket_mb": opts.bucket_mb},
         "data": {"path": opts.data_path, "max_bytes": opts.max_bytes},
     }

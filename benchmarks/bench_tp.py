@@ -77,7 +77,7 @@ from output import (
 )
 from plait.comm import Comm
 from plait.composition import check_tensor_parallel
-from plait.config import TrainConfig
+from plait.config import OptimConfig
 from plait.mesh import build_mesh
 from plait.models.presets import get_preset
 from plait.parallel.tp.apply import apply_tensor_parallel
@@ -107,7 +107,7 @@ def build_sides(opts: argparse.Namespace, world: int) -> tuple[PlaitSide, DTenso
     check_tensor_parallel(cfg, world, sp, opts.seq_len)
     mesh = build_mesh(Layout(tp=world), device)
     comm = Comm(mesh)
-    train_cfg = TrainConfig(lr=opts.lr, seq_len=opts.seq_len, micro_batch=opts.micro_batch)
+    train_cfg = OptimConfig(lr=opts.lr)
     tp_model = build_model(
         cfg, device, opts.seed, parallelize=lambda m: apply_tensor_parallel(m, mesh, comm, sp)
     )

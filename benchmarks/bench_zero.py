@@ -47,7 +47,7 @@ from common import (
 )
 from output import comparison_cells, describe_machine_md, markdown_table, phase_table, publish
 from plait.comm import Comm
-from plait.config import TrainConfig
+from plait.config import OptimConfig
 from plait.estimate.formulas import zero_comm_elements, zero_model_state_bytes
 from plait.mesh import build_mesh
 from plait.models.architecture import ModelConfig
@@ -171,7 +171,7 @@ def worker(rank: int, world: int, opts: argparse.Namespace) -> dict[str, Any]:
     env = {
         "opts": opts,
         "cfg": cfg,
-        "train_cfg": TrainConfig(lr=opts.lr, seq_len=opts.seq_len, micro_batch=opts.micro_batch),
+        "train_cfg": OptimConfig(lr=opts.lr),
         "comm": Comm(mesh),
         "device_mesh": init_device_mesh("cpu", (world,)),
         "batches": make_batches(opts, rank, cfg.vocab_size),

@@ -58,18 +58,19 @@ def make_config(layout: str, opts: Any) -> Config:
         "global_batch": opts.global_batch,
         "seq_len": opts.seq_len,
         "eval_every": 0,
-        "progress": False,
         "seed": opts.seed,
-        "out": "/tmp/plait-bench-ckpt-unused",
     }
+    par = dict(LAYOUTS[layout])
     over = {
         "model": {"dropout": 0.0},
-        "parallel": dict(LAYOUTS[layout]),
+        "parallel": par,
+        "memory": {"zero": par.pop("zero")} if "zero" in par else {},
         "data": {"max_bytes": opts.max_bytes},
         "train": train,
+        "log": {"progress": False, "out": "/tmp/plait-bench-ckpt-unused"},
     }
     cfg = build_config(opts.preset, over)
-    cfg.validate(check_data=False)
+    cfg.validate()
     return cfg
 
 

@@ -124,10 +124,10 @@ def check_offload_exact(device: torch.device, workdir: Path) -> dict[str, Any]:
     par = {"recompute": "full"}
     torch.use_deterministic_algorithms(True)
     try:
-        plain = run_steps(one_b_config(steps=3, parallel=par), device)
-        again = run_steps(one_b_config(steps=3, parallel=par), device)
+        plain = run_steps(one_b_config(steps=3, memory=par), device)
+        again = run_steps(one_b_config(steps=3, memory=par), device)
         off_par = par | {"offload_activations": "cpu"}
-        off = run_steps(one_b_config(steps=3, parallel=off_par), device)
+        off = run_steps(one_b_config(steps=3, memory=off_par), device)
     finally:
         torch.use_deterministic_algorithms(False)
     deterministic = plain["losses"] == again["losses"]
@@ -149,7 +149,7 @@ def check_offload_memory(
     for recompute in ("none", "full"):
         for where in ("none", "cpu"):
             par = {"recompute": recompute, "offload_activations": where}
-            cfg = one_b_config(steps=4, parallel=par)
+            cfg = one_b_config(steps=4, memory=par)
             run = run_steps(cfg, device, meter=meter)
             out[f"recompute={recompute},offload={where}"] = {
                 "allocator_peak": run["allocator_peak"],
@@ -195,7 +195,7 @@ def check_packed(device: torch.device, workdir: Path) -> dict[str, Any]:
     folder = prepare_instructions(workdir)
     out: dict[str, Any] = {}
     for mode in PACKED_MODES:
-        cfg = one_b_config(steps=4, parallel={"packed_attention": mode}, data=str(folder))
+        cfg = one_b_config(steps=4, packed_attention=mode, data=str(folder))
         run = run_steps(cfg, device)
         out[mode] = {"losses": run["losses"], **throughput(cfg, run["step_s"], device)}
         out[mode] |= memory_vs_estimate(cfg, run["allocator_peak"])

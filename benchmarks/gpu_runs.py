@@ -32,32 +32,31 @@ TORCHTITAN = "Llama-3.1-8B, 8xH100, FSDP bf16: 5,762 tokens/s/GPU, 33-39% MFU"
 
 
 def one_b_config(
-    steps: int, parallel: dict[str, Any] | None = None, device: str = "cuda", **train: Any
+    steps: int, memory: dict[str, Any] | None = None, device: str = "cuda", **train: Any
 ) -> Config:
-    """The 1.1B model's config; `parallel` and `train` add to the defaults."""
-    par = {"precision": "bf16", "device": device, **(parallel or {})}
+    """The 1.1B model's config; `memory` ([memory]) and `train` ([train]) add to the
+    defaults."""
     base = {"steps": steps, "micro_batch": MICRO, "global_batch": GLOBAL, "seq_len": SEQ}
-    base |= {"lr": 4e-4, "min_lr": 4e-5, "warmup_steps": 2}  # TinyLlama's peak rate
-    base |= {"progress": False, "eval_every": 0, "out": "/tmp/plait-gpu-check-unused"}
+    base |= {"eval_every": 0, "precision": "bf16", "device": device}
+    optim = {"lr": 4e-4, "min_lr": 4e-5, "warmup_steps": 2}  # TinyLlama's peak rate
     data = {"max_bytes": 4_000_000}
     if "data" in train:
         data["path"] = train.pop("data")
-    return _config("llama-7b", dict(ONE_B), par, data, base | train)
+    over = {"model": dict(ONE_B), "memory": memory or {}, "data": data, "optim": optim}
+    return _config("llama-7b", over | {"train": base | train})
 
 
 def tiny_config(device: str, steps: int) -> Config:
     """The parity check's tiny LLaMA in fp32."""
     train = {"steps": steps, "micro_batch": 4, "global_batch": 8, "seq_len": 128}
-    train |= {"progress": False, "eval_every": 0, "out": "/tmp/plait-gpu-check-unused"}
-    par = {"precision": "fp32", "device": device}
-    return _config("small-llama", {}, par, {"max_bytes": 400_000}, train)
+    train |= {"eval_every": 0, "precision": "fp32", "device": device}
+    return _config("small-llama", {"data": {"max_bytes": 400_000}, "train": train})
 
 
-def _config(preset: str, model: dict, par: dict, data: dict, train: dict) -> Config:
-    device = par.pop("device")
-    train["device"] = device
-    cfg = build_config(preset, {"model": model, "parallel": par, "data": data, "train": train})
-    cfg.validate(check_data=False)
+def _config(preset: str, over: dict[str, dict[str, Any]]) -> Config:
+    log = {"progress": False, "out": "/tmp/plait-gpu-check-unused"}
+    cfg = build_config(preset, over | {"log": log})
+    cfg.validate()
     return cfg
 
 

@@ -64,13 +64,27 @@ def base_folder(root: Path, opts: argparse.Namespace) -> Path:
 
 def plait_config(opts: argparse.Namespace, folder: Path, dp: int, zero: int) -> Config:
     overrides = {
-        "model": {"lora_rank": opts.rank, "lora_alpha": opts.alpha, "lora_targets": "all"},
-        "parallel": {"dp": dp, "zero": zero},
-        "train": {"init_from": str(folder), "micro_batch": opts.micro_batch,
-                  "global_batch": opts.global_batch, "seq_len": opts.seq_len, "lr": opts.lr,
-                  "min_lr": opts.lr, "warmup_steps": 0, "weight_decay": 0.0, "grad_clip": 1.0,
-                  "seed": opts.seed, "progress": False, "device": "cpu", "steps": 100_000},
-    }  # fmt: skip
+        "lora": {"rank": opts.rank, "alpha": opts.alpha, "targets": "all"},
+        "parallel": {"dp": dp},
+        "memory": {"zero": zero},
+        "train": {
+            "micro_batch": opts.micro_batch,
+            "global_batch": opts.global_batch,
+            "seq_len": opts.seq_len,
+            "seed": opts.seed,
+            "device": "cpu",
+            "steps": 100_000,
+        },
+        "checkpoint": {"init_from": str(folder)},
+        "optim": {
+            "lr": opts.lr,
+            "min_lr": opts.lr,
+            "warmup_steps": 0,
+            "weight_decay": 0.0,
+            "grad_clip": 1.0,
+        },
+        "log": {"progress": False},
+    }
     from plait.models.hf.load import load_config
 
     cfg = build_config(f"hf:{folder}", overrides, load_config(folder))
@@ -147,8 +161,11 @@ class PeftSide(Side):
         self.model = get_peft_model(base, config)
         set_peft_model_state_dict(self.model, adapter_tensors(like.cfg.model, start_adapters(like)))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        t = like.cfg.train  # plait's AdamW hyper-parameters (betas 0.9, 0.95; eps 1e-8)
-        self.opt = torch.optim.AdamW(self.params, lr=opts.lr, betas=(t.beta1, t.beta2),
+        t, o = (
+            like.cfg.train,
+            like.cfg.optim,
+        )  # plait's AdamW hyper-parameters (betas 0.9, 0.95; eps 1e-8)
+        self.opt = torch.optim.AdamW(self.params, lr=opts.lr, betas=(o.beta1, o.beta2),
                                      eps=1e-8, weight_decay=0.0)  # fmt: skip
         self.net = self.model
         self.bucket_bytes = [0]
@@ -156,7 +173,7 @@ class PeftSide(Side):
             self.net = self._ddp(self.model)
         mesh = like.mesh
         self.micro, self.replica = t.micro_batch, (mesh.coord.dp, mesh.size("dp"))
-        self.rows, self.clip = like.corpus.train, t.grad_clip
+        self.rows, self.clip = like.corpus.train, like.cfg.optim.grad_clip
         self.mirror = GlobalBatchSampler(len(self.rows), t.global_batch, t.seed)
         self.bytes_per_step = 0
         self.figures: dict[str, int] = {}

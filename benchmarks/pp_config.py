@@ -12,7 +12,7 @@ import argparse
 import torch
 
 from plait.config import build_config
-from plait.data.batches import MicroBatch
+from plait.microbatch import MicroBatch
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
@@ -30,13 +30,8 @@ def make_config(schedule: str, opts, world: int):
         "micro_batch": opts.micro_batch,
         "global_batch": opts.micro_batch * m,
         "seq_len": opts.seq_len,
-        "lr": opts.lr,
-        "warmup_steps": 10,
         "eval_every": 0,
-        "progress": False,
-        "grad_clip": opts.clip,
         "seed": opts.seed,
-        "out": "/tmp/plait-bench-pp-unused",
     }
     over = {
         "model": {"dropout": 0.0, "n_layers": opts.n_layers},
@@ -48,9 +43,11 @@ def make_config(schedule: str, opts, world: int):
         },
         "data": {"max_bytes": opts.max_bytes},
         "train": train,
+        "optim": {"lr": opts.lr, "warmup_steps": 10, "grad_clip": opts.clip},
+        "log": {"progress": False, "out": "/tmp/plait-bench-pp-unused"},
     }
     cfg = build_config(opts.model, over)
-    cfg.validate(check_data=False)
+    cfg.validate()
     return cfg
 
 

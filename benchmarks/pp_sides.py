@@ -223,7 +223,7 @@ class TorchRealSide(Side):
         )
         self.log = TorchActionLog(self.stages, rank, world)
         self.is_last = any(plan.last for plan in plans)
-        self.opt = build_optimizer(self.model, cfg.train)
+        self.opt = build_optimizer(self.model, cfg.optim)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.tied = tied_embedding_params(self.model)
         self.sampler = GlobalBatchSampler(len(corpus.train), cfg.train.global_batch, cfg.train.seed)
@@ -235,7 +235,7 @@ class TorchRealSide(Side):
         counted once), AdamW, loss all-reduce."""
         t = self.cfg.train
         x, y = self.corpus.train.batch(self.sampler.next_batch())
-        set_lr(self.opt, lr_at(self.step_i, t))
+        set_lr(self.opt, lr_at(self.step_i, self.cfg.optim, t.steps))
         self.log.reset()
         losses: list[torch.Tensor] = []
         start = time.perf_counter()
@@ -251,8 +251,8 @@ class TorchRealSide(Side):
         if self.is_last and self.tied and self.p > 1:
             sq -= self.tied[-1].grad.pow(2).sum()  # the first stage counts the shared matrix
         dist.all_reduce(sq, group=self.pp_group)
-        if t.grad_clip > 0:
-            coef = torch.clamp(t.grad_clip / (sq.sqrt() + 1e-6), max=1.0)
+        if self.cfg.optim.grad_clip > 0:
+            coef = torch.clamp(self.cfg.optim.grad_clip / (sq.sqrt() + 1e-6), max=1.0)
             torch._foreach_mul_(grads, coef)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)

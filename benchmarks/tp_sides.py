@@ -34,7 +34,7 @@ from torch.distributed.tensor.parallel import (
 import common
 from common import logical_bytes, tally
 from plait.comm import Comm
-from plait.config import TrainConfig
+from plait.config import OptimConfig
 from plait.models.architecture import ModelConfig
 from plait.optim import build_optimizer
 from plait.parallel.grads import SplitGradRules, clip_coef, param_grads
@@ -145,7 +145,7 @@ OP_NAMES = {
 class Side(common.Side):
     """One implementation's model, optimizer and step, with per-phase timings."""
 
-    def __init__(self, name: str, model: torch.nn.Module, opts, train_cfg: TrainConfig) -> None:
+    def __init__(self, name: str, model: torch.nn.Module, opts, train_cfg: OptimConfig) -> None:
         super().__init__(name, PHASES)
         self.model, self.clip = model, opts.clip
         self.opt = build_optimizer(model, train_cfg)
@@ -160,7 +160,7 @@ def _mark(counter: CollectiveBytes | None, phase: str) -> None:
 
 
 class PlaitSide(Side):
-    def __init__(self, model, comm: Comm, opts, train_cfg: TrainConfig) -> None:
+    def __init__(self, model, comm: Comm, opts, train_cfg: OptimConfig) -> None:
         super().__init__("plait", model, opts, train_cfg)
         self.comm, self.step = comm, 0
         self.rules = SplitGradRules.of(model, comm.mesh)
@@ -208,7 +208,7 @@ class PlaitSide(Side):
 
 
 class DTensorSide(Side):
-    def __init__(self, model, opts, train_cfg: TrainConfig) -> None:
+    def __init__(self, model, opts, train_cfg: OptimConfig) -> None:
         super().__init__("dtensor", model, opts, train_cfg)
         params = list(model.parameters())
         self.dparams = [p for p in params if isinstance(p, DTensor)]

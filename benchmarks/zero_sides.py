@@ -44,7 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import common
 from common import logical_bytes, max_over_ranks, median, tally, tensor_bytes
 from plait.comm import Comm
-from plait.config import TrainConfig
+from plait.config import OptimConfig
 from plait.optim import build_optimizer
 from plait.parallel.adamw import AdamW
 from plait.parallel.grads import SplitGradRules, clip_coef
@@ -57,7 +57,7 @@ Probe = Callable[[], None] | None
 class Side(common.Side):
     """One implementation's model, optimizer and step; subclasses name themselves."""
 
-    def __init__(self, model: nn.Module, opts: Any, train_cfg: TrainConfig) -> None:
+    def __init__(self, model: nn.Module, opts: Any, train_cfg: OptimConfig) -> None:
         super().__init__("?", PHASES)
         self.model, self.clip, self.lr = model, opts.clip, train_cfg.lr
 
@@ -72,11 +72,11 @@ class Side(common.Side):
 class PlaitSide(Side):
     """`ZeroEngine` at `stage`, driven exactly as `plait.step.Step` drives it."""
 
-    def __init__(self, stage: int, model: nn.Module, comm: Comm, opts: Any, cfg: TrainConfig):
+    def __init__(self, stage: int, model: nn.Module, comm: Comm, opts: Any, cfg: OptimConfig):
         super().__init__(model, opts, cfg)
         self.name, self.comm = f"plait ZeRO-{stage}", comm
         self.engine = ZeroEngine(
-            model, comm, AdamW.from_train(cfg), stage=stage, bucket_mb=opts.bucket_mb
+            model, comm, AdamW.from_optim(cfg), stage=stage, bucket_mb=opts.bucket_mb
         )
         self.rules = SplitGradRules.of(model, comm.mesh)
         self.count_activations = False  # the engine's own activation meter, untimed steps only
@@ -140,7 +140,7 @@ class PlaitSide(Side):
         return out
 
 
-def torch_adamw(model: nn.Module, cfg: TrainConfig, foreach: bool) -> torch.optim.AdamW:
+def torch_adamw(model: nn.Module, cfg: OptimConfig, foreach: bool) -> torch.optim.AdamW:
     """plait's AdamW groups and hyper-parameters (`build_optimizer`). On CPU torch picks the
     per-parameter loop; `foreach` asks for its multi-tensor path instead."""
     opt = build_optimizer(model, cfg)
@@ -152,7 +152,7 @@ def torch_adamw(model: nn.Module, cfg: TrainConfig, foreach: bool) -> torch.opti
 class TorchSide(Side):
     """A torch model (wrapped or sharded) with a torch optimizer; clip with clip_grad_norm_."""
 
-    def __init__(self, model: nn.Module, opts: Any, cfg: TrainConfig) -> None:
+    def __init__(self, model: nn.Module, opts: Any, cfg: OptimConfig) -> None:
         super().__init__(model, opts, cfg)
         self.module = model  # what is called: the DDP wrapper for the DDP sides
         self.opt: torch.optim.Optimizer | None = None
@@ -185,7 +185,7 @@ class FsdpSide(TorchSide):
     """FSDP2: each transformer block its own `fully_shard` unit, then the root."""
 
     def __init__(
-        self, model: nn.Module, mesh: DeviceMesh, reshard: bool, opts: Any, cfg: TrainConfig
+        self, model: nn.Module, mesh: DeviceMesh, reshard: bool, opts: Any, cfg: OptimConfig
     ) -> None:
         super().__init__(model, opts, cfg)
         self.name = f"FSDP2 reshard_after_forward={reshard}"
@@ -215,7 +215,7 @@ def explicit_prefetch(model: nn.Module) -> None:
 class DdpSide(TorchSide):
     """DDP with torch AdamW (`zero_opt=False`) or with ZeroRedundancyOptimizer(AdamW)."""
 
-    def __init__(self, model: nn.Module, zero_opt: bool, opts: Any, cfg: TrainConfig) -> None:
+    def __init__(self, model: nn.Module, zero_opt: bool, opts: Any, cfg: OptimConfig) -> None:
         super().__init__(model, opts, cfg)
         self.module = DDP(
             model, bucket_cap_mb=opts.bucket_mb, gradient_as_bucket_view=opts.ddp_grad_view

@@ -36,13 +36,13 @@ def exact_parity(
     else:
         cfg = small_config(steps=steps, **kw)
     par = cfg.parallel
-    par.zero, par.offload, par.dp_mode = zero, offload, dp_mode
+    cfg.memory.zero, cfg.memory.offload, par.dp_mode = zero, offload, dp_mode
     par.sequence_parallel = sequence_parallel
     if examples is not None:
         cfg.data.path, cfg.model.vocab_size = examples, 400
         cfg.train.seq_len = cfg.model.max_seq_len = 128  # two or three examples a row
     if not two_bw:
-        cfg.validate(check_data=False)
+        cfg.validate()
     corpus = packed_corpus(cfg) if examples is None else load_corpus(cfg)
     mesh = build_mesh(par.layout, torch.device("cpu"), par.comm_timeout)
     trainer = Trainer(cfg, mesh, corpus)

@@ -46,7 +46,7 @@ def lora_config(
     m.lora_rank, m.lora_targets, m.lora_dropout = RANK, targets, lora_dropout
     cfg.parallel.sequence_parallel, cfg.parallel.dp_mode = sequence_parallel, dp_mode
     if not two_bw:  # 2BW passes the trainer's own checks only (see two_bw_config)
-        cfg.validate(check_data=False)
+        cfg.validate()
     return cfg
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from plait.config import Config, build_config
+from plait.config import Config
 from plait.device import peak_allocated_bytes
 from plait.estimate import Estimate, RankEstimate
 from plait.estimate.activations import Shape, target_rows_bytes
@@ -25,6 +25,7 @@ from plait.mesh import build_mesh
 from plait.models.loss import IGNORE
 from plait.train import Trainer, load_corpus
 from reference import corpus_for
+from sections import build_regrouped
 
 MB, SEQ = 2, 64
 
@@ -63,8 +64,8 @@ class Case:
         if self.packed:
             model["vocab_size"], data["path"] = 400, examples
         over = {"model": model, "parallel": par, "data": data}
-        cfg = build_config(self.preset, over | {"train": train})
-        cfg.validate(check_data=False)
+        cfg = build_regrouped(self.preset, over | {"train": train})
+        cfg.validate()
         return cfg
 
 
@@ -125,7 +126,7 @@ def no_target_bytes(cfg: Config, targets: list[int]) -> int:
     micro-batch's loss at a time, and the one with the most targets makes the peak: the
     estimate's excess is its rows without a target."""
     par, t = cfg.parallel, cfg.train
-    e = Precision.of(par.precision, par.reduce_dtype).param
+    e = Precision.of(cfg.train.precision, cfg.train.reduce_dtype).param
     x = Shape(t.micro_batch, t.seq_len, par.tp, par.sequence_parallel, e)
     return target_rows_bytes(cfg.model, x) - target_rows_bytes(cfg.model, x, max(targets))
 

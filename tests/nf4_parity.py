@@ -31,10 +31,10 @@ def nf4_config(
     kw.setdefault("preset", "small-llama")
     kw.setdefault("n_layers", 2)
     cfg = lora_config(steps, **kw)
-    cfg.parallel.base_dtype, cfg.parallel.zero = "nf4", zero
-    cfg.parallel.offload_activations = offload_activations
-    cfg.parallel.reshard_after_forward = reshard_after_forward
-    cfg.validate(check_data=False)
+    cfg.lora.base_dtype, cfg.memory.zero = "nf4", zero
+    cfg.memory.offload_activations = offload_activations
+    cfg.memory.reshard_after_forward = reshard_after_forward
+    cfg.validate()
     return cfg
 
 

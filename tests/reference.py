@@ -13,12 +13,13 @@ import functools
 import torch
 from torch import nn
 
-from plait.config import Config, build_config
+from plait.config import Config
 from plait.data import GlobalBatchSampler, load_tokens
 from plait.data.batches import Corpus
 from plait.models.dropout import sample_keys
 from plait.optim import build_optimizer, lr_at, set_lr
 from plait.train import build_model, corpus_from_tokens
+from sections import build_regrouped
 
 
 @functools.cache
@@ -67,15 +68,15 @@ def small_config(
             "schedule": schedule,
             "virtual_stages": virtual_stages,
             "stage_layers": stage_layers,
-            "recompute": recompute,
             "bucket_mb": bucket_mb,
             "comm_timeout": 60,
         },
+        "memory": {"recompute": recompute},
         "data": {"max_bytes": 300_000},
         "train": train_over,
     }
-    cfg = build_config(preset, over)
-    cfg.validate(check_data=False)
+    cfg = build_regrouped(preset, over)
+    cfg.validate()
     return cfg
 
 
@@ -95,18 +96,18 @@ def reference_run(
 def _train(model, cfg: Config, corpus: Corpus):
     t = cfg.train
     model.packed_attention = "mask"  # packed rows: the dense block-causal mask is the reference
-    opt = build_optimizer(model, t)
+    opt = build_optimizer(model, cfg.optim)
     sampler = GlobalBatchSampler(len(corpus.train), t.global_batch, t.seed)
     losses, norms = [], []
     model.train()
     for step in range(t.steps):
         idx = sampler.next_batch()
         keys = sample_keys(t.seed, step, torch.arange(t.global_batch))
-        set_lr(opt, lr_at(step, t))
+        set_lr(opt, lr_at(step, cfg.optim, t.steps))
         x, y, seg = corpus.train.draw(idx)  # any Rows: text windows or packed rows
         loss = model(x, y, keys, segments=seg)  # the global batch's token-weighted mean
         loss.backward()
-        max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
+        max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -153,7 +153,7 @@ def test_two_bw_wraps_both_copies():
 
     cfg = Case("2bw", parallel={"pp": 1}, accum=1).config()
     model = build_model(cfg.model, torch.device("cpu"), seed=3)
-    versions = WeightVersions(model, cfg.train, Comm(single_process_mesh()), "none", "cpu")
+    versions = WeightVersions(model, cfg.optim, Comm(single_process_mesh()), "none", "cpu")
     x = torch.randint(0, cfg.model.vocab_size, (1, 8))
     for c in versions.copies:
         tracker = MemoryTracker()

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from plait.config import TrainConfig
+from plait.config import OptimConfig
 from plait.memory_tracker import MemoryTracker
 from plait.optim import build_optimizer, set_lr
 from plait.parallel.adamw import AdamW, decays
@@ -19,7 +19,7 @@ from plait.parallel.whole_adamw import WholeAdamW, trainable
 from plait.parallel.zero.state_dict import assemble
 from reference import Tiny
 
-CFG = TrainConfig(weight_decay=0.1, beta1=0.9, beta2=0.95)
+CFG = OptimConfig(weight_decay=0.1, beta1=0.9, beta2=0.95)
 LRS = [1e-2, 3e-2, 2e-2, 1e-3, 5e-3]
 
 
@@ -30,7 +30,7 @@ def _grads(model: nn.Module, gen: torch.Generator) -> list[torch.Tensor]:
 def _whole(model: nn.Module, tracker: MemoryTracker | None = None) -> WholeAdamW:
     named = trainable(list(model.named_parameters()))
     names, params = [n for n, _ in named], [p for _, p in named]
-    return WholeAdamW(names, params, AdamW.from_train(CFG), tracker or MemoryTracker())
+    return WholeAdamW(names, params, AdamW.from_optim(CFG), tracker or MemoryTracker())
 
 
 def test_adamw_is_bitwise_torch_adamw():
@@ -54,7 +54,7 @@ def test_adamw_is_bitwise_torch_adamw():
             group["lr"] = lr
         torch_opt.step()
         flat_grad = torch.cat([g.reshape(-1) for g in grads])
-        AdamW.from_train(CFG).update(flat, flat_grad, states, step, lr, decay)
+        AdamW.from_optim(CFG).update(flat, flat_grad, states, step, lr, decay)
     assert torch.equal(flat, torch.cat([p.detach().reshape(-1) for p in params]))
     torch_avg = torch.cat([torch_opt.state[p]["exp_avg"].reshape(-1) for p in params])
     assert torch.equal(states["exp_avg"], torch_avg)
@@ -140,4 +140,4 @@ def test_pieces_are_whole_layout_free_and_load_back():
 def test_frozen_parameters_are_refused():
     model = Tiny()
     with pytest.raises(ValueError, match=r"frozen parameters get no optimizer state.*frozen"):
-        WholeAdamW(["frozen.weight"], [model.frozen.weight], AdamW.from_train(CFG), MemoryTracker())
+        WholeAdamW(["frozen.weight"], [model.frozen.weight], AdamW.from_optim(CFG), MemoryTracker())

@@ -94,7 +94,9 @@ def test_tensorboard_missing_is_refused(corpus, tmp_path, capsys, monkeypatch) -
     """Rank 0 imports TensorBoard's writer only when asked: without the package it would fail
     there, after every rank started."""
     real = find_spec
-    monkeypatch.setattr("plait.config.find_spec", lambda n: None if n == "tensorboard" else real(n))
+    monkeypatch.setattr(
+        "plait.config.checks.find_spec", lambda n: None if n == "tensorboard" else real(n)
+    )
     argv = ["train", "--data", str(corpus), "--seq-len", "32", "--tensorboard"]
     line = refused([*argv, "--out", str(tmp_path / "run")], capsys)
     assert line.endswith(

@@ -22,6 +22,7 @@ from plait.mesh import build_mesh
 from plait.parallel.tp.sharding import full_tensor, param_shard_specs, split_spec
 from plait.train import Trainer
 from reference import corpus_for, small_config
+from sections import set_option
 
 STEPS, AT = 6, 3
 RTOL = 1e-5
@@ -152,8 +153,8 @@ def _config(layout: dict):
     parallel = kw.pop("par", {})
     cfg = small_config(steps=STEPS, **kw)
     for key, value in parallel.items():
-        setattr(cfg.parallel, key, value)
-    cfg.validate(check_data=False)
+        set_option(cfg, "parallel", key, value)
+    cfg.validate()
     return cfg
 
 

@@ -83,7 +83,7 @@ def test_flags_beat_toml_beat_preset(tmp_path: Path, corpus: Path) -> None:
     toml = tmp_path / "run.toml"
     toml.write_text(
         '[model]\npreset = "tiny-gpt"\nn_layers = 3\n\n'
-        "[train]\nsteps = 3\nseq_len = 32\nlr = 0.001\n\n"
+        "[train]\nsteps = 3\nseq_len = 32\n\n[optim]\nlr = 0.001\n\n"
         f"[data]\npath = {json.dumps(str(corpus))}\n"
     )
     base = ["train", "--config", str(toml)]
@@ -91,13 +91,13 @@ def test_flags_beat_toml_beat_preset(tmp_path: Path, corpus: Path) -> None:
     assert cfg.preset == "tiny-gpt"
     assert cfg.model.n_layers == 3  # TOML beats the preset's 2
     assert cfg.model.d_model == 64  # preset value kept
-    assert cfg.train.steps == 3 and cfg.train.lr == 0.001
+    assert cfg.train.steps == 3 and cfg.optim.lr == 0.001
     assert cfg.data.path == str(corpus)
 
     cfg = config_of([*base, "--steps", "5", "--n-layers", "1"])
     assert cfg.train.steps == 5  # flag beats TOML
     assert cfg.model.n_layers == 1
-    assert cfg.train.lr == 0.001  # TOML value not named on the command line stays
+    assert cfg.optim.lr == 0.001  # TOML value not named on the command line stays
 
     cfg = config_of([*base, "--model", "tiny-llama"])
     assert cfg.preset == "tiny-llama"  # --model beats the TOML preset
@@ -110,9 +110,9 @@ def test_default_preset_and_typed_flags(corpus: Path) -> None:
     argv += ["--bucket-mb", "1.5", "--recompute", "full", "--n-kv-heads", "2"]
     cfg = config_of(argv)
     assert cfg.preset == "small-gpt"
-    assert cfg.train.lr == 2e-3 and isinstance(cfg.train.lr, float)
+    assert cfg.optim.lr == 2e-3 and isinstance(cfg.optim.lr, float)
     assert cfg.parallel.bucket_mb == 1.5
-    assert cfg.parallel.recompute == "full"
+    assert cfg.memory.recompute == "full"
     assert cfg.model.n_kv_heads == 2 and isinstance(cfg.model.n_kv_heads, int)
     assert cfg.data.path == str(corpus)
 
@@ -120,13 +120,13 @@ def test_default_preset_and_typed_flags(corpus: Path) -> None:
 def test_boolean_flags(corpus: Path) -> None:
     base = ["train", "--model", "tiny-gpt", "--seq-len", "32", "--data", str(corpus)]
     cfg = config_of(base)
-    assert cfg.train.progress is True and cfg.train.tensorboard is False
+    assert cfg.log.progress is True and cfg.log.tensorboard is False
     assert cfg.model.tie_embeddings is True
     cfg = config_of([*base, "--no-progress", "--tensorboard", "--no-tie-embeddings"])
-    assert cfg.train.progress is False
-    assert cfg.train.tensorboard is True
+    assert cfg.log.progress is False
+    assert cfg.log.tensorboard is True
     assert cfg.model.tie_embeddings is False
-    assert config_of([*base, "--progress"]).train.progress is True
+    assert config_of([*base, "--progress"]).log.progress is True
 
 
 def test_flags_not_given_leave_defaults_untouched(corpus: Path) -> None:
@@ -259,7 +259,7 @@ def test_bad_input_is_one_line_before_workers(extra, message, tmp_path, capsys, 
 
 
 def test_cuda_asked_for_without_cuda(capsys, monkeypatch) -> None:
-    monkeypatch.setattr("plait.config.cuda_available", lambda: False)
+    monkeypatch.setattr("plait.config.checks.cuda_available", lambda: False)
     err = error_of(["train", "--device", "cuda"], capsys)
     assert "device 'cuda' was asked for, but this torch sees no CUDA device" in err
 
@@ -280,7 +280,7 @@ def test_version(capsys) -> None:
 
 def test_fp16_on_cpu_warns_once(capsys, monkeypatch, corpus: Path, tmp_path: Path) -> None:
     monkeypatch.setattr("plait.cli.train.launch", lambda cfg: None)  # validate and warn, no run
-    monkeypatch.setattr("plait.config.device_kind", lambda kind: "cpu")
+    monkeypatch.setattr("plait.config.schema.device_kind", lambda kind: "cpu")
     argv = [
         "train",
         "--precision",

@@ -13,6 +13,9 @@ from plait.config import (
     SECTIONS,
     Config,
     DataConfig,
+    LoRAConfig,
+    MemoryConfig,
+    OptimConfig,
     ParallelConfig,
     TrainConfig,
     build_config,
@@ -20,6 +23,7 @@ from plait.config import (
 )
 from plait.errors import ConfigError
 from plait.models.presets import get_preset
+from plait.preflight import check_run
 
 
 def tiny(**sections: dict[str, Any]) -> Config:
@@ -32,7 +36,7 @@ def tiny(**sections: dict[str, Any]) -> Config:
 
 def expect_error(cfg: Config, message: str, check_data: bool = False) -> str:
     with pytest.raises(ConfigError) as e:
-        validate_config(cfg, check_data=check_data)
+        check_run(cfg, check_data=check_data)
     assert message in str(e.value), f"{message!r} not in {str(e.value)!r}"
     return str(e.value)
 
@@ -47,17 +51,23 @@ def test_build_config_takes_the_preset_model_and_dataclass_defaults() -> None:
     assert cfg.train == TrainConfig()
     assert cfg.parallel == ParallelConfig()
     assert cfg.data == DataConfig()
+    assert (cfg.optim, cfg.memory, cfg.lora) == (OptimConfig(), MemoryConfig(), LoRAConfig())
 
 
 def test_overrides_beat_preset_and_defaults() -> None:
     cfg = build_config(
         "tiny-gpt",
-        {"model": {"n_layers": 3}, "train": {"steps": 7, "lr": 1e-3}, "parallel": {"dp": 2}},
+        {
+            "model": {"n_layers": 3},
+            "train": {"steps": 7},
+            "optim": {"lr": 1e-3},
+            "parallel": {"dp": 2},
+        },
     )
     assert cfg.model.n_layers == 3  # override beats preset (2)
     assert cfg.model.d_model == 64  # untouched preset value
     assert cfg.model.vocab_size == 256
-    assert cfg.train.steps == 7 and cfg.train.lr == 1e-3
+    assert cfg.train.steps == 7 and cfg.optim.lr == 1e-3
     assert cfg.train.micro_batch == TrainConfig().micro_batch  # untouched default
     assert cfg.parallel.dp == 2 and cfg.parallel.layout.dp == 2
     # The preset table itself is not modified by an override.
@@ -73,8 +83,11 @@ def test_configs_do_not_share_mutable_sections() -> None:
 
 def test_unknown_section_lists_the_known_ones() -> None:
     with pytest.raises(ConfigError) as e:
-        build_config("tiny-gpt", {"optim": {"lr": 1.0}})
-    assert str(e.value) == "unknown config section [optim]; known: model, parallel, data, train"
+        build_config("tiny-gpt", {"optimizer": {"lr": 1.0}})
+    assert str(e.value) == (
+        "unknown config section [optimizer]; known: model, lora, parallel, memory, train, "
+        "optim, data, checkpoint, log"
+    )
 
 
 def test_unknown_key_names_it_and_its_section() -> None:
@@ -94,9 +107,11 @@ def test_unknown_preset_lists_known_presets() -> None:
 
 
 def test_sections_and_accumulation() -> None:
-    assert list(SECTIONS) == ["model", "parallel", "data", "train"]
+    assert list(SECTIONS) == [
+        "model", "lora", "parallel", "memory", "train", "optim", "data", "checkpoint", "log"
+    ]  # fmt: skip
     cfg = tiny(train={"global_batch": 24, "micro_batch": 4}, parallel={"dp": 3})
-    validate_config(cfg, check_data=False)
+    validate_config(cfg)
     assert cfg.accumulation == 2
     d = cfg.to_dict()
     assert d["train"]["global_batch"] == 24 and d["model"]["d_model"] == 64
@@ -106,8 +121,8 @@ def test_sections_and_accumulation() -> None:
 
 
 def test_a_sensible_config_validates() -> None:
-    validate_config(tiny(), check_data=False)
-    tiny().validate(check_data=False)
+    validate_config(tiny())
+    tiny().validate()
 
 
 def test_global_batch_not_a_multiple_names_all_three_numbers() -> None:
@@ -129,42 +144,42 @@ def test_seq_len_beyond_learned_positions() -> None:
     cfg = build_config("tiny-gpt", {"train": {"seq_len": 65}})
     expect_error(cfg, "seq_len 65 exceeds the model's max_seq_len 64")
     # Exactly max_seq_len is fine, and RoPE models have no learned-position limit.
-    validate_config(build_config("tiny-gpt", {"train": {"seq_len": 64}}), check_data=False)
-    validate_config(build_config("tiny-llama", {"train": {"seq_len": 128}}), check_data=False)
+    validate_config(build_config("tiny-gpt", {"train": {"seq_len": 64}}))
+    validate_config(build_config("tiny-llama", {"train": {"seq_len": 128}}))
 
 
 def test_bad_recompute_mode() -> None:
     expect_error(
-        tiny(parallel={"recompute": "partial"}),
+        tiny(memory={"recompute": "partial"}),
         "recompute must be one of none, full, selective; got 'partial'",
     )
     for mode in ("none", "full", "selective"):
-        validate_config(tiny(parallel={"recompute": mode}), check_data=False)
+        validate_config(tiny(memory={"recompute": mode}))
 
 
 @pytest.mark.parametrize(
     ("lr", "min_lr", "message"),
     [
-        (0.0, 0.0, "train.lr must be > 0, got 0.0"),
-        (-1e-3, 0.0, "train.lr must be > 0, got -0.001"),
-        (1e-3, -1e-4, "train.min_lr must be >= 0, got -0.0001"),
+        (0.0, 0.0, "optim.lr must be > 0, got 0.0"),
+        (-1e-3, 0.0, "optim.lr must be > 0, got -0.001"),
+        (1e-3, -1e-4, "optim.min_lr must be >= 0, got -0.0001"),
         (1e-3, 2e-3, "need min_lr <= lr; got lr=0.001, min_lr=0.002"),
     ],
 )
 def test_lr_and_min_lr(lr: float, min_lr: float, message: str) -> None:
-    expect_error(tiny(train={"lr": lr, "min_lr": min_lr}), message)
+    expect_error(tiny(optim={"lr": lr, "min_lr": min_lr}), message)
 
 
 def test_min_lr_equal_to_lr_and_zero_are_fine() -> None:
-    validate_config(tiny(train={"lr": 1e-3, "min_lr": 1e-3}), check_data=False)
-    validate_config(tiny(train={"lr": 1e-3, "min_lr": 0.0}), check_data=False)
+    validate_config(tiny(optim={"lr": 1e-3, "min_lr": 1e-3}))
+    validate_config(tiny(optim={"lr": 1e-3, "min_lr": 0.0}))
 
 
 def test_negative_warmup_grad_clip_eval_every() -> None:
-    expect_error(tiny(train={"warmup_steps": -1}), "train.warmup_steps must be >= 0, got -1")
-    expect_error(tiny(train={"grad_clip": -0.5}), "train.grad_clip must be >= 0, got -0.5")
+    expect_error(tiny(optim={"warmup_steps": -1}), "optim.warmup_steps must be >= 0, got -1")
+    expect_error(tiny(optim={"grad_clip": -0.5}), "optim.grad_clip must be >= 0, got -0.5")
     expect_error(tiny(train={"eval_every": -2}), "train.eval_every must be >= 0, got -2")
-    validate_config(tiny(train={"warmup_steps": 0, "grad_clip": 0.0}), check_data=False)
+    validate_config(tiny(optim={"warmup_steps": 0, "grad_clip": 0.0}))
 
 
 def test_bucket_and_timeout_must_be_positive() -> None:
@@ -175,13 +190,13 @@ def test_bucket_and_timeout_must_be_positive() -> None:
 
 
 def test_device(monkeypatch) -> None:
-    expect_error(tiny(train={"device": "tpu"}), "device must be auto, cpu or cuda; got 'tpu'")
-    monkeypatch.setattr("plait.config.cuda_available", lambda: True)
+    expect_error(tiny(train={"device": "tpu"}), "device must be one of auto, cpu, cuda; got 'tpu'")
+    monkeypatch.setattr("plait.config.checks.cuda_available", lambda: True)
     for device in ("auto", "cpu", "cuda"):
-        validate_config(tiny(train={"device": device}), check_data=False)
-    monkeypatch.setattr("plait.config.cuda_available", lambda: False)  # asked for, not there
+        validate_config(tiny(train={"device": device}))
+    monkeypatch.setattr("plait.config.checks.cuda_available", lambda: False)  # asked for, not there
     expect_error(tiny(train={"device": "cuda"}), "device 'cuda' was asked for, but this torch")
-    validate_config(tiny(train={"device": "auto"}), check_data=False)  # auto falls back
+    validate_config(tiny(train={"device": "auto"}))  # auto falls back
 
 
 def test_vocab_smaller_than_bytes() -> None:
@@ -189,7 +204,7 @@ def test_vocab_smaller_than_bytes() -> None:
         tiny(model={"vocab_size": 255}),
         "model.vocab_size 255 is smaller than the byte tokenizer's 256",
     )
-    validate_config(tiny(model={"vocab_size": 300}), check_data=False)
+    validate_config(tiny(model={"vocab_size": 300}))
 
 
 @pytest.mark.parametrize("fraction", [0.0, 1.0, -0.1, 1.5])
@@ -228,12 +243,12 @@ def test_model_validate_runs_first_indivisible_heads() -> None:
 
 def test_negative_kv_heads_is_rejected() -> None:
     with pytest.raises(ConfigError, match="n_kv_heads"):
-        validate_config(tiny(model={"n_kv_heads": -1}), check_data=False)
+        validate_config(tiny(model={"n_kv_heads": -1}))
 
 
 def test_wrongly_typed_value_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="steps"):
-        validate_config(tiny(train={"steps": "5"}), check_data=False)
+        validate_config(tiny(train={"steps": "5"}))
 
 
 # --- validate_config with data checks -----------------------------------------------------
@@ -252,15 +267,12 @@ def test_missing_data_path_is_named(tmp_path: Path) -> None:
     msg = expect_error(tiny(data={"path": str(missing)}), str(missing), check_data=True)
     assert "does not exist" in msg
     # Without data checks the path is not looked at.
-    validate_config(tiny(data={"path": str(missing)}), check_data=False)
+    validate_config(tiny(data={"path": str(missing)}))
 
 
 def test_corpus_large_enough_validates(tmp_path: Path) -> None:
     path = write_corpus(tmp_path, 4000)
-    validate_config(
-        tiny(data={"path": str(path)}, train={"global_batch": 8, "micro_batch": 4}),
-        check_data=True,
-    )
+    check_run(tiny(data={"path": str(path)}, train={"global_batch": 8, "micro_batch": 4}))
 
 
 def test_corpus_too_short_for_global_batch(tmp_path: Path) -> None:
@@ -284,7 +296,7 @@ def test_corpus_too_short_for_validation(tmp_path: Path) -> None:
 def test_max_bytes_caps_the_corpus(tmp_path: Path) -> None:
     path = write_corpus(tmp_path, 4000)
     batch = {"global_batch": 40, "micro_batch": 8}
-    validate_config(tiny(data={"path": str(path)}, train=batch), check_data=True)
+    check_run(tiny(data={"path": str(path)}, train=batch))
     cfg = tiny(data={"path": str(path), "max_bytes": 1000}, train=batch)
     expect_error(cfg, "has 1000 bytes: 29 training", check_data=True)
 
@@ -305,7 +317,7 @@ def test_corpus_check_agrees_with_the_real_split(
     corpus = load_corpus(tiny(data=data, train=seq))
     train, val = len(corpus.train), len(corpus.val)
     assert train > 0 and val > 0
-    validate_config(tiny(data=data, train={**seq, "global_batch": train}), check_data=True)
+    check_run(tiny(data=data, train={**seq, "global_batch": train}))
     cfg = tiny(data=data, train={**seq, "global_batch": train + 1})
     msg = expect_error(cfg, f"has {nbytes} bytes", check_data=True)
     assert f"{train} training and {val} validation sequences of seq_len {seq_len}" in msg
@@ -316,10 +328,10 @@ def test_corpus_check_agrees_with_the_real_split(
 
 def test_load_toml_valid(tmp_path: Path) -> None:
     path = tmp_path / "run.toml"
-    path.write_text('[model]\npreset = "tiny-gpt"\nn_layers = 3\n\n[train]\nsteps = 3\nlr = 1e-3\n')
+    path.write_text('[model]\npreset = "tiny-gpt"\nn_layers = 3\n\n[optim]\nlr = 1e-3\n')
     assert load_toml(path) == {
         "model": {"preset": "tiny-gpt", "n_layers": 3},
-        "train": {"steps": 3, "lr": 1e-3},
+        "optim": {"lr": 1e-3},
     }
     assert load_toml(str(path)) == load_toml(path)
 
@@ -354,6 +366,8 @@ def test_load_toml_top_level_key_must_be_a_section(tmp_path: Path) -> None:
 
 
 def test_checkpoint_options() -> None:
-    expect_error(tiny(train={"save_every": -1}), "train.save_every must be >= 0, got -1")
+    expect_error(tiny(checkpoint={"save_every": -1}), "checkpoint.save_every must be >= 0, got -1")
     expect_error(tiny(train={"max_restarts": -2}), "train.max_restarts must be >= 0, got -2")
-    expect_error(tiny(train={"keep_checkpoints": 0}), "train.keep_checkpoints must be >= 1, got 0")
+    expect_error(
+        tiny(checkpoint={"keep_checkpoints": 0}), "checkpoint.keep_checkpoints must be >= 1, got 0"
+    )

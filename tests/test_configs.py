@@ -12,8 +12,9 @@ import pytest
 
 from plait.cli import config_from_args, main
 from plait.cli.dispatch import build_parser
-from plait.config import Config, derive_steps
+from plait.config import Config
 from plait.data.packing import plan_rows, val_split
+from plait.preflight import derive_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.toml"))
@@ -36,7 +37,7 @@ def recipe_steps(cfg: Config) -> int:
     train_ids, _ = val_split(ALPACA_EXAMPLES, d.val_fraction)
     rows = plan_rows(train_ids, lengths[train_ids], lengths[train_ids] // 2, t.seq_len, d.pack,
                      d.long).rows  # fmt: skip
-    derive_steps(t, rows)
+    derive_steps(t, cfg.optim, rows)
     return t.steps
 
 
@@ -59,13 +60,18 @@ def test_alpaca_recipe_is_stanfords() -> None:
     cfg = estimate_config("--config", str(ALPACA))
     m, par, t = cfg.model, cfg.parallel, cfg.train
     assert (m.n_layers, m.d_model, m.n_heads, m.vocab_size) == (32, 4096, 32, 32000)
-    assert (par.dp, par.zero, par.precision, par.tp, par.pp) == (4, 3, "bf16", 1, 1)
+    assert (par.dp, cfg.memory.zero, cfg.train.precision, par.tp, par.pp) == (4, 3, "bf16", 1, 1)
     assert (t.micro_batch, cfg.accumulation, t.global_batch, t.seq_len) == (4, 8, 128, 512)
     assert recipe_steps(cfg) == 3 * (ALPACA_EXAMPLES // t.global_batch) == 1218
-    assert t.warmup_steps == math.ceil(0.03 * 1218) == 37
-    assert (t.lr, t.lr_schedule, t.min_lr, t.weight_decay, t.beta2) == (
-        2e-5, "cosine", 0.0, 0.0, 0.999
-    )  # fmt: skip
+    assert cfg.optim.warmup_steps == math.ceil(0.03 * 1218) == 37
+    o = cfg.optim
+    assert (o.lr, o.lr_schedule, o.min_lr, o.weight_decay, o.beta2) == (
+        2e-5,
+        "cosine",
+        0.0,
+        0.0,
+        0.999,
+    )
 
 
 def test_alpaca_recipe_fits_stanfords_80_gib_gpus(capsys) -> None:
@@ -89,10 +95,20 @@ def test_lora_recipe_is_alpaca_loras() -> None:
     assert (m.n_layers, m.d_model, m.n_heads, m.vocab_size) == (32, 4096, 32, 32000)
     assert m.lora is not None and m.lora.leaves == ("attn.wq", "attn.wv")
     assert (m.lora_rank, m.lora.scaling, m.lora_dropout) == (8, 2.0, 0.05)
-    assert (par.dp, par.zero, par.precision, par.base_dtype) == (4, 2, "bf16", "auto")
+    assert (par.dp, cfg.memory.zero, cfg.train.precision, cfg.lora.base_dtype) == (
+        4,
+        2,
+        "bf16",
+        "auto",
+    )
     assert (t.micro_batch, cfg.accumulation, t.global_batch, t.seq_len) == (4, 8, 128, 256)
     assert recipe_steps(cfg) == 3 * ((ALPACA_EXAMPLES - 2000) // t.global_batch) == 1170
-    assert (t.lr, t.lr_schedule, t.warmup_steps, t.min_lr) == (3e-4, "linear", 100, 0.0)
+    assert (cfg.optim.lr, cfg.optim.lr_schedule, cfg.optim.warmup_steps, cfg.optim.min_lr) == (
+        3e-4,
+        "linear",
+        100,
+        0.0,
+    )
 
 
 def test_lora_recipe_fits_24_gib_and_its_base_dominates_the_states(capsys) -> None:

@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from plait.cli import main
-from plait.config import follow_tokenizer
 from plait.data import load_tokens
 from plait.data.prepare import PrepareJob, prepare
 from plait.data.shards import ShardStream, read_index
 from plait.data.sources import iter_texts, source_files
 from plait.data.tokenizer import BYTE_EOS, Encoder, resolve_tokenizer, train_bpe
 from plait.errors import ConfigError
+from plait.preflight import follow_tokenizer
 from plait.train import corpus_from_tokens
 from reference import reference_run, small_config
 

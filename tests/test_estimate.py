@@ -9,7 +9,6 @@ import json
 import pytest
 
 from plait.cli import main
-from plait.config import build_config
 from plait.estimate import estimate
 from plait.estimate.activations import Shape, layer_bytes
 from plait.estimate.formulas import korthikanti_layer_bytes
@@ -18,14 +17,15 @@ from plait.models.presets import get_preset, preset_names
 from plait.models.transformer import count_parameters
 from plait.schedule.schedules import build_schedule
 from plait.schedule.simulate import simulate
+from sections import build_regrouped
 
 LLAMA_7B, LLAMA_65B = 6_738_415_616, 65_285_660_672
 
 
 def _cfg(preset: str = "small-gpt", **parallel):
     train = parallel.pop("train", {})
-    cfg = build_config(preset, {"parallel": parallel, "train": train})
-    cfg.validate(check_data=False)
+    cfg = build_regrouped(preset, {"parallel": parallel, "train": train})
+    cfg.validate()
     return cfg
 
 

@@ -137,7 +137,7 @@ def _check_collectives(cfg: Config, results: list[dict]) -> None:
     plan prices the whole / dp (near for the bytes): there the calls are exact per rank and
     a stage's ranks' elements add up to the whole on every tp rank."""
     par = cfg.parallel
-    sharded = par.zero >= 1 and par.dp > 1
+    sharded = cfg.memory.zero >= 1 and par.dp > 1
     summed: dict[int, int] = {}
     for measured in results:
         got, want = _small_collectives(measured), _planned_cfg(cfg, measured["pp_rank"])

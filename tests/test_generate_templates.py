@@ -213,5 +213,5 @@ def test_an_instruction_runs_sample_answers_its_first_validation_prompt(tmp_path
     hf = tmp_path / "hf"  # a run from --init-from: its generation_config.json's stop ids
     hf.mkdir()
     (hf / "generation_config.json").write_text(json.dumps({"eos_token_id": [free[k]]}))
-    cfg.train.init_from = str(hf)
+    cfg.checkpoint.init_from = str(hf)
     assert instruct_sample(model, cfg)["text"] == tok.decode(free[:k])

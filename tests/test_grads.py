@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from plait.comm import Comm
-from plait.config import TrainConfig
+from plait.config import OptimConfig
 from plait.mesh import single_process_mesh
 from plait.models.presets import get_preset
 from plait.parallel.adamw import AdamW
@@ -77,7 +77,7 @@ def _norm_at(bucket_mb: float, model_state: dict, x: torch.Tensor) -> float:
     model = build_model(get_preset("small-gpt"), CPU, seed=0)
     model.load_state_dict(model_state)
     comm = Comm(single_process_mesh())
-    engine = ZeroEngine(model, comm, AdamW.from_train(TrainConfig()), bucket_mb=bucket_mb)
+    engine = ZeroEngine(model, comm, AdamW.from_optim(OptimConfig()), bucket_mb=bucket_mb)
     engine.micro_batch(is_last=True)
     model(x, x).backward()
     engine.finish()

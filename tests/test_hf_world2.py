@@ -32,10 +32,10 @@ LAYOUTS = {"tp2": dict(tp=2), "pp2": dict(pp=2, accum=2), "dp2-zero3": dict(dp=2
 
 def _config(folder: str, layout: dict):
     cfg = small_config("tiny-llama", micro=2, **layout)
-    cfg.model, cfg.preset, cfg.train.init_from = load_config(Path(folder)), "hf", folder
+    cfg.model, cfg.preset, cfg.checkpoint.init_from = load_config(Path(folder)), "hf", folder
     cfg.train.eval_batches = 1
-    cfg.parallel.zero = 3 if layout.get("dp") == 2 else 0
-    cfg.validate(check_data=False)
+    cfg.memory.zero = 3 if layout.get("dp") == 2 else 0
+    cfg.validate()
     return cfg
 
 

@@ -127,7 +127,7 @@ def test_config_long_has_two_values() -> None:
     cfg = Config()
     cfg.data.long = "cut"
     with pytest.raises(ConfigError, match="long must be one of truncate, drop; got 'cut'"):
-        validate_config(cfg, check_data=False)
+        validate_config(cfg)
 
 
 def test_templates_reading_unpassed_names_and_an_eos_not_read_as_one_token(tmp_path, capsys):

@@ -2,7 +2,10 @@
 
 - no import circle between modules, nor between the rooms of the tree (a top-level module or
   package of `plait`), so every arrow points down;
-- nothing under `parallel/` imports the layers above it (train, run, step, launch, cli, lessons);
+- nothing under `parallel/` imports the layers above it (train, run, step, launch, cli, lessons),
+  nor, directly or through another module, the data package or the pre-launch checks that
+  read files (`plait.preflight`): the engines take the configuration's sections, which read
+  nothing;
 - the pure parts (topology, schedules, estimator, planner, configs, the launcher's
   environment) import no process group;
 - `torch.cuda` is touched only in `device.py`;
@@ -44,8 +47,10 @@ COLLECTIVES = (
     "monitored_barrier",
 )
 ABOVE_PARALLEL = ("plait.train", "plait.run", "plait.step", "plait.launch", "plait.cli")
+NOT_UNDER_PARALLEL = ("plait.data", "plait.preflight")
+"""What no module under parallel/ reaches, through any chain of imports."""
 PURE = ("plait.topology", "plait.schedule", "plait.estimate", "plait.plan", "plait.config",
-        "plait.launcher_env", "plait.slurm")  # fmt: skip
+        "plait.preflight", "plait.launcher_env", "plait.slurm")  # fmt: skip
 PROCESS = ("torch.distributed", "plait.comm", "plait.mesh", "plait.launch")
 
 
@@ -147,6 +152,33 @@ def test_nothing_under_parallel_imports_the_layers_above():
     assert bad == set()
 
 
+def reachable(edges: dict[str, set[str]], start: str) -> set[str]:
+    """Every module `start` imports, directly or through others."""
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for t in edges.get(todo.pop(), ()):
+            if t not in seen:
+                seen.add(t)
+                todo.append(t)
+    return seen
+
+
+def forbidden_reach(edges: dict[str, set[str]]) -> set[tuple[str, str]]:
+    """(module under parallel/, what it reaches of `NOT_UNDER_PARALLEL`)."""
+    return {
+        (m, t)
+        for m in edges
+        if m.startswith("plait.parallel")
+        for t in reachable(edges, m)
+        if t.startswith(NOT_UNDER_PARALLEL)
+    }
+
+
+def test_nothing_under_parallel_reaches_the_data_or_the_prelaunch_checks():
+    assert forbidden_reach(graph()) == set()
+
+
 def test_pure_parts_import_no_process_group():
     mods = sources()
     bad = {
@@ -245,6 +277,17 @@ def test_the_rules_catch_what_they_forbid(tmp_path):
     """The checks themselves can fail: a circle, a collective, a cuda call and private APIs
     are found."""
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    chain = {
+        "plait.parallel.zero.engine": {"plait.optim"},
+        "plait.optim": {"plait.config"},
+        "plait.config": {"plait.preflight.corpus"},
+        "plait.preflight.corpus": {"plait.data"},
+    }
+    assert forbidden_reach(chain) == {
+        ("plait.parallel.zero.engine", "plait.preflight.corpus"),
+        ("plait.parallel.zero.engine", "plait.data"),
+    }  # fmt: skip
+    assert forbidden_reach(graph() | {"plait.parallel.adamw": {"plait.config"}}) == set()
     bad = tmp_path / "bad.py"
     bad.write_text('"""doc: torch.cuda here is prose."""\nimport torch\ntorch.cuda.synchronize()\n')
     assert [i for i, line in _code_lines(bad) if "torch.cuda" in line] == [3]

@@ -31,8 +31,9 @@ def _target(target: Target, cfg: Config) -> dict:
 def _runs(world, lesson, out: Path) -> dict[str, Run]:
     runs = {}
     for case in plan_cases(lesson, quick=True, procs=2, work=out / "work"):
-        train = dataclasses.replace(case.cfg.train, steps=2, out=str(out / case.label))
-        cfg = dataclasses.replace(case.cfg, train=train)
+        train = dataclasses.replace(case.cfg.train, steps=2)
+        log = dataclasses.replace(case.cfg.log, out=str(out / case.label))
+        cfg = dataclasses.replace(case.cfg, train=train, log=log)
         runs[case.label] = Run(cfg, world.run(_target, case.target, cfg))
     return runs
 

@@ -39,10 +39,10 @@ def _config(folder: str | None, layout: dict, **lora):
     cfg = lora_config(steps=STEPS, lr=1e-2, **layout)
     if folder is not None:
         cfg.model = replace(load_config(Path(folder)), lora_rank=4, lora_targets="all")
-        cfg.train.init_from = folder
+        cfg.checkpoint.init_from = folder
     for key, value in lora.items():
         setattr(cfg.model, key, value)
-    cfg.validate(check_data=False)
+    cfg.validate()
     return cfg
 
 

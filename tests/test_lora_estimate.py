@@ -14,7 +14,6 @@ import torch
 from memory_runs import Case, compare, error, measure
 from memory_table import TABLE, is_lora
 from plait.cli import main
-from plait.config import build_config
 from plait.estimate import estimate
 from plait.estimate.core import chunk_activation_bytes
 from plait.estimate.frozen_base import frozen_base
@@ -28,6 +27,7 @@ from plait.plan.hardware import load_hardware
 from plait.plan.step_time import Memo, step_time
 from plait.plan.traffic import Links, dp_traffic, tp_tables
 from plait.schedule.stages import rank_plans
+from sections import build_regrouped
 from test_estimate_measured import LIMIT, STEP_TAGS, _planned, _small_collectives
 
 ALL = {"lora_rank": 4, "lora_targets": "all"}
@@ -94,7 +94,7 @@ def _frozen_planned(layout: Case, pp_rank: int) -> tuple[int, int]:
     par = cfg.parallel
     plans = rank_plans(cfg.model.n_layers, par.pp, par.virtual_stages, pp_rank,
                        par.stage_layer_counts())  # fmt: skip
-    prec = Precision.of(par.precision, par.reduce_dtype)
+    prec = Precision.of(cfg.train.precision, cfg.train.reduce_dtype)
     base = frozen_base(rank_params(tp_contract(cfg.model, par.tp), plans), cfg, prec)
     n = base.gathered_per_step(cfg.accumulation)
     return n, n * base.element
@@ -112,7 +112,7 @@ def _tp_planned(layout: Case) -> dict:
     cfg = layout.config()
     plan = rank_plans(cfg.model.n_layers, 1, 1, 0, cfg.parallel.stage_layer_counts())[0]
     out: dict = {}
-    for table in tp_tables(cfg, plan, cfg.parallel.recompute == "full"):
+    for table in tp_tables(cfg, plan, cfg.memory.recompute == "full"):
         for key, (calls, n) in table.items():
             was = out.get(key, (0, 0))
             out[key] = (was[0] + layout.accum * calls, was[1] + layout.accum * n)
@@ -153,9 +153,13 @@ BARE = [
 
 @pytest.mark.parametrize(("preset", "lora", "mode"), BARE)
 def test_lora_activations_exact_per_target_set(preset, lora, mode):
-    over = {"model": {"lora_rank": 4, "n_layers": 2, **lora}, "parallel": {"recompute": mode}}
+    over = {
+        "model": {"n_layers": 2, **lora},
+        "lora": {"rank": 4},
+        "memory": {"recompute": mode},
+    }
     over["train"] = {"micro_batch": 2, "global_batch": 2, "seq_len": 32}
-    cfg = build_config(preset, over)
+    cfg = build_regrouped(preset, over)
     plan = rank_plans(cfg.model.n_layers, 1, 1, 0, cfg.parallel.stage_layer_counts())[0]
     assert chunk_activation_bytes(cfg, plan) == pytest.approx(_saved_peak(cfg, mode), abs=64)
 
@@ -169,10 +173,18 @@ def test_frozen_base_at_base_dtype_and_adapter_states():
         "fp32 base": {"precision": "bf16", "base_dtype": "fp32"},
         "zero2": {"precision": "bf16", "dp": 4, "zero": 2},
     }.items():
-        over = {"model": {"lora_rank": 8, "lora_targets": "q,v"}, "parallel": par}
+        over = {
+            "lora": {"rank": 8, "targets": "q,v"},
+            "parallel": par,
+        }
         over["train"] = {"micro_batch": 1, "global_batch": par.get("dp", 1), "seq_len": 64}
-        cfgs[name] = estimate(build_config("small-llama", over)).ranks[0]
-    m = build_config("small-llama", {"model": {"lora_rank": 8, "lora_targets": "q,v"}}).model
+        cfgs[name] = estimate(build_regrouped("small-llama", over)).ranks[0]
+    m = build_regrouped(
+        "small-llama",
+        {
+            "lora": {"rank": 8, "targets": "q,v"},
+        },
+    ).model
     adapters = m.n_layers * 2 * 8 * (m.d_model + m.d_model)  # q: (8,128)+(128,8); v: kv 64
     adapters -= m.n_layers * 8 * (m.d_model - m.kv_heads * m.head_dim)
     auto = cfgs["auto"]
@@ -188,8 +200,14 @@ def test_plan_prices_no_weight_gradients_for_a_frozen_base():
     only: compute = (2 + adapter share) forwards, not 3; the dp traffic is the adapters'."""
 
     over = {"parallel": {"dp": 2}, "train": {"global_batch": 4, "micro_batch": 2, "seq_len": 64}}
-    full = build_config("small-llama", over)
-    lora = build_config("small-llama", over | {"model": {"lora_rank": 4, "lora_targets": "q,v"}})
+    full = build_regrouped("small-llama", over)
+    lora = build_regrouped(
+        "small-llama",
+        over
+        | {
+            "lora": {"rank": 4, "targets": "q,v"},
+        },
+    )
     hw = load_hardware("h100")
     times = {n: step_time(c, hw, 8, Memo()) for n, c in (("full", full), ("lora", lora))}
     forward = matmul_flops_per_token(full.model, 64) / 3 * 2 * 64 / hw.flop_rate
@@ -209,7 +227,7 @@ def test_plan_lora_flags(tmp_path, capsys):
     out = tmp_path / "plan.toml"
     assert main([*argv, "--lora-rank", "4", "--lora-targets", "all", "--out", str(out)]) == 0
     text = out.read_text()
-    assert "lora_rank = 4" in text and 'lora_targets = "all"' in text
+    assert "[lora]\nrank = 4" in text and 'targets = "all"' in text
     assert main(["estimate", "--config", str(out), "--json"]) == 0
     assert '"frozen_base"' in capsys.readouterr().out
     assert main([*argv, "--lora-targets", "q"]) == 2

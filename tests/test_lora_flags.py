@@ -56,18 +56,21 @@ def test_bad_lora_flags_are_one_line(command, flags, words, capsys):
 
 def test_lora_options_in_toml_without_rank(tmp_path: Path, capsys):
     config = tmp_path / "c.toml"
-    config.write_text('[model]\npreset = "tiny-llama"\nlora_targets = "all"\n')
+    config.write_text('[model]\npreset = "tiny-llama"\n[lora]\ntargets = "all"\n')
     assert "--lora-targets given without --lora-rank" in refused(
         ["estimate", "--config", str(config)], capsys
     )
-    config.write_text('[model]\npreset = "tiny-llama"\nlora_rank = 0\n')
-    assert "model.lora_rank must be >= 1, got 0" in refused(
-        ["estimate", "--config", str(config)], capsys
-    )
+    config.write_text('[model]\npreset = "tiny-llama"\n[lora]\nrank = 0\n')
+    assert "lora.rank must be >= 1, got 0" in refused(["estimate", "--config", str(config)], capsys)
 
 
 def test_model_validate_names_the_target():
-    cfg = build_config("tiny-llama", {"model": {"lora_rank": 33, "lora_targets": "v"}})
+    cfg = build_config(
+        "tiny-llama",
+        {
+            "lora": {"rank": 33, "targets": "v"},
+        },
+    )
     with pytest.raises(ConfigError, match=r"^--lora-rank 33 exceeds the width of attn.wv"):
         cfg.model.validate()
 

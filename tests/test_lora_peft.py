@@ -379,7 +379,7 @@ def test_an_adapter_for_another_base_or_rank_is_refused(folders, peft_saved, cor
          "tensor 'base_model.model.model.layers.0.mlp.gate_proj.lora_B.weight' has shape "
          "[96, 4], the base model needs [128, 4]"),
         (["train", "--init-from", str(folders["llama"]), "--adapter", adapter, "--lora-rank",
-          "8"], f"model.lora_rank=8 conflicts with r=4 from --adapter {adapter}"),
+          "8"], f"lora.rank=8 conflicts with r=4 from --adapter {adapter}"),
         (["train", "--adapter", adapter], f"--adapter {adapter} needs --init-from BASE"),
         (["eval", "--init-from", str(folders["gpt2"]), "--adapter", adapter],
          "target_modules=['down_proj', 'gate_proj', 'k_proj', 'o_proj', 'q_proj', 'up_proj', "

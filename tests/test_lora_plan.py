@@ -9,7 +9,6 @@ from dataclasses import replace
 import pytest
 
 from plait.cli import main
-from plait.config import build_config
 from plait.estimate.frozen_base import frozen_base
 from plait.estimate.model_states import Precision, flat_groups
 from plait.estimate.rank_params import rank_params, total_parameters, tp_contract
@@ -22,6 +21,7 @@ from plait.plan.search import config_of, plan
 from plait.plan.step_time import Memo, step_time
 from plait.plan.traffic import Links, dp_traffic
 from plait.schedule.stages import rank_plans
+from sections import build_regrouped
 
 GIB = 2**30
 
@@ -103,10 +103,15 @@ def test_stage_3_prices_the_base_gathers():
     """dp_traffic under ZeRO-3 adds the base's all-gathers to the adapters': every unit
     twice per micro-batch, padded to dp, at --base-dtype, one call each, on the dp link;
     ZeRO-2 moves no base."""
-    over = {"parallel": {"dp": 4, "zero": 3, "base_dtype": "bf16", "precision": "fp32"}}
+    over = {
+        "parallel": {"dp": 4},
+        "memory": {"zero": 3},
+        "lora": {"base_dtype": "bf16"},
+        "train": {"precision": "fp32"},
+    }
     over |= {"train": {"global_batch": 8, "micro_batch": 1, "seq_len": 64}}
     over["model"] = {"lora_rank": 4, "lora_targets": "all"}
-    cfg = build_config("small-llama", over)
+    cfg = build_regrouped("small-llama", over)
     plans = rank_plans(cfg.model.n_layers, 1, 1, 0, [cfg.model.n_layers])
     link = Links.of(cfg, load_hardware("h100"), 8).dp
     k = cfg.accumulation
@@ -121,5 +126,12 @@ def test_stage_3_prices_the_base_gathers():
     expected = link.time("all_gather", 4, 2 * k * adapters * 4, 2 * k * len(groups))
     expected += link.time("all_gather", 4, traffic.base_bytes, 2 * k * len(base.units))
     assert traffic.gather_s == pytest.approx(expected)
-    zero2 = build_config("small-llama", over | {"parallel": {**over["parallel"], "zero": 2}})
+    zero2 = build_regrouped(
+        "small-llama",
+        over
+        | {
+            "parallel": {**over["parallel"]},
+            "memory": {"zero": 2},
+        },
+    )
     assert dp_traffic(zero2, link, plans).base_bytes == 0

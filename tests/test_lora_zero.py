@@ -34,6 +34,7 @@ from plait.models.declare import is_adapter
 from plait.parallel.tp.sharding import full_tensor, param_shard_specs
 from plait.train import Trainer, build_model
 from reference import corpus_for, reference_run_named, small_config
+from sections import set_option
 
 STEPS = 3
 RTOL = 1e-5
@@ -56,8 +57,8 @@ def lora_config(
     cfg = small_config(dp=dp, tp=tp, pp=pp, accum=accum, steps=STEPS)
     cfg.model.lora_rank, cfg.model.lora_targets = 4, "all"
     for key, value in parallel.items():
-        setattr(cfg.parallel, key, value)
-    cfg.validate(check_data=False)
+        set_option(cfg, "parallel", key, value)
+    cfg.validate()
     return cfg
 
 
@@ -69,19 +70,19 @@ def test_base_dtype_is_validated_with_one_line():
     with pytest.raises(ConfigError, match=one_line):
         parse_base_dtype("int8", "bf16", lora=True)
     cfg = small_config()
-    cfg.parallel.base_dtype = "bf16"
+    cfg.lora.base_dtype = "bf16"
     with pytest.raises(ConfigError, match=r"--base-dtype bf16 is for a LoRA run's frozen base"):
-        cfg.validate(check_data=False)
+        cfg.validate()
     cfg = lora_config(dp=1)
-    cfg.parallel.base_dtype = "fp8"
+    cfg.lora.base_dtype = "fp8"
     with pytest.raises(ConfigError, match="got 'fp8'"):
-        cfg.validate(check_data=False)
+        cfg.validate()
     cfg = lora_config(dp=2)
-    cfg.parallel.dp_mode, cfg.parallel.base_dtype = "naive", "bf16"
+    cfg.parallel.dp_mode, cfg.lora.base_dtype = "naive", "bf16"
     with pytest.raises(ConfigError, match=r"^--base-dtype bf16 is held by the ZeRO engine only;"):
-        cfg.validate(check_data=False)
-    cfg.parallel.base_dtype = "fp32"  # the precision's own dtype: what every engine does
-    cfg.validate(check_data=False)
+        cfg.validate()
+    cfg.lora.base_dtype = "fp32"  # the precision's own dtype: what every engine does
+    cfg.validate()
     assert parse_base_dtype("auto", "fp16", lora=False) == torch.float16
     assert parse_base_dtype("fp32", "bf16", lora=True) == torch.float32
 
@@ -158,10 +159,9 @@ def _parity(layout: dict, cases: list[tuple[int, str, str]], folder: str) -> lis
     start = {n: p.detach().clone() for n, p in first.named_parameters(remove_duplicate=False)}
     for stage, offload, recompute in cases:
         cfg = copy.deepcopy(base)
-        par = cfg.parallel
-        par.zero, par.offload, par.recompute = stage, offload, recompute
-        par.offload_dir = f"{folder}/zero{stage}" if offload == "nvme" else None
-        cfg.validate(check_data=False)
+        cfg.memory.zero, cfg.memory.offload, cfg.memory.recompute = stage, offload, recompute
+        cfg.memory.offload_dir = f"{folder}/zero{stage}" if offload == "nvme" else None
+        cfg.validate()
         losses, got, memory = _run(cfg, corpus)
         where = f"zero {stage} offload {offload} recompute {recompute} {layout}"
         if stage < 3:  # the base whole on every rank: never gathered
@@ -199,9 +199,9 @@ def _mixed(cases: list[tuple[int, str, str]]) -> None:
     ref_losses, _, _, _ = reference_run_named(base, corpus)
     for stage, precision, base_dtype in cases:
         cfg = copy.deepcopy(base)
-        cfg.parallel.zero, cfg.parallel.precision = stage, precision
-        cfg.parallel.base_dtype, cfg.parallel.offload = base_dtype, "cpu"
-        cfg.validate(check_data=False)
+        cfg.memory.zero, cfg.train.precision = stage, precision
+        cfg.lora.base_dtype, cfg.memory.offload = base_dtype, "cpu"
+        cfg.validate()
         trainer = _single(cfg, corpus)
         try:
             losses = [trainer.train_step().loss for _ in range(STEPS)]

@@ -32,7 +32,7 @@ def micro_mean_reference(cfg: Config, corpus: Corpus) -> tuple[list[float], list
     (0 without any); the step's loss is the mean of those means; clip, AdamW."""
     t, dp = cfg.train, cfg.parallel.dp
     model = build_model(cfg.model, torch.device("cpu"), t.seed)
-    opt = build_optimizer(model, t)
+    opt = build_optimizer(model, cfg.optim)
     sampler = GlobalBatchSampler(len(corpus.train), t.global_batch, t.seed)
     losses, norms = [], []
     for step in range(t.steps):
@@ -46,9 +46,9 @@ def micro_mean_reference(cfg: Config, corpus: Corpus) -> tuple[list[float], list
                 x, y, seg = corpus.train.draw(i)
                 means.append(model(x, y, k, segments=seg))  # denom None: its own mean
         loss = torch.stack(means).mean()
-        set_lr(opt, lr_at(step, t))
+        set_lr(opt, lr_at(step, cfg.optim, t.steps))
         loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)))
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
@@ -118,7 +118,7 @@ def test_divisors_of_each_rule():
     cfg = small_config()
     cfg.train.loss_average = "mean"
     with pytest.raises(ConfigError, match=why):
-        cfg.validate(check_data=False)
+        cfg.validate()
 
 
 @pytest.mark.parametrize("rank", [0, 1])

@@ -20,7 +20,7 @@ RTOL, PARAM_ATOL = 1e-5, 1e-5  # as test_dp_parity.py
 def _naive(**kw) -> Config:
     cfg = small_config(**kw)
     cfg.parallel.dp_mode = "naive"
-    cfg.validate(check_data=False)
+    cfg.validate()
     return cfg
 
 
@@ -78,4 +78,4 @@ def test_naive_is_refused_with_other_parallelism():
     cfg = small_config()
     cfg.parallel.dp_mode = "torch"
     with pytest.raises(ConfigError, match="dp_mode must be one of ddp, naive; got 'torch'"):
-        cfg.validate(check_data=False)
+        cfg.validate()

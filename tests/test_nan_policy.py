@@ -64,7 +64,7 @@ def test_skip_leaves_the_parameters_and_counts_the_steps(tmp_path: Path) -> None
 def test_nan_policy_values(tmp_path: Path) -> None:
     code, err = _train(["--out", str(tmp_path), "--nan-policy", "maybe"])
     assert code == 2
-    assert err == "plait: error: nan_policy must be stop or skip; got 'maybe'\n"
+    assert err == "plait: error: nan_policy must be one of stop, skip; got 'maybe'\n"
     code, err = _train(["--out", str(tmp_path), "--nan-policy", "skip", "--dp", "1", "--pp",
                         "2", "--schedule", "2bw", "--microbatches", "2"])  # fmt: skip
     assert code == 2

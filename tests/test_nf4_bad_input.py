@@ -111,8 +111,9 @@ def test_a_qlora_checkpoint_resumes_on_its_quantized_base_only(tmp_path) -> None
     from plait.errors import ConfigError
 
     def config(base_dtype: str) -> dict:
-        return {"model": {"lora_rank": 4, "lora_targets": "all", "lora_alpha": 8.0},
-                "parallel": {"base_dtype": base_dtype}, "train": {"seed": 3}}  # fmt: skip
+        model = {"lora_rank": 4, "lora_targets": "all", "lora_alpha": 8.0}  # the model's record
+        return {"model": model, "lora": {"base_dtype": base_dtype}, "train": {"seed": 3},
+                "checkpoint": {}}  # fmt: skip
 
     saved = {"config": config("nf4"), "base": base_record(config("nf4"))}
     assert saved["base"] == {"init_from": None, "sha256": None, "seed": 3,

@@ -229,7 +229,7 @@ def test_twenty_steps_are_peft_qlora(folder4, tmp_path) -> None:
     peft.set_peft_model_state_dict(model, adapter_tensors(cfg.model, start))
     model.train()
     t = cfg.train
-    opt = build_optimizer(model, t)
+    opt = build_optimizer(model, cfg.optim)
     sampler = GlobalBatchSampler(len(trainer.corpus.train), t.global_batch, t.seed)
     trainable = [p for p in model.parameters() if p.requires_grad]
     theirs = []
@@ -238,8 +238,8 @@ def test_twenty_steps_are_peft_qlora(folder4, tmp_path) -> None:
         logits = model(input_ids=x).logits
         loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(trainable, t.grad_clip)
-        set_lr(opt, lr_at(step, t))
+        torch.nn.utils.clip_grad_norm_(trainable, cfg.optim.grad_clip)
+        set_lr(opt, lr_at(step, cfg.optim, t.steps))
         opt.step()
         opt.zero_grad(set_to_none=True)
         theirs.append(loss.item())

@@ -137,7 +137,7 @@ def test_an_empty_lora_targets_is_refused(tmp_path, capsys, monkeypatch) -> None
         said = _refused([*run, "--lora-targets", targets], capsys)
         assert f"--lora-targets {targets!r} names no target" in said
     toml = tmp_path / "lora.toml"
-    toml.write_text('[model]\npreset = "tiny-llama"\nlora_rank = 4\nlora_targets = ""\n')
+    toml.write_text('[model]\npreset = "tiny-llama"\n[lora]\nrank = 4\ntargets = ""\n')
     assert want in _refused(["train", "--config", str(toml), "--out", str(tmp_path / "r")], capsys)
     plan = ["plan", "--model", "tiny-llama", "--gpus", "2", "--global-batch", "4", "--seq-len",
             "64", "--lora-rank", "4"]  # fmt: skip

@@ -32,9 +32,12 @@ def _config(partition: bool, recompute: str, offload: str = "none", zero: int = 
     cfg = small_config(steps=STEPS, accum=2, dropout=0.1, recompute=recompute, **layout)
     if lora:  # adapters on every projection; the frozen embedding feeds block 0
         cfg.model.lora_rank, cfg.model.lora_targets = lora, "all"
-    par = cfg.parallel
-    par.partition_activations, par.offload_activations, par.zero = partition, offload, zero
-    cfg.validate(check_data=False)
+    cfg.memory.partition_activations, cfg.memory.offload_activations, cfg.memory.zero = (
+        partition,
+        offload,
+        zero,
+    )
+    cfg.validate()
     return cfg
 
 
@@ -212,18 +215,18 @@ def test_refusals_are_one_line_exit_2(capsys, monkeypatch, flags, message):
 
 def test_two_bw_refused_with_reason():
     cfg = small_config(pp=2, tp=2, accum=4, recompute="full", schedule="2bw")
-    cfg.parallel.partition_activations = True
+    cfg.memory.partition_activations = True
     with pytest.raises(ConfigError, match="does not combine with --schedule 2bw"):
-        cfg.validate(check_data=False)
+        cfg.validate()
 
 
 def test_off_by_default_and_the_estimate_term_is_the_formula():
     """Off by default (no gathers); on, the estimate's activations drop by
     L·(1 - 1/t)·s·b·h·e and the gathers are L·m of s·b·h·e, from the config's own numbers."""
     off = small_config(tp=2, recompute="full", accum=2)
-    assert off.parallel.partition_activations is False and gathers_per_step(off) == (0, 0)
+    assert off.memory.partition_activations is False and gathers_per_step(off) == (0, 0)
     on = small_config(tp=2, recompute="full", accum=2)
-    on.parallel.partition_activations = True
+    on.memory.partition_activations = True
     m, t = on.model, on.train
     whole = t.seq_len * t.micro_batch * m.d_model * 4  # fp32
     drop = (estimate(off).ranks[0].line("activations").device

@@ -8,7 +8,6 @@ import dataclasses
 import pytest
 
 from plait.cli import build_parser, config_from_args, main
-from plait.config import build_config
 from plait.errors import ConfigError
 from plait.estimate import estimate
 from plait.estimate.formulas import tp_comm_per_microbatch, zero_comm_elements
@@ -29,6 +28,7 @@ from plait.plan.step_time import Memo, chunk_cost, makespan, step_time
 from plait.plan.traffic import Links
 from plait.schedule.schedules import build_schedule
 from plait.schedule.simulate import Costs, simulate
+from sections import build_regrouped
 
 GIB = 2**30
 SCHEDULES = (("1f1b", 1), ("zb-h1", 1), ("interleaved", 2))
@@ -53,8 +53,8 @@ def _hw(alpha: float = 0.0, beta: float = 1e9, overlap: float = 0.0, **kw) -> Ha
 
 def _cfg(preset: str = "tiny-gpt", **par):
     train = {k: par.pop(k) for k in ("global_batch", "micro_batch", "seq_len") if k in par}
-    cfg = build_config(preset, {"parallel": par, "train": {"seq_len": 32, **train}})
-    cfg.validate(check_data=False)
+    cfg = build_regrouped(preset, {"parallel": par, "train": {"seq_len": 32, **train}})
+    cfg.validate()
     return cfg
 
 

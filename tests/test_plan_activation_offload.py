@@ -9,7 +9,6 @@ import dataclasses
 
 import pytest
 
-from plait.config import build_config
 from plait.estimate import estimate
 from plait.estimate.core import chunk_activation_places
 from plait.models.presets import get_preset
@@ -18,6 +17,7 @@ from plait.plan.hardware import Hardware, Link, OpCost, from_dict, to_dict
 from plait.plan.search import config_of, plan
 from plait.plan.step_time import Memo, step_time
 from plait.schedule.stages import rank_plans
+from sections import build_regrouped
 
 GIB = 2**30
 
@@ -32,8 +32,8 @@ def _hw(overlap: float = 0.0, **kw) -> Hardware:
 
 def _cfg(**par):
     over = {"parallel": par, "train": {"seq_len": 32, "global_batch": 8, "micro_batch": 2}}
-    cfg = build_config("tiny-gpt", over)
-    cfg.validate(check_data=False)
+    cfg = build_regrouped("tiny-gpt", over)
+    cfg.validate()
     return cfg
 
 

@@ -10,13 +10,13 @@ import random
 import pytest
 
 from plait.calibrate_runtime import action_overhead
-from plait.config import build_config
 from plait.plan.hardware import Hardware, Link, OpCost
 from plait.plan.shared import shared_makespan
 from plait.plan.step_time import Memo, step_time
 from plait.plan.traffic import step_collectives
 from plait.schedule.schedules import build_schedule
 from plait.schedule.simulate import Costs, simulate
+from sections import build_regrouped
 
 GIB = 2**30
 
@@ -31,8 +31,8 @@ def _hw(alpha: float = 0.0, beta: float = 1e30, **kw) -> Hardware:
 
 def _cfg(preset: str = "tiny-gpt", **par):
     train = {k: par.pop(k) for k in ("global_batch", "micro_batch") if k in par}
-    cfg = build_config(preset, {"parallel": par, "train": {"seq_len": 32, **train}})
-    cfg.validate(check_data=False)
+    cfg = build_regrouped(preset, {"parallel": par, "train": {"seq_len": 32, **train}})
+    cfg.validate()
     return cfg
 
 

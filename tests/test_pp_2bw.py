@@ -53,7 +53,7 @@ def delayed_reference(cfg: Config, corpus: Corpus, steps: int):
     cur = build_model(cfg.model, torch.device("cpu"), t.seed)  # W(k)
     cur.packed_attention = "mask"  # packed rows: the dense mask is the reference
     prev = copy.deepcopy(cur)  # W(k-1)
-    opt = build_optimizer(cur, t)
+    opt = build_optimizer(cur, cfg.optim)
     sampler = GlobalBatchSampler(len(corpus.train), t.global_batch, t.seed)
     losses, norms = [], []
     for k in range(steps):
@@ -63,10 +63,10 @@ def delayed_reference(cfg: Config, corpus: Corpus, steps: int):
         loss.backward()
         for p_cur, p_prev in zip(cur.parameters(), prev.parameters(), strict=True):
             p_cur.grad = p_prev.grad
-        max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
+        max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
         norms.append(float(torch.nn.utils.clip_grad_norm_(cur.parameters(), max_norm)))
         prev.load_state_dict(cur.state_dict())  # W(k) becomes the previous version
-        set_lr(opt, lr_at(k, t))
+        set_lr(opt, lr_at(k, cfg.optim, t.steps))
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
@@ -231,7 +231,7 @@ def test_config_errors(over, message):
     cfg = two_bw_config(pp=2, accum=4)
     accum = over.pop("accum", None)
     for key, value in over.items():
-        setattr(cfg.parallel, key, value)
+        setattr(cfg.parallel, key, value)  # cfg-renames: keep (parallel keys)
     if accum:
         cfg.train.global_batch = cfg.train.micro_batch * accum
     with pytest.raises(ConfigError, match=message):

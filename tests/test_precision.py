@@ -83,7 +83,7 @@ def _emulate(cfg, corpus, precision: str, reduce: str | None, scaler: DynamicLos
     mesh = build_mesh(cfg.parallel.layout, torch.device("cpu"), 60)
     comm, dp = Comm(mesh), mesh.size("dp")
     master = build_model(cfg.model, mesh.device, t.seed)
-    opt = build_optimizer(master, t)
+    opt = build_optimizer(master, cfg.optim)
     compute = build_model(cfg.model, mesh.device, t.seed).to(policy.param_dtype)
     pairs = list(zip(compute.parameters(), master.parameters(), strict=True))
     sampler = GlobalBatchSampler(len(corpus.train), t.global_batch, t.seed)
@@ -101,7 +101,7 @@ def _emulate(cfg, corpus, precision: str, reduce: str | None, scaler: DynamicLos
         found = any(not bool(torch.isfinite(pm.grad).all()) for _, pm in pairs)
         scales.append(scale)
         if not (scaler and scaler.update(found)):
-            set_lr(opt, lr_at(step, t))
+            set_lr(opt, lr_at(step, cfg.optim, t.steps))
             opt.step()
         opt.zero_grad()
         with torch.no_grad():
@@ -120,7 +120,7 @@ def _start_scaler(scaler: DynamicLossScaler, scale: float, window: int) -> None:
 
 def _against_emulation(precision: str, reduce: str | None, stages: list[int]) -> dict:
     cfg = zero_config(steps=6)
-    cfg.train.grad_clip = 0.0
+    cfg.optim.grad_clip = 0.0
     corpus = corpus_for(cfg)
     fp16 = precision == "fp16"
     ref_scaler = DynamicLossScaler(scale=2.0**14, window=3) if fp16 else None
@@ -179,7 +179,7 @@ def _overflow(stage: int) -> dict:
     """fp16 steps of the Trainer; at the steps asked, rank 1 plants an inf in its own
     gradient shard once the step's reduction has finished."""
     cfg = zero_config()
-    cfg.train.grad_clip = 1.0
+    cfg.optim.grad_clip = 1.0
     trainer = zero_trainer(cfg, corpus_for(cfg), stage, precision="fp16")
     engine, rank = trainer.engine, trainer.mesh.rank
     scaler = engine.scaler

@@ -19,10 +19,11 @@ import plait.cli.train as train_command
 from instruct_data import LLAMA_TEMPLATE, tokenizer_folder, write_jsonl
 from plait.checkpoint import store
 from plait.cli import main
-from plait.config import TrainConfig, derive_steps
+from plait.config import OptimConfig, TrainConfig
 from plait.data.examples import check_examples
 from plait.data.instruct import InstructJob, prepare_examples
 from plait.optim import lr_at
+from plait.preflight import derive_steps
 from plait.telemetry import RunSummary, summary_table
 
 WORDS = ["fox", "dog", "jumps", "over", "the", "lazy", "quick", "brown", "numbers"]
@@ -81,14 +82,14 @@ def _bad(capsys, *argv: str) -> str:
 
 
 def test_epochs_count_full_global_batches_and_warmup_ratio_rounds_up() -> None:
-    t = TrainConfig(epochs=3, global_batch=128, warmup_ratio=0.03)
-    derive_steps(t, 52_001)
-    assert (t.steps, t.warmup_steps) == (3 * 406, math.ceil(0.03 * 1218)) == (1218, 37)
-    derive_steps(t, 52_001)  # validated twice: the same
-    assert (t.steps, t.warmup_steps) == (1218, 37)
-    t = TrainConfig(steps=50, warmup_steps=5)
-    derive_steps(t, 7)  # neither given: untouched
-    assert (t.steps, t.warmup_steps) == (50, 5)
+    t, o = TrainConfig(epochs=3, global_batch=128), OptimConfig(warmup_ratio=0.03)
+    derive_steps(t, o, 52_001)
+    assert (t.steps, o.warmup_steps) == (3 * 406, math.ceil(0.03 * 1218)) == (1218, 37)
+    derive_steps(t, o, 52_001)  # validated twice: the same
+    assert (t.steps, o.warmup_steps) == (1218, 37)
+    t, o = TrainConfig(steps=50), OptimConfig(warmup_steps=5)
+    derive_steps(t, o, 7)  # neither given: untouched
+    assert (t.steps, o.warmup_steps) == (50, 5)
 
 
 def test_bad_run_lengths_and_schedules_are_one_line(capsys, folders, tmp_path) -> None:
@@ -182,8 +183,8 @@ def test_epochs_eval_data_and_keep_best_in_one_run_and_its_exact_resume(
         "validation rows" in err  # fmt: skip
     rows = _metrics(out)
     assert [r["step"] for r in rows] == list(range(24))
-    t = TrainConfig(steps=24, warmup_steps=3, lr=3e-2, min_lr=0.0, lr_schedule="linear")
-    assert [r["lr"] for r in rows] == pytest.approx([lr_at(k, t) for k in range(24)])
+    o = OptimConfig(warmup_steps=3, lr=3e-2, min_lr=0.0, lr_schedule="linear")
+    assert [r["lr"] for r in rows] == pytest.approx([lr_at(k, o, 24) for k in range(24)])
     val = {r["step"] + 1: r["val_loss"] for r in rows if "val_loss" in r}
     assert sorted(val) == [3, 6, 9, 12, 15, 18, 21, 24]
     best = min(val, key=lambda k: (val[k], k))
@@ -225,7 +226,7 @@ def _resumed_at(out: Path, argv: list[str], step: int, world) -> None:
 def test_text_eval_data_trains_on_every_window(tmp_path) -> None:
     """Text: every window of --data trains (no held-out blocks), every window of --eval-data
     validates; the config's count (what --epochs divides) is the corpus's."""
-    from plait.config import build_config, validate_config
+    from plait.preflight import check_run, configure
     from plait.train import load_corpus
 
     train, held = tmp_path / "train.txt", tmp_path / "held.txt"
@@ -233,8 +234,8 @@ def test_text_eval_data_trains_on_every_window(tmp_path) -> None:
     held.write_bytes(b"0123456789" * 16)  # 160 bytes: 4 windows
     run = {"seq_len": 33, "global_batch": 4, "micro_batch": 4, "epochs": 2}
     data = {"path": str(train), "eval_data": str(held)}
-    cfg = build_config("tiny-gpt", {"train": run, "data": data})
-    validate_config(cfg)
+    cfg = configure("tiny-gpt", {"train": run, "data": data})
+    check_run(cfg)
     corpus = load_corpus(cfg)
     assert (len(corpus.train), len(corpus.val)) == (24, 4)
     assert cfg.train.steps == 2 * (24 // 4)

@@ -23,7 +23,7 @@ PARAM_ATOL = 5e-5  # Adam and summation order; see test_pp_parity.py
 def _tp_parity(steps: int = 10, sequence_parallel: bool = False, **kw) -> dict:
     cfg = small_config(steps=steps, **kw)
     cfg.parallel.sequence_parallel = sequence_parallel
-    cfg.validate(check_data=False)
+    cfg.validate()
     corpus = corpus_for(cfg)
     mesh = build_mesh(cfg.parallel.layout, torch.device("cpu"), cfg.parallel.comm_timeout)
     trainer = Trainer(cfg, mesh, corpus)

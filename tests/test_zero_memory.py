@@ -7,7 +7,7 @@ import torch
 
 from plait.comm import Comm
 from plait.composition import check_zero
-from plait.config import TrainConfig
+from plait.config import OptimConfig
 from plait.errors import ConfigError
 from plait.estimate.formulas import zero_comm_elements, zero_model_state_bytes
 from plait.memory_tracker import MemoryTracker
@@ -91,7 +91,7 @@ def test_activation_meter_lets_a_graph_kept_past_its_backward_go():
 
 def _engine(**kw) -> ZeroEngine:
     model = build_model(get_preset("tiny-gpt"), torch.device("cpu"), 0)
-    return ZeroEngine(model, Comm(single_process_mesh()), AdamW.from_train(TrainConfig()), **kw)
+    return ZeroEngine(model, Comm(single_process_mesh()), AdamW.from_optim(OptimConfig()), **kw)
 
 
 def test_option_errors_name_the_values(tmp_path):

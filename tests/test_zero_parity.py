@@ -118,7 +118,7 @@ def test_stages_match_stage0_with_clipping_and_accumulation(world2, case):
 
 def _states(stage: int, bucket_mb: float, load: dict | None = None) -> dict:
     cfg = zero_config(steps=4)
-    cfg.train.grad_clip = 0.0
+    cfg.optim.grad_clip = 0.0
     corpus = corpus_for(cfg)
     out = {}
     if load is None:

@@ -26,7 +26,6 @@ from lora_parity import lora_config
 from memory_runs import Case, compare, error, measure
 from memory_table import TABLE
 from plait.cli import main
-from plait.config import build_config
 from plait.errors import ConfigError
 from plait.estimate import estimate
 from plait.mesh import build_mesh
@@ -39,6 +38,7 @@ from plait.plan.step_time import Memo, step_time
 from plait.plan.traffic import base_elements, dp_elements
 from plait.train import Trainer
 from reference import assert_matches_reference, corpus_for, reference_run, small_config
+from sections import build_regrouped
 from test_checkpoint import AT, STEPS, _params_by_name, _phase, _reference
 from test_estimate_measured import check_layout
 from whole_params import whole_params
@@ -68,9 +68,9 @@ def _expected_gathers(trainer: Trainer, reshard: str, gatherer=None) -> int:
 def _parity(zero: int, reshard: str = "default", sequence_parallel: bool = False, **kw) -> dict:
     """Train, count the last step's dp bytes, compare with one process (on every rank)."""
     cfg = small_config(**kw)
-    cfg.parallel.zero, cfg.parallel.reshard_after_forward = zero, reshard
+    cfg.memory.zero, cfg.memory.reshard_after_forward = zero, reshard
     cfg.parallel.sequence_parallel = sequence_parallel
-    cfg.validate(check_data=False)
+    cfg.validate()
     corpus = corpus_for(cfg)
     mesh = build_mesh(cfg.parallel.layout, torch.device("cpu"), cfg.parallel.comm_timeout)
     trainer = Trainer(cfg, mesh, corpus)
@@ -123,8 +123,8 @@ def _lora_parity(zero: int, reshard: str, **kw) -> dict:
     """A LoRA run (frozen base) under ZeRO-2/3 through the pipeline against one process: the
     base never moves, the adapters train, the base's all-gathers (stage 3) counted."""
     cfg = lora_config(**kw)
-    cfg.parallel.zero, cfg.parallel.reshard_after_forward = zero, reshard
-    cfg.validate(check_data=False)
+    cfg.memory.zero, cfg.memory.reshard_after_forward = zero, reshard
+    cfg.validate()
     corpus = corpus_for(cfg)
     mesh = build_mesh(cfg.parallel.layout, torch.device("cpu"), cfg.parallel.comm_timeout)
     trainer = Trainer(cfg, mesh, corpus)
@@ -164,8 +164,8 @@ def _mixed(zero: int, precision: str, **kw) -> dict:
     """A few 16-bit steps against the fp32 single process: a missing loss scale, unscale or
     cast of the gathered parameters would be far off."""
     cfg = small_config(steps=3, **kw)
-    cfg.parallel.zero, cfg.parallel.precision = zero, precision
-    cfg.validate(check_data=False)
+    cfg.memory.zero, cfg.train.precision = zero, precision
+    cfg.validate()
     corpus = corpus_for(cfg)
     mesh = build_mesh(cfg.parallel.layout, torch.device("cpu"), cfg.parallel.comm_timeout)
     trainer = Trainer(cfg, mesh, corpus)
@@ -232,9 +232,11 @@ def test_memory_table_rows_on_four_ranks(world4, tmp_path, layout):
     ],
 )  # fmt: skip
 def test_bad_combinations_say_so(over, message):
-    cfg = build_config("tiny-gpt", {"parallel": over, "train": {"seq_len": 32, "micro_batch": 1}})
+    cfg = build_regrouped(
+        "tiny-gpt", {"parallel": over, "train": {"seq_len": 32, "micro_batch": 1}}
+    )
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        cfg.validate(check_data=False)
+        cfg.validate()
 
 
 def test_the_planner_offers_and_prices_zero_2_3_under_a_pipeline():
@@ -249,7 +251,7 @@ def test_the_planner_offers_and_prices_zero_2_3_under_a_pipeline():
     kept, again = (replace(shape, zero=3, reshard=r) for r in ("default", "always"))
     assert "regather" in again.describe() and "regather" not in kept.describe()
     cfg_kept, cfg_again = config_of(req, kept), config_of(req, again)
-    assert cfg_again.parallel.reshard_after_forward == "always"
+    assert cfg_again.memory.reshard_after_forward == "always"
     assert estimate(cfg_again).most_loaded.total() < estimate(cfg_kept).most_loaded.total()
     hw = load_hardware("h100")
     t_kept, t_again = (step_time(c, hw, 4, Memo()) for c in (cfg_kept, cfg_again))

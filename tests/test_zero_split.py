@@ -14,11 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from plait.config import build_config
 from plait.errors import ConfigError
 from plait.mesh import build_mesh
 from plait.train import Trainer
 from reference import assert_matches_reference, corpus_for, reference_run, small_config
+from sections import build_regrouped
 from whole_params import whole_params
 
 PARAM_ATOL = 5e-5  # see test_pp_parity.py
@@ -26,9 +26,9 @@ PARAM_ATOL = 5e-5  # see test_pp_parity.py
 
 def _trainer(zero: int, precision: str = "fp32", sequence_parallel: bool = False, **kw):
     cfg = small_config(**kw)
-    cfg.parallel.zero, cfg.parallel.precision = zero, precision
+    cfg.memory.zero, cfg.train.precision = zero, precision
     cfg.parallel.sequence_parallel = sequence_parallel
-    cfg.validate(check_data=False)
+    cfg.validate()
     corpus = corpus_for(cfg)
     mesh = build_mesh(cfg.parallel.layout, torch.device("cpu"), cfg.parallel.comm_timeout)
     return cfg, corpus, Trainer(cfg, mesh, corpus)
@@ -115,6 +115,8 @@ def test_mixed_precision_through_the_pipeline(world4, precision, dtype):
     ],
 )
 def test_zero_pipeline_errors(over, message):
-    cfg = build_config("tiny-gpt", {"parallel": over, "train": {"seq_len": 32, "micro_batch": 1}})
+    cfg = build_regrouped(
+        "tiny-gpt", {"parallel": over, "train": {"seq_len": 32, "micro_batch": 1}}
+    )
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        cfg.validate(check_data=False)
+        cfg.validate()

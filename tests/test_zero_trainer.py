@@ -5,19 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from plait.config import build_config
 from plait.errors import ConfigError
 from plait.mesh import build_mesh
 from plait.train import Trainer
 from reference import assert_matches_reference, corpus_for, small_config
+from sections import build_regrouped
 
 RTOL, PARAM_ATOL = 1e-5, 5e-5  # see test_pp_parity.py
 
 
 def _zero_parity(zero: int, offload: str = "none", offload_dir=None, **kw) -> dict:
     cfg = small_config(**kw)
-    cfg.parallel.zero, cfg.parallel.offload, cfg.parallel.offload_dir = zero, offload, offload_dir
-    cfg.validate(check_data=False)
+    cfg.memory.zero, cfg.memory.offload, cfg.memory.offload_dir = zero, offload, offload_dir
+    cfg.validate()
     corpus = corpus_for(cfg)
     mesh = build_mesh(cfg.parallel.layout, torch.device("cpu"), 60)
     trainer = Trainer(cfg, mesh, corpus)
@@ -43,9 +43,9 @@ def test_zero_offload_through_the_trainer(world2, tmp_path):
 
 def _bf16_trains(**kw) -> list[float]:
     cfg = small_config(steps=30, **kw)
-    cfg.parallel.precision, cfg.parallel.zero = "bf16", 2
-    cfg.train.lr = 3e-3
-    cfg.validate(check_data=False)
+    cfg.train.precision, cfg.memory.zero = "bf16", 2
+    cfg.optim.lr = 3e-3
+    cfg.validate()
     mesh = build_mesh(cfg.parallel.layout, torch.device("cpu"), 60)
     trainer = Trainer(cfg, mesh, corpus_for(cfg))
     losses = [trainer.train_step().loss for _ in range(cfg.train.steps)]
@@ -62,15 +62,15 @@ def test_bf16_zero2_loss_falls(world2):
 @pytest.mark.parametrize(
     ("over", "message"),
     [
-        ({"zero": 4}, r"parallel.zero must be in \[0, 3\], got 4"),
+        ({"zero": 4}, r"memory.zero must be in \[0, 3\], got 4"),
         ({"precision": "fp8"}, "precision must be one of"),
         ({"offload": "nvme"}, "needs a directory"),
     ],
 )
 def test_zero_option_errors(over, message):
-    cfg = build_config("tiny-gpt", {"parallel": over, "train": {"seq_len": 32}})
+    cfg = build_regrouped("tiny-gpt", {"parallel": over, "train": {"seq_len": 32}})
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        cfg.validate(check_data=False)
+        cfg.validate()
 
 
 def _stage3_never_materializes(**kw) -> None:
@@ -94,7 +94,7 @@ def _stage3_never_materializes(**kw) -> None:
         asked.append(value(p, rows).numel())
         return value(p, rows)
 
-    adamw = AdamW.from_train(cfg.train)
+    adamw = AdamW.from_optim(cfg.optim)
     engine = ZeroEngine(model, comm, adamw, 3, initial_value=spy)
     assert held and max(held) == 0
     total = sum(p.numel() for p in model.parameters())

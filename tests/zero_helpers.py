@@ -78,8 +78,8 @@ def reference(cfg: Config, corpus: Corpus) -> Record:
     mesh = build_mesh(cfg.parallel.layout, torch.device("cpu"), cfg.parallel.comm_timeout)
     comm, n = Comm(mesh), mesh.size("dp")
     model = build_model(cfg.model, mesh.device, t.seed)
-    apply_recompute(model, cfg.parallel.recompute)
-    opt = build_optimizer(model, t)
+    apply_recompute(model, cfg.memory.recompute)
+    opt = build_optimizer(model, cfg.optim)
     params = list(model.parameters())
     names = {id(p): name for name, p in model.named_parameters()}
     sampler = GlobalBatchSampler(len(corpus.train), t.global_batch, t.seed)
@@ -103,12 +103,12 @@ def reference(cfg: Config, corpus: Corpus) -> Record:
             p.grad.div_(n)
             comm.all_reduce(p.grad, "dp", op="sum", tag="grad")
         out.grads.append({names[id(p)]: p.grad.detach().reshape(-1).clone() for p in params})
-        if t.grad_clip > 0:
-            norm = float(torch.nn.utils.clip_grad_norm_(params, t.grad_clip))
+        if cfg.optim.grad_clip > 0:
+            norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip))
         else:
             norm = float(torch.nn.utils.get_total_norm([p.grad for p in params]))
         out.norms.append(norm)
-        set_lr(opt, lr_at(step, t))
+        set_lr(opt, lr_at(step, cfg.optim, t.steps))
         opt.step()
         opt.zero_grad(set_to_none=True)
         mean = total  # this replica's share: the dp average is the global loss
@@ -133,11 +133,11 @@ def with_zero(
     """A validated copy of `cfg` with these ZeRO options (`cfg` is left as it was)."""
     cfg = copy.deepcopy(cfg)
     par = cfg.parallel
-    par.zero, par.precision, par.reduce_dtype = stage, precision, reduce
-    par.offload, par.offload_dir = offload, offload_dir
+    cfg.memory.zero, cfg.train.precision, cfg.train.reduce_dtype = stage, precision, reduce
+    cfg.memory.offload, cfg.memory.offload_dir = offload, offload_dir
     if bucket_mb is not None:
         par.bucket_mb = bucket_mb
-    cfg.validate(check_data=False)
+    cfg.validate()
     return cfg
 
 
@@ -158,15 +158,15 @@ class EngineStep:
         mesh = build_mesh(par.layout, torch.device("cpu"), par.comm_timeout)
         self.cfg, self.comm, self.step = cfg, Comm(mesh), 0
         self.model = build_model(cfg.model, mesh.device, t.seed)
-        apply_recompute(self.model, par.recompute)
+        apply_recompute(self.model, cfg.memory.recompute)
         self.engine = ZeroEngine(
             self.model,
             self.comm,
-            AdamW.from_train(t),
-            stage=par.zero,
-            precision=parse_precision(par.precision, par.reduce_dtype),
-            offload=par.offload,
-            offload_dir=par.offload_dir,
+            AdamW.from_optim(cfg.optim),
+            stage=cfg.memory.zero,
+            precision=parse_precision(cfg.train.precision, cfg.train.reduce_dtype),
+            offload=cfg.memory.offload,
+            offload_dir=cfg.memory.offload_dir,
             bucket_mb=par.bucket_mb,
             **engine,
         )
@@ -174,7 +174,7 @@ class EngineStep:
         batches = StepBatches(corpus, t.global_batch, t.micro_batch, t.seed, replica, mesh.device)
         runner = Accumulate(self.model, self.engine, batches)
         rules = SplitGradRules.of(self.model, mesh)
-        self._step = Step(self.engine, runner, rules, self.comm, t)
+        self._step = Step(self.engine, runner, rules, self.comm, t, cfg.optim)
 
     def train_step(self) -> StepResult:
         result = self._step(self.step)
@@ -275,7 +275,7 @@ def parity(stages: list[int], exact: bool, clip: float, **kw: object) -> dict:
     """The reference once, then each stage in `stages` through the Trainer, compared;
     returns each stage's padding, flat groups and covered elements, and the model's size."""
     cfg = zero_config(**kw)
-    cfg.train.grad_clip = clip
+    cfg.optim.grad_clip = clip
     corpus = corpus_for(cfg)
     ref = reference(cfg, corpus)
     out: dict = {}

@@ -38,11 +38,17 @@ def pipeline_step_seconds(world: int, micro_batches: int) -> float:
             "model": {"n_layers": world, "d_model": 16, "n_heads": 1, "vocab_size": 256},
             "parallel": {"pp": world, "schedule": "1f1b"},
             "data": {"max_bytes": 100_000},
-            "train": {"global_batch": micro_batches, "micro_batch": 1, "seq_len": 16,
-                      "steps": PROBE_STEPS, "eval_every": 0, "progress": False, "out": out},
-        }  # fmt: skip
+            "train": {
+                "global_batch": micro_batches,
+                "micro_batch": 1,
+                "seq_len": 16,
+                "steps": PROBE_STEPS,
+                "eval_every": 0,
+            },
+            "log": {"progress": False, "out": out},
+        }
         cfg = build_config("small-gpt", over)
-        cfg.validate(check_data=False)
+        cfg.validate()
         trainer = Trainer(cfg, build_mesh(Layout(pp=world), torch.device("cpu")))
         try:
             times = [trainer.train_step().time_s for _ in range(PROBE_STEPS)]

@@ -1,6 +1,6 @@
 """Which options combine: the composition rules of layouts, ZeRO, precision and schedules.
 
-Pure (no process, no model, no engine): `config.py` calls these before any worker starts,
+Pure (no process, no model, no engine): `config/checks.py` calls these before any worker starts,
 and the engines call the ones that guard their own arguments, so each rule is written once
 and a wrong combination fails with one message naming the values, wherever it comes from.
 """

@@ -24,13 +24,14 @@ import numpy as np
 from rich.console import Console
 
 from plait.config import Config
-from plait.data.batches import Corpus, MicroBatch
+from plait.data.batches import Corpus
 from plait.data.examples import ExampleRows, ExampleStore, is_examples_dir
 from plait.data.packing import dropped_reason, plan_rows
 from plait.data.sampler import Rows, TokenWindows
 from plait.data.stream import load_stream
 from plait.errors import ConfigError
 from plait.mesh import Mesh
+from plait.microbatch import MicroBatch
 from plait.step import evaluate_totals
 from plait.telemetry import make_progress
 from plait.train import Trainer
@@ -119,7 +120,7 @@ def eval_worker(cfg: Config, mesh: Mesh, checkpoint: str | None, result: str) ->
             trainer.load_weights(Path(checkpoint))
         per_step = cfg.train.global_batch
         batches = trainer.batches.validation(math.ceil(len(made.rows) / per_step))
-        loss_sum, targets = _totals(trainer, batches, mesh.rank == 0 and cfg.train.progress)
+        loss_sum, targets = _totals(trainer, batches, mesh.rank == 0 and cfg.log.progress)
     finally:
         trainer.close()
     loss = loss_sum / max(targets, 1)

@@ -177,9 +177,9 @@ def launch(cfg: Config, target: Callable[[Config, Any], Any] = training_run) -> 
             except WorkerFailure as failure:
                 if start == restarts or failure.line:  # a diverged run would diverge again
                     raise
-                _say_restart(failure, start + 1, restarts, Path(cfg.train.out))
-                train = dataclasses.replace(cfg.train, resume="latest")
-                cfg = dataclasses.replace(cfg, train=train)
+                _say_restart(failure, start + 1, restarts, Path(cfg.log.out))
+                ckpt = dataclasses.replace(cfg.checkpoint, resume="latest")
+                cfg = dataclasses.replace(cfg, checkpoint=ckpt)
     finally:  # the launcher's own environment is as it was (a caller may launch again)
         os.environ.pop(ATTEMPT_ENV, None)
 

@@ -11,11 +11,11 @@ import math
 import torch
 from torch import nn
 
-from plait.config import LR_SCHEDULES, TrainConfig
+from plait.config import LR_SCHEDULES, OptimConfig
 from plait.parallel.adamw import decays
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
     """Decay matrices and embeddings only: biases and norm gains stay unregularized. Frozen
     parameters are in no group (no state)."""
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -28,8 +28,8 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """The learning rate of optimizer step `step` (0-based).
+def lr_at(step: int, cfg: OptimConfig, steps: int) -> float:
+    """The learning rate of optimizer step `step` (0-based) of a run of `steps`.
 
     Warmup: `lr * (step + 1) / warmup_steps`, so the first step already learns and step
     `warmup_steps - 1` runs at the peak; transformers' schedulers give `lr * step / warmup`
@@ -44,7 +44,7 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
         raise ValueError(f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}")
     if cfg.lr_schedule == "constant":
         return cfg.lr
-    span = max(1, cfg.steps - cfg.warmup_steps)
+    span = max(1, steps - cfg.warmup_steps)
     progress = min(1.0, (step - cfg.warmup_steps) / span)
     if cfg.lr_schedule == "linear":
         return cfg.min_lr + (cfg.lr - cfg.min_lr) * (1.0 - progress)

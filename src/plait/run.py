@@ -17,7 +17,7 @@ import torch
 from rich.console import Console
 
 from plait.checkpoint import inspect, store
-from plait.config import Config, TrainConfig
+from plait.config import Config, OptimConfig, TrainConfig
 from plait.data.batches import Corpus
 from plait.data.examples import ExampleStore, is_examples_dir
 from plait.data.packing import val_split
@@ -68,40 +68,51 @@ class Run:
 
     def __init__(self, cfg: Config, mesh: Mesh, corpus: Corpus | None, hook: RunHook | None):
         t = cfg.train
-        self.cfg, self.mesh, self.hook, self.out = cfg, mesh, hook, Path(t.out)
+        self.cfg, self.mesh, self.hook, self.out = cfg, mesh, hook, Path(cfg.log.out)
         self.lead = mesh.is_logging_rank  # rank 0 alone prints and writes files
         self.console = Console(stderr=True, soft_wrap=True)
         self.trainer = Trainer(cfg, mesh, corpus)
         if self.lead and self.trainer.corpus.report:  # instruction data: rows and packing
             self.console.print(self.trainer.corpus.report, highlight=False)
         if self.lead and t.epochs:  # before the first step: what --epochs came to
-            self.console.print(epochs_line(t, len(self.trainer.corpus.train)), highlight=False)
+            self.console.print(
+                epochs_line(t, cfg.optim, len(self.trainer.corpus.train)), highlight=False
+            )
         self._resume()
-        keep = self.trainer.step if t.resume else None  # a resumed run continues its metrics
-        self.log = MetricsLog(self.out, t.tensorboard, keep_before=keep) if self.lead else None
+        keep = (
+            self.trainer.step if cfg.checkpoint.resume else None
+        )  # a resumed run continues its metrics
+        self.log = (
+            MetricsLog(self.out, cfg.log.tensorboard, keep_before=keep) if self.lead else None
+        )
         if self.lead:
             _write_json(self.out / "config.json", cfg.to_dict())
         self.flops_per_token = matmul_flops_per_token(cfg.model, t.seq_len)
-        self.peak = t.peak_flops or peak_flops(mesh.device)
+        self.peak = cfg.log.peak_flops or peak_flops(mesh.device)
         self.summary = _summary(cfg, mesh, self.trainer, self.flops_per_token, self.peak)
         self.summary.restarts = attempt()
         self.summary.steps_done, self.summary.out = self.trainer.step, str(self.out)
         self.stop_key = f"plait/stop/{attempt()}"  # a restarted world agrees afresh
-        self.progress = make_progress(self.console, t.steps) if self.lead and t.progress else None
+        self.progress = (
+            make_progress(self.console, t.steps) if self.lead and cfg.log.progress else None
+        )
         if self.progress:
             self.task = self.progress.add_task("train", total=t.steps, completed=self.trainer.step,
                                                info="")  # fmt: skip
-        self.saved_at = self.trainer.step if t.resume else -1
+        self.saved_at = self.trainer.step if cfg.checkpoint.resume else -1
         self.stop = StopRequest()  # last: from here on `close` must run to restore handlers
 
     def _resume(self) -> None:
-        t = self.cfg.train
-        start = store.resolve(t.resume, self.out) if t.resume else None
+        start = (
+            store.resolve(self.cfg.checkpoint.resume, self.out)
+            if self.cfg.checkpoint.resume
+            else None
+        )
         if start is not None:
             self.trainer.load(start)
             if self.lead:  # which checkpoint, as `latest` or a run folder chose it
                 self.console.print(f"resuming from {start} at step {self.trainer.step}")
-        elif t.resume and self.lead:
+        elif self.cfg.checkpoint.resume and self.lead:
             where = self.out / "checkpoints"
             self.console.print(f"no checkpoint under {where} yet: starting from step 0")
 
@@ -137,13 +148,15 @@ class Run:
             pause_at("evaluate", f"rank{self.mesh.rank}")  # a test's signal comes here
             summary.val_loss = row["val_loss"] = self.trainer.evaluate()
             summary.val_step = done
-            best = t.keep_best and self.improved(summary.val_loss, done)
-        if (t.save_every and done % t.save_every == 0) or best:
+            best = self.cfg.checkpoint.keep_best and self.improved(summary.val_loss, done)
+        if (self.cfg.checkpoint.save_every and done % self.cfg.checkpoint.save_every == 0) or best:
             row.update(self.save())
         if best:
             summary.best_checkpoint = str(store.step_dir(self.out, done))
             if self.lead:  # after the save committed: the marker names a whole one
-                store.mark_best(self.out, done, summary.val_loss, t.keep_checkpoints)
+                store.mark_best(
+                    self.out, done, summary.val_loss, self.cfg.checkpoint.keep_checkpoints
+                )
         if self.trainer.batches.target_tokens(result.step) is not None and not result.drain:
             summary.step_targets.append(self.trainer.batches.target_tokens(result.step))
         if self.log:
@@ -180,15 +193,15 @@ class Run:
     def finish(self) -> None:
         """The last checkpoint (unless the last step wrote one), what stopped the run early,
         the last step's pipeline trace."""
-        t, trainer, summary = self.cfg.train, self.trainer, self.summary
-        if t.save and self.saved_at != trainer.step:
+        _t, trainer, summary = self.cfg.train, self.trainer, self.summary
+        if self.cfg.checkpoint.save and self.saved_at != trainer.step:
             self.save()
         if summary.stopped_by is not None and self.lead:
             name = signal.Signals(summary.stopped_by).name
             where = (f"; checkpoint {summary.checkpoint}; continue with --resume latest --out "
                      f"{self.out}" if summary.checkpoint else "")  # fmt: skip
             self.console.print(f"plait: stopped by {name} after step {trainer.step}{where}")
-        if t.trace and trainer.pipeline and not self.cfg.parallel.two_bw:  # 2BW: no step
+        if self.cfg.log.trace and trainer.pipeline and not self.cfg.parallel.two_bw:  # 2BW: no step
             summary.pipeline = _trace(trainer, self.out, self.lead)
 
     def close(self) -> None:
@@ -287,7 +300,7 @@ def instruct_sample(model: Transformer, cfg: Config) -> dict[str, str]:
         n = min(n, model.cfg.max_seq_len - len(ids))
         if n < 1:
             return {"prompt": tokenizer.decode(ids), "text": ""}
-    stop = stop_ids(examples.pad, cfg.train.init_from or None)
+    stop = stop_ids(examples.pad, cfg.checkpoint.init_from or None)
     return {"prompt": tokenizer.decode(ids), "text": complete(model, tokenizer, ids, n, stop=stop)}
 
 
@@ -303,7 +316,7 @@ def _summary(
         epochs=cfg.train.epochs,
         best_step=best.get("step"),
         best_val_loss=best.get("val_loss"),
-        best_checkpoint=str(store.step_dir(Path(cfg.train.out), best["step"])) if best else None,
+        best_checkpoint=str(store.step_dir(Path(cfg.log.out), best["step"])) if best else None,
         steps=cfg.train.steps,
         tokens_per_step=trainer.tokens_per_step,
         final_loss=float("nan"),
@@ -316,10 +329,10 @@ def _summary(
     )
 
 
-def epochs_line(t: TrainConfig, rows: int) -> str:
+def epochs_line(t: TrainConfig, o: OptimConfig, rows: int) -> str:
     """What --epochs came to (config.derive_steps), said before the first step."""
     per = rows // t.global_batch
-    warmup = f"; warmup {t.warmup_steps} steps" if t.warmup_ratio else ""
+    warmup = f"; warmup {o.warmup_steps} steps" if o.warmup_ratio else ""
     return (
         f"{t.epochs} epochs of {rows:,} training rows at global batch {t.global_batch}: "
         f"{per:,} steps an epoch, {t.steps:,} steps{warmup}"

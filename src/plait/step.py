@@ -24,10 +24,11 @@ import torch
 from torch import Tensor, nn
 
 from plait.comm import Comm
-from plait.config import TrainConfig
-from plait.data.batches import MicroBatch, StepBatches
+from plait.config import OptimConfig, TrainConfig
+from plait.data.batches import StepBatches
 from plait.device import synchronize
 from plait.errors import NonFiniteError
+from plait.microbatch import MicroBatch
 from plait.models.loss import target_count
 from plait.optim import lr_at
 from plait.parallel.grads import SplitGradRules, clip_coef
@@ -103,19 +104,15 @@ class Step:
         rules: SplitGradRules,
         comm: Comm,
         train: TrainConfig,
+        optim: OptimConfig,
     ) -> None:
-        self.engine, self.runner, self.grad_rules, self.comm, self.train = (
-            engine,
-            runner,
-            rules,
-            comm,
-            train,
-        )
+        self.engine, self.runner, self.grad_rules, self.comm = engine, runner, rules, comm
+        self.train, self.optim = train, optim
 
     def __call__(self, step: int) -> StepResult:
         start = time.perf_counter()
         self.comm.stats.begin_step(step)
-        engine, lr = self.engine, lr_at(step, self.train)
+        engine, lr = self.engine, lr_at(step, self.optim, self.train.steps)
         engine.begin_step()
         loss = self.runner.run(step)
         engine.finish()
@@ -126,7 +123,7 @@ class Step:
         loss_value, norm_value = float(loss), float(norm)  # the step's one read of each
         finite = math.isfinite(loss_value) and math.isfinite(norm_value)
         if finite or engine.scaler is not None:  # fp16: the scaler skips an overflow itself
-            engine.clip(clip_coef(norm, self.train.grad_clip))
+            engine.clip(clip_coef(norm, self.optim.grad_clip))
             skipped = not engine.step(lr)
             if not (finite or skipped):  # fp16 stepped on a non-finite loss: never keep it
                 self.refuse(step, loss_value, norm_value)

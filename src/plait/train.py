@@ -151,11 +151,11 @@ def corpus_with_eval(
 def first_weights(cfg: Config) -> ValueSource:
     """Where the run's first weights come from: `--init-from`'s folder, else the seed; a
     LoRA run's adapters from `--adapter`'s PEFT folder, else the seed."""
-    if cfg.train.init_from:
-        base = hf_source(Path(cfg.train.init_from), cfg.model)
+    if cfg.checkpoint.init_from:
+        base = hf_source(Path(cfg.checkpoint.init_from), cfg.model)
         if cfg.model.lora is None:
             return base
-        folder = cfg.train.adapter
+        folder = cfg.lora.adapter
         adapters = adapter_source(Path(folder), cfg.model) if folder else None
         return with_adapters(base, cfg.model, cfg.train.seed, adapters)
     return seeded(cfg.model, cfg.train.seed)
@@ -165,7 +165,7 @@ def _streams_init(cfg: Config) -> bool:
     """ZeRO stage 3 initializes shard by shard, an NF4 base weight by weight: the full model
     is never materialized in full precision."""
     par = cfg.parallel
-    return (par.zero == 3 or par.base_dtype == "nf4") and not par.two_bw
+    return (cfg.memory.zero == 3 or cfg.lora.base_dtype == "nf4") and not par.two_bw
 
 
 def _zero_engine(
@@ -176,19 +176,21 @@ def _zero_engine(
     return ZeroEngine(
         model,
         comm,
-        AdamW.from_train(cfg.train),
-        stage=par.zero,
-        precision=parse_precision(par.precision, par.reduce_dtype),
-        offload=par.offload,
-        offload_dir=par.offload_dir,
+        AdamW.from_optim(cfg.optim),
+        stage=cfg.memory.zero,
+        precision=parse_precision(cfg.train.precision, cfg.train.reduce_dtype),
+        offload=cfg.memory.offload,
+        offload_dir=cfg.memory.offload_dir,
         bucket_mb=par.bucket_mb,
         isolate=tied_embedding_params(model) if pipeline else [],
         initial_value=source_values(model, first_weights(cfg)) if streamed else None,
-        base_dtype=parse_base_dtype(par.base_dtype, par.precision, cfg.model.lora is not None),
+        base_dtype=parse_base_dtype(
+            cfg.lora.base_dtype, cfg.train.precision, cfg.model.lora is not None
+        ),
         plans=pipeline.plans if pipeline else None,
-        reshard_after_forward=par.reshard_after_forward,
-        nf4=nf4_source(cfg.model, cfg.train.seed, cfg.train.init_from)
-        if par.base_dtype == "nf4"
+        reshard_after_forward=cfg.memory.reshard_after_forward,
+        nf4=nf4_source(cfg.model, cfg.train.seed, cfg.checkpoint.init_from)
+        if cfg.lora.base_dtype == "nf4"
         else None,
     )
 
@@ -210,7 +212,7 @@ class Trainer:
         )
         model = build_model(cfg.model, mesh.device, t.seed, self._parallelize,
                             not _streams_init(cfg), first_weights(cfg))  # fmt: skip
-        model.packed_attention = par.packed_attention  # models/packed_attention.py
+        model.packed_attention = cfg.train.packed_attention  # models/packed_attention.py
         self.grad_rules = SplitGradRules.of(model, mesh)
         replica = (mesh.coord.dp, mesh.size("dp"))
         self.batches = StepBatches(
@@ -225,7 +227,7 @@ class Trainer:
         self._model = model
         self.stream: TwoBWStream | None = None  # the 2BW runner, when the schedule is 2bw
         self.engine, runner = self._engine_and_runner(model)
-        self._step = Step(self.engine, runner, self.grad_rules, self.comm, t)
+        self._step = Step(self.engine, runner, self.grad_rules, self.comm, t, cfg.optim)
         self.step = 0
         self.base = ckpt_base.base_record(cfg.to_dict())  # a LoRA run's frozen base, named
         self.best: dict[str, Any] | None = None  # --keep-best: {"step", "val_loss"} so far
@@ -241,17 +243,16 @@ class Trainer:
         micro-batches, as the layout asks (docs/architecture.md has the table)."""
         cfg = self.cfg
         if cfg.parallel.two_bw:
-            par = cfg.parallel
             versions = WeightVersions(
-                model, cfg.train, self.comm, par.recompute, par.offload_activations
+                model, cfg.optim, self.comm, cfg.memory.recompute, cfg.memory.offload_activations
             )
             self.stream = TwoBWStream(self.pipeline, versions, self.batches, cfg.train.steps)
             return versions, self.stream
-        apply_recompute(model, cfg.parallel.recompute)
-        apply_partition_activations(model, self.comm, cfg.parallel.partition_activations)
-        apply_activation_offload(model, cfg.parallel.offload_activations)
+        apply_recompute(model, cfg.memory.recompute)
+        apply_partition_activations(model, self.comm, cfg.memory.partition_activations)
+        apply_activation_offload(model, cfg.memory.offload_activations)
         if cfg.parallel.dp_mode == "naive":
-            coordinator = Coordinator(model, cfg.train, self.comm)
+            coordinator = Coordinator(model, cfg.optim, self.comm)
             return coordinator, ScatterGather(model, coordinator, self.batches, self.comm)
         engine = _zero_engine(cfg, model, self.comm, self.pipeline)
         if self.pipeline is None:
@@ -315,7 +316,7 @@ class Trainer:
         stats = ckpt_io.save(path, self.engine, self._model, self.grad_rules, self.comm,
                              self.trainer_state(), before_commit)  # fmt: skip
         if self.mesh.rank == 0:
-            store.prune(out, self.cfg.train.keep_checkpoints)
+            store.prune(out, self.cfg.checkpoint.keep_checkpoints)
         return {"path": str(path), **stats}
 
     def load(self, path: Path) -> None:

@@ -13,7 +13,7 @@ the trainer state:
 The hash covers the full bytes of `config.json`, `model.safetensors.index.json` (if any)
 and every `*.safetensors` file, in name order, each with its name and size: about 1.7 GB/s
 on one core, so some 8 s for llama-7b in bf16 (13.5 GB), computed once per run start by the
-command before any worker starts (`train.init_from_sha256`; under torchrun, each rank's
+command before any worker starts (`checkpoint.init_from_sha256`; under torchrun, each rank's
 command), about what reading the weights costs anyway. Headers alone would be cheaper but
 would miss a retrained folder of the same shapes, which is exactly the mistake the record is
 there to catch.
@@ -54,16 +54,16 @@ def folder_sha256(folder: Path) -> str:
 
 def base_record(config: dict[str, Any]) -> dict[str, Any] | None:
     """The base a run's adapters need, from its `Config.to_dict()` (None without LoRA).
-    The folder's hash is the one the command recorded (`train.init_from_sha256`), else
+    The folder's hash is the one the command recorded (`checkpoint.init_from_sha256`), else
     computed here (a run built without the command: tests, the lessons)."""
     if config["model"].get("lora_rank") is None:
         return None
-    train = config["train"]
-    folder = train.get("init_from") or None
-    nf4 = {"quantization": "nf4"} if config["parallel"].get("base_dtype") == "nf4" else {}
+    train, ckpt = config["train"], config["checkpoint"]
+    folder = ckpt.get("init_from") or None
+    nf4 = {"quantization": "nf4"} if config["lora"].get("base_dtype") == "nf4" else {}
     if folder is None:
         return {"init_from": None, "sha256": None, "seed": train["seed"], **nf4}
-    sha = train.get("init_from_sha256") or folder_sha256(Path(folder))
+    sha = ckpt.get("init_from_sha256") or folder_sha256(Path(folder))
     return {"init_from": str(Path(folder).resolve()), "sha256": sha, "seed": train["seed"]} | nf4
 
 
@@ -75,7 +75,8 @@ def saved_base(state: dict[str, Any]) -> dict[str, Any] | None:
     if "base" in state:
         return state["base"]
     train = state["config"]["train"]
-    return {"init_from": train.get("init_from") or None, "sha256": None, "seed": train["seed"]}
+    folder = state["config"].get("checkpoint", train).get("init_from")  # [train] before 30
+    return {"init_from": folder or None, "sha256": None, "seed": train["seed"]}
 
 
 def describe(base: dict[str, Any]) -> str:

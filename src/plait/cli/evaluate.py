@@ -68,7 +68,7 @@ def _given(args: argparse.Namespace, dest: str):
 def _model_tokenizer(args: argparse.Namespace, checkpoint: Path | None) -> TokenizerSpec | None:
     """The model's own tokenizer: its folder's tokenizer.json, or the one its run trained
     with (bytes included); None when the model does not say (a folder without one)."""
-    folder = _given(args, "train.init_from")
+    folder = _given(args, "checkpoint.init_from")
     if folder and (Path(folder) / "tokenizer.json").is_file():
         return resolve_tokenizer(folder)
     if checkpoint is not None:
@@ -96,7 +96,7 @@ def _run_tokenizer(args: argparse.Namespace, checkpoint: Path) -> TokenizerSpec 
 def _model_name(args: argparse.Namespace, checkpoint: Path | None) -> tuple[str, str]:
     """The model as the user named it, and the tokenizer to prepare its data with."""
     if checkpoint is None:
-        folder = _given(args, "train.init_from")
+        folder = _given(args, "checkpoint.init_from")
         return f"--init-from {folder}", folder
     return f"the run of --checkpoint {checkpoint}", run_tokenizer(checkpoint).name
 
@@ -163,31 +163,33 @@ def _adjust(checkpoint: Path | None, base_folder: str | None) -> Callable[[Confi
             cfg.model = inspect.model_config(checkpoint)
             base = inspect.checked_base(checkpoint, store.read_trainer(checkpoint), base_folder)
             if base is not None:
-                cfg.train.init_from = base["init_from"] or ""
-                cfg.train.init_from_sha256, cfg.train.seed = base["sha256"], base["seed"]
+                cfg.checkpoint.init_from = base["init_from"] or ""
+                cfg.checkpoint.init_from_sha256, cfg.train.seed = base["sha256"], base["seed"]
         cfg.train.global_batch = cfg.train.micro_batch * cfg.parallel.layout.dp
 
     return adjust
 
 
-TRAIN_ONLY = (
-    "steps", "epochs", "global_batch", "lr", "lr_schedule", "min_lr", "warmup_steps",
-    "warmup_ratio", "weight_decay", "beta1", "beta2", "loss_average", "grad_clip", "eval_every",
-    "eval_batches", "keep_best", "out", "overwrite", "tensorboard", "save_every", "save",
-    "keep_checkpoints", "max_restarts", "resume", "peak_flops", "nan_policy", "trace",
-)  # fmt: skip
-"""[train] flags that only training reads: `plait eval` refuses them on its command line (a
-config file's [train] may hold them: a recipe evaluates as it is)."""
-DATA_TRAIN_ONLY = ("val_fraction", "eval_data")  # eval reads every row of --data
+TRAIN_ONLY = {
+    "train": ("steps", "epochs", "global_batch", "loss_average", "eval_every", "eval_batches",
+              "max_restarts", "nan_policy"),
+    "optim": ("lr", "lr_schedule", "min_lr", "warmup_steps", "warmup_ratio", "weight_decay",
+              "beta1", "beta2", "grad_clip"),
+    "checkpoint": ("keep_best", "save_every", "save", "keep_checkpoints", "resume"),
+    "log": ("out", "overwrite", "tensorboard", "peak_flops", "trace"),
+    "data": ("val_fraction", "eval_data"),  # eval reads every row of --data
+}  # fmt: skip
+"""Flags that only training reads, by section: `plait eval` refuses them on its command line
+(a config file may hold them: a recipe evaluates as it is)."""
 
 
 def refuse_train_flags(args: argparse.Namespace) -> None:
     """One line for the first training-only flag given: it would change nothing."""
-    given = [f"train.{k}" for k in TRAIN_ONLY] + [f"data.{k}" for k in DATA_TRAIN_ONLY]
+    given = [f"{section}.{k}" for section, keys in TRAIN_ONLY.items() for k in keys]
     for dest in given:
         if hasattr(args, dest):
             flag = "--" + dest.split(".", 1)[1].replace("_", "-")
-            if dest == "train.save" and not getattr(args, dest):
+            if dest == "checkpoint.save" and not getattr(args, dest):
                 flag = "--no-save"
             raise ConfigError(
                 f"{flag} is a training flag; plait eval trains nothing (it evaluates every row "
@@ -198,13 +200,13 @@ def refuse_train_flags(args: argparse.Namespace) -> None:
 def check_request(args: argparse.Namespace) -> Request:
     """Everything checked before a worker starts; raw files prepared."""
     refuse_train_flags(args)
-    folder = _given(args, "train.init_from")
+    folder = _given(args, "checkpoint.init_from")
     if args.checkpoint and args.preset:
         raise ConfigError("--checkpoint names the model; leave out --model")
     base_folder = None
     if args.checkpoint and folder:  # a LoRA checkpoint's base where it moved (_adjust)
         base_folder, folder = folder, None
-        delattr(args, "train.init_from")
+        delattr(args, "checkpoint.init_from")
     if not (args.checkpoint or folder):
         raise ConfigError("plait eval needs a model: --init-from HF_DIR or --checkpoint CK")
     if folder and not Path(folder).is_dir():

@@ -1,4 +1,5 @@
-"""The model-interchange commands: `plait export`, `plait generate`, and `--init-from`.
+"""The model-interchange commands: `plait export` and `plait generate` (`--init-from`'s
+folder read into a run's config is a pre-launch check: `plait.preflight.folders`).
 
 Kept apart from cli.py so the training command line stays one page. Each handler validates
 everything (files, configs, lengths) before reading weights, and answers bad input with one
@@ -16,37 +17,19 @@ from typing import Any
 from rich.console import Console
 
 from plait.checkpoint import inspect, store
-from plait.data.examples import is_examples_dir
 from plait.data.instruct import Tokenized
-from plait.data.shards import is_shard_dir, shard_tokenizer
 from plait.data.stream import data_tokenizer
 from plait.data.tokenizer import TokenizerSpec, resolve_tokenizer, text_tokenizer
 from plait.domain import above, at_least
 from plait.errors import ConfigError, print_bad_input
-from plait.models.architecture import ModelConfig
 from plait.models.generate import Sampling, complete, stop_ids
 from plait.models.hf.export import check_out, write_folder
 from plait.models.hf.load import hf_source, load_config
-from plait.models.hf.peft import (
-    adapter_model_fields,
-    adapter_source,
-    check_adapter,
-    read_adapter_config,
-    save_adapter,
-)
+from plait.models.hf.peft import adapter_source, save_adapter
 from plait.models.init import fill_parameters, with_adapters
-from plait.models.lora import merge_adapters, parse_targets
+from plait.models.lora import merge_adapters
 from plait.models.transformer import Transformer
-
-# Training choices, not the architecture: an explicit value never conflicts with a folder
-# (LoRA's adapters are added to the folder's model, which stays their frozen base; LoRA's
-# fields may conflict with an --adapter's: `apply_adapter`).
-FREE_MODEL_FIELDS = frozenset({"dropout", "lora_rank", "lora_alpha", "lora_dropout",
-                               "lora_targets"})  # fmt: skip
-PEFT_FIELDS = {"lora_rank": "r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
-               "lora_targets": "target_modules"}  # fmt: skip
-"""ModelConfig's LoRA fields -> the adapter_config.json field each comes from."""
-
+from plait.preflight.folders import apply_adapter
 
 MOVED_BASE = "a LoRA checkpoint's base folder, where it moved (its SHA-256 is checked)"
 
@@ -95,83 +78,6 @@ def checkpoint_path(given: str) -> Path:
     """A checkpoint folder, or a run's output folder (its newest checkpoint): the store's
     one rule, shared with `train --resume` and `checkpoint info|consolidate`."""
     return store.complete(Path(given))
-
-
-def init_model(
-    folder: str, explicit: dict[str, Any], preset: str | None, adapter: str = ""
-) -> ModelConfig:
-    """`--init-from`'s model config; explicit model flags must agree with it (dropout and
-    LoRA's aside) and LoRA's with `--adapter`'s folder, whose rank and targets it takes."""
-    if preset:
-        raise ConfigError(f"--model {preset} and --init-from {folder} both name the model")
-    cfg = load_config(Path(folder))
-    for key, value in explicit.items():
-        if key in FREE_MODEL_FIELDS:
-            setattr(cfg, key, value)
-        elif not hasattr(cfg, key):
-            raise ConfigError(f"unknown key {key!r} in [model]")
-        elif getattr(cfg, key) != value:
-            raise ConfigError(
-                f"model.{key}={value!r} conflicts with model.{key}={getattr(cfg, key)!r} "
-                f"from --init-from {folder}"
-            )
-    if adapter:
-        apply_adapter(cfg, adapter, explicit)
-    return cfg
-
-
-def init_tokenizer(folder: str, path: str | None, given: str | None) -> str | None:
-    """The tokenizer a run from `--init-from folder` reads `--data path` with. A folder with
-    a tokenizer.json speaks its ids: raw text is tokenized with it (not as bytes, which would
-    feed a 32K-token model ids 0-255), and a --tokenizer or text shards made with another
-    tokenizer are refused, naming both (instruction examples: `check_examples`). A folder
-    without one leaves `given` (bytes if none) as it is."""
-    if not (Path(folder) / "tokenizer.json").is_file():
-        return given
-    own = resolve_tokenizer(folder)
-    if is_examples_dir(path):
-        return given
-    if is_shard_dir(path):
-        made = shard_tokenizer(path, None)
-        if made.identity != own.identity:
-            raise ConfigError(
-                f"shards {path!r} were made with tokenizer {made.name}"
-                + (f" (sha256 {made.identity})" if made.identity else "")
-                + f", not with --init-from {folder}'s; prepare them again with --tokenizer {folder}"
-            )
-        return given
-    if given and resolve_tokenizer(given).identity != own.identity:
-        raise ConfigError(
-            f"--tokenizer {given} is not --init-from {folder}'s tokenizer (sha256 "
-            f"{resolve_tokenizer(given).identity} vs {own.identity}): the model's ids are its "
-            "own tokens; leave --tokenizer out"
-        )
-    return given or folder
-
-
-def apply_adapter(cfg: ModelConfig, adapter: str, explicit: dict[str, Any]) -> None:
-    """Set `cfg`'s LoRA fields from a PEFT folder's adapter_config.json (an explicit value
-    that disagrees is refused, naming both) and check its tensors against the base's shapes."""
-    folder = Path(adapter)
-    config = read_adapter_config(folder)
-    fields = adapter_model_fields(config, cfg, str(folder / "adapter_config.json"))
-    for key, value in fields.items():
-        if key in explicit and not _same(key, explicit[key], value, cfg.mlp):
-            theirs = PEFT_FIELDS[key]
-            raise ConfigError(
-                f"model.{key}={explicit[key]!r} conflicts with {theirs}="
-                f"{config.get(theirs, value)!r} from --adapter {adapter}"
-            )
-        setattr(cfg, key, value)
-    cfg.validate()
-    check_adapter(folder, cfg)
-
-
-def _same(key: str, given: Any, implied: Any, mlp: str) -> bool:
-    """Whether an explicit LoRA value means what the adapter's does ('all' is the list)."""
-    if key == "lora_targets":
-        return parse_targets(given, mlp) == parse_targets(implied, mlp)
-    return given == implied
 
 
 def run_tokenizer(checkpoint: Path, hint: str = "") -> TokenizerSpec:
@@ -243,7 +149,7 @@ def export_peft(path: Path, out: Path, args: argparse.Namespace, console: Consol
             f"--format peft: checkpoint {path} has no LoRA adapters (its run had no "
             "--lora-rank); export the whole model with --format hf"
         )
-    base = args.init_from or store.read_trainer(path)["config"]["train"].get("init_from") or ""
+    base = args.init_from or store.read_trainer(path)["config"]["checkpoint"].get("init_from") or ""
     save_adapter(out, cfg, inspect.read_masters(path), base)
     console.print(
         f"wrote {out}: a PEFT LoRA adapter (r={cfg.lora_rank}, targets "
@@ -294,7 +200,7 @@ def stop_folder(args: argparse.Namespace) -> str | None:
     if args.init_from:
         return args.init_from
     config = store.read_trainer(checkpoint_path(args.checkpoint))["config"]
-    return config.get("train", {}).get("init_from") or None
+    return config.get("checkpoint", {}).get("init_from") or None
 
 
 def check_template_flags(args: argparse.Namespace) -> str | None:

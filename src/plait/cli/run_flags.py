@@ -13,14 +13,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from plait.cli.models import init_model, init_tokenizer
-from plait.config import SECTIONS, Config, ParallelConfig, build_config, flag_name
+from plait.config import SECTIONS, Config, ParallelConfig, flag_name
+from plait.config.layout_sections import MODEL_LORA
+from plait.config.schema import check_sections
+from plait.config.types import field_kind, field_types
 from plait.domain import AUTO, Once
 from plait.errors import ConfigError
 from plait.launcher_env import Launched, auto_dp, from_environment
 from plait.models.architecture import ModelConfig
 from plait.models.lora import check_given_targets
 from plait.models.presets import get_preset
+from plait.preflight import check_run, configure
+from plait.preflight.folders import init_model, init_tokenizer
 
 try:
     import tomllib
@@ -28,27 +32,19 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 
-LORA_OPTIONS = ("lora_alpha", "lora_dropout", "lora_targets")
-"""[model] fields that mean something only beside lora_rank (a flag or a TOML key)."""
-
-
-def _value_type(f: dataclasses.Field) -> Any:
-    text = str(f.type)
-    if "bool" in text:
-        return bool
-    if "int" in text:
-        return int
-    if "float" in text:
-        return float
-    return str
+LORA_OPTIONS = ("alpha", "dropout", "targets")
+"""[lora] fields that mean something only beside its rank (a flag or a TOML key)."""
 
 
 def _add_section(parser: argparse.ArgumentParser, section: str, cls: type) -> None:
     group = parser.add_argument_group(section)
+    types = field_types(cls)
     for f in dataclasses.fields(cls):
         if f.metadata.get("derived"):  # computed from other fields, never given
             continue
-        kind = _value_type(f)
+        if section == "model" and f.name in MODEL_LORA.values():  # [lora]'s flags
+            continue
+        kind = field_kind(types[f.name])
         kwargs: dict[str, Any] = {"dest": f"{section}.{f.name}", "default": argparse.SUPPRESS}
         default = "the preset's" if section == "model" else f.default
         kwargs["help"] = f.metadata.get("help", "") + f" (default: {default})"
@@ -64,7 +60,7 @@ def _add_section(parser: argparse.ArgumentParser, section: str, cls: type) -> No
 
 def add_run_flags(parser: argparse.ArgumentParser) -> None:
     """The flags of a run, shared by `train` and `estimate` (every train flag estimates)."""
-    parser.add_argument("--config", help="TOML file with [model] [parallel] [data] [train]")
+    parser.add_argument("--config", help="TOML file: " + " ".join(f"[{s}]" for s in SECTIONS))
     parser.add_argument("--model", dest="preset", help="model preset (see `plait presets`)")
     for section, cls in SECTIONS.items():
         _add_section(parser, section, cls)
@@ -81,7 +77,7 @@ def config_from_args(
     overrides: dict[str, dict[str, Any]] = load_toml(args.config) if args.config else {}
     overrides = {k: dict(v) for k, v in overrides.items()}
     toml_preset = overrides.get("model", {}).pop("preset", None)
-    preset = args.preset or toml_preset
+    check_sections(overrides)  # a moved or unknown key in the file, before anything else
     for dest, value in vars(args).items():
         if "." in dest:
             section, name = dest.split(".", 1)
@@ -91,56 +87,69 @@ def config_from_args(
     launch = from_environment() if check_data or auto else None
     if auto:
         resolve_auto_dp(overrides["parallel"], launch)
-    lora_given = [k for k in LORA_OPTIONS if k in overrides.get("model", {})]
-    check_one_of(overrides.get("train", {}))
-    check_given_targets(overrides.get("model", {}).get("lora_targets"))
-    folder = overrides.get("train", {}).get("init_from")
-    if folder and toml_preset and not args.preset and hasattr(args, "train.init_from"):
-        preset = None  # a recipe's preset (for `estimate`) yields to the flag's folder ...
-    adapter = overrides.get("train", {}).get("adapter")
-    if adapter and not folder:
-        raise ConfigError(
-            f"--adapter {adapter} needs --init-from BASE: the base model the adapter adapts"
-        )
-    if folder:  # the model is the folder's: explicit model values must agree with it
-        model = init_model(folder, overrides.pop("model", {}), preset, adapter or "")
-        data = overrides.setdefault("data", {})
-        data["tokenizer"] = init_tokenizer(folder, data.get("path"), data.get("tokenizer"))
-        if toml_preset and preset is None:  # ... if it describes the same model
-            check_same_shape(toml_preset, model, folder)
-        cfg = build_config(f"hf:{folder}", overrides, model)
-    else:
-        cfg = build_config(preset or "small-gpt", overrides)
+    lora_given = [k for k in LORA_OPTIONS if k in overrides.get("lora", {})]
+    check_one_of(overrides)
+    check_given_targets(overrides.get("lora", {}).get("targets"))
+    cfg = _build(args, overrides, toml_preset)
     if adjust is not None:
         adjust(cfg)
     if lora_given and cfg.model.lora_rank is None:
-        flags = ", ".join("--" + k.replace("_", "-") for k in lora_given)
+        flags = ", ".join(f"--lora-{k}" for k in lora_given)
         raise ConfigError(
             f"{flags} given without --lora-rank: LoRA is off, so nothing would use "
             f"{'it' if len(lora_given) == 1 else 'them'}; add --lora-rank R (or drop {flags})"
         )
     if auto and launch is not None:
         check_auto_batch(cfg, launch)
-    cfg.validate(check_data)
+    check_run(cfg, check_data)
     if check_data and launch is not None:  # every rank would otherwise fail alone, traced
         check_launched(cfg, launch)
     return cfg
 
 
-ONE_OF = (("epochs", "steps"), ("warmup_ratio", "warmup_steps"))
-"""[train] pairs that set the same thing: given both (flags or the config file), refused."""
+def _build(
+    args: argparse.Namespace, overrides: dict[str, dict[str, Any]], toml_preset: str | None
+) -> Config:
+    """The config of the preset, or of `--init-from`'s folder (with `--adapter`'s LoRA
+    settings, which land in [lora]), its tokenizer followed."""
+    preset = args.preset or toml_preset
+    folder = overrides.get("checkpoint", {}).get("init_from")
+    if folder and toml_preset and not args.preset and hasattr(args, "checkpoint.init_from"):
+        preset = None  # a recipe's preset (for `estimate`) yields to the flag's folder ...
+    adapter = overrides.get("lora", {}).get("adapter")
+    if adapter and not folder:
+        raise ConfigError(
+            f"--adapter {adapter} needs --init-from BASE: the base model the adapter adapts"
+        )
+    if not folder:
+        return configure(preset or "small-gpt", overrides)
+    lora = overrides.setdefault("lora", {})  # the folder's model: explicit values must agree
+    given = {MODEL_LORA[k]: v for k, v in lora.items() if k in MODEL_LORA}
+    model = init_model(folder, overrides.pop("model", {}), preset, adapter or "", given)
+    lora.update({k: getattr(model, name) for k, name in MODEL_LORA.items()})
+    data = overrides.setdefault("data", {})
+    data["tokenizer"] = init_tokenizer(folder, data.get("path"), data.get("tokenizer"))
+    if toml_preset and preset is None:  # ... if it describes the same model
+        check_same_shape(toml_preset, model, folder)
+    return configure(f"hf:{folder}", overrides, model)
 
 
-def check_one_of(train: dict[str, Any]) -> None:
+ONE_OF = (("train", "epochs", "steps"), ("optim", "warmup_ratio", "warmup_steps"))
+"""Pairs that set the same thing (their section, the derived, the direct): given both
+(flags or the config file), refused."""
+
+
+def check_one_of(overrides: dict[str, dict[str, Any]]) -> None:
     """--epochs and --steps (or --warmup-ratio and --warmup-steps) both given: one line
     naming both values, rather than one silently winning. A zero ratio or epoch count
     means "not set" and is not counted."""
-    for derived, direct in ONE_OF:
-        if train.get(derived) and direct in train:
-            a, b = (f"--{k.replace('_', '-')} {train[k]}" for k in (derived, direct))
+    for section, derived, direct in ONE_OF:
+        given = overrides.get(section, {})
+        if given.get(derived) and direct in given:
+            a, b = (f"--{k.replace('_', '-')} {given[k]}" for k in (derived, direct))
             raise ConfigError(
                 f"{a} and {b} both set the run's {direct.replace('_', ' ')} (flags or the "
-                f"config file's [train]); give one"
+                f"config file's [{section}]); give one"
             )
 
 
@@ -184,7 +193,7 @@ def check_launched(cfg: Config, launch: Launched) -> None:
 
 
 def load_toml(path: str | Path) -> dict[str, dict[str, Any]]:
-    """Read a TOML config: sections [model] (with `preset`), [parallel], [data], [train]."""
+    """Read a TOML config: the sections of `plait.config.SECTIONS` ([model] with `preset`)."""
     p = Path(path)
     if p.is_dir():
         raise ConfigError(f"config file {str(p)!r} is a folder; give a TOML file")

@@ -34,20 +34,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace, err: Console) -> int:
     try:
         cfg = config_from_args(args)
-        if cfg.model.lora and cfg.train.init_from:  # once, here: the checkpoints name the base
-            cfg.train.init_from_sha256 = folder_sha256(Path(cfg.train.init_from))
-        out = Path(cfg.train.out)
-        start = resolve(cfg.train.resume, out) if cfg.train.resume else None
+        if cfg.model.lora and cfg.checkpoint.init_from:  # once, here: the checkpoints name the base
+            cfg.checkpoint.init_from_sha256 = folder_sha256(Path(cfg.checkpoint.init_from))
+        out = Path(cfg.log.out)
+        start = resolve(cfg.checkpoint.resume, out) if cfg.checkpoint.resume else None
         if start is not None:
             check_resumable(start, cfg.to_dict())
         launched = from_environment()  # torchrun's or srun's ranks: this node's count
         node = launched.node_ranks() if launched else range(cfg.parallel.layout.world_size)
         check_gpu_per_rank(cfg.train.device, len(node))
         check_run_host_memory(cfg, node, host_available_bytes())
-        if cfg.parallel.offload_dir:  # else each rank's NVMe store fails alone
-            check_out_folder(Path(cfg.parallel.offload_dir), "--offload-dir")
+        if cfg.memory.offload_dir:  # else each rank's NVMe store fails alone
+            check_out_folder(Path(cfg.memory.offload_dir), "--offload-dir")
         if launched is None or launched.rank == 0:  # one rank owns the folder
-            prepare_out(out, cfg.train.overwrite, bool(cfg.train.resume))
+            prepare_out(out, cfg.log.overwrite, bool(cfg.checkpoint.resume))
     except ConfigError as e:
         return print_bad_input(err, e)
     for line in config_warnings(cfg):

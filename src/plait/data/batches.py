@@ -33,6 +33,7 @@ from plait.data.sampler import (
     split_micro,
 )
 from plait.errors import ConfigError
+from plait.microbatch import MicroBatch
 from plait.models.dropout import sample_keys
 from plait.models.loss import IGNORE
 
@@ -45,20 +46,6 @@ def check_loss_average(value: str) -> None:
     """ConfigError naming `value` unless it is one of LOSS_AVERAGES."""
     if value not in LOSS_AVERAGES:
         raise ConfigError(f"loss_average must be one of {', '.join(LOSS_AVERAGES)}; got {value!r}")
-
-
-@dataclass
-class MicroBatch:
-    """One micro-batch as every stage sees it (tokens used by stage 0, targets by the last)."""
-
-    tokens: Tensor  # (b, s)
-    targets: Tensor  # (b, s), IGNORE where a token is no target
-    keys: Tensor  # (b,) dropout keys
-    segments: Tensor | None = None  # (b, s) packed rows' example ids; None: plain causal
-    denom: float | None = None  # the loss's divisor (models/loss.py); None: the mean
-    # A whole micro-batch of naive DP under loss_average "micro-batch": each replica share's
-    # divisor, in share order (the shares' divisors differ); None: `denom` for every row.
-    share_denoms: tuple[float, ...] | None = None
 
 
 @dataclass

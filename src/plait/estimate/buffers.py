@@ -44,13 +44,13 @@ def zero_units(
     """The gradient buckets (stages 2-3) and ZeRO-3's gathered units of this rank, as
     `Walk` fields; `groups`: (numel, padded) of its flat groups (`model_states`)."""
     par = cfg.parallel
-    if par.zero < 2 or not groups or _pipelined(cfg):
+    if cfg.memory.zero < 2 or not groups or _pipelined(cfg):
         return {}
     clock = param_clock(labels, params)
-    members = group_units(params, par.zero, par.bucket_mb)
+    members = group_units(params, cfg.memory.zero, par.bucket_mb)
     padded = [p for _, p in groups]
     out = {"buckets": units(members, padded, prec.reduce, clock)}
-    if par.zero == 3:
+    if cfg.memory.zero == 3:
         out["gathered"] = units(members, padded, prec.param, clock)
     return out
 
@@ -85,11 +85,10 @@ def pipeline_buffers(
     """Under a synchronous pipeline, the ZeRO-2/3 buckets and gathered units (a frozen
     base's too) alive when the activations peak, and at their own peak
     (`zero_pipeline.py`); (0, 0) otherwise."""
-    par = cfg.parallel
     if schedule is None or not _pipelined(cfg):
         return 0, 0
-    reshard = par.reshard_after_forward
-    trained = pipeline_zero_buffers(par.zero, states, prec, plans, schedule, rank, reshard)
+    reshard = cfg.memory.reshard_after_forward
+    trained = pipeline_zero_buffers(cfg.memory.zero, states, prec, plans, schedule, rank, reshard)
     at_peak, own = trained[2], trained[0] + trained[1]
     if base is not None:
         at_peak += base.gathered_at_activation_peak()

@@ -101,7 +101,7 @@ def _shape(cfg: Config) -> act.Shape:
     """The micro-batch's symbols; packed when the run reads instruction data (an examples
     folder: packed or padded, its rows carry segments), attended as `packed_path` says."""
     par, t = cfg.parallel, cfg.train
-    e = Precision.of(par.precision, par.reduce_dtype).param
+    e = Precision.of(cfg.train.precision, cfg.train.reduce_dtype).param
     packed = is_examples_dir(cfg.data.path)
     return act.Shape(t.micro_batch, t.seq_len, par.tp, par.sequence_parallel, e, packed,
                      packed_path(cfg))  # fmt: skip
@@ -110,10 +110,9 @@ def _shape(cfg: Config) -> act.Shape:
 def packed_path(cfg: Config) -> str:
     """The path packed rows' attention takes in training (models/packed_attention.py): the
     mode, `auto` resolved on the run's device and compute dtype, the mask under dropout."""
-    par = cfg.parallel
-    dtype = parse_precision(par.precision, par.reduce_dtype).param_dtype
+    dtype = parse_precision(cfg.train.precision, cfg.train.reduce_dtype).param_dtype
     device = device_kind(cfg.train.device)
-    return attention_path(par.packed_attention, device, dtype, cfg.model.dropout > 0)
+    return attention_path(cfg.train.packed_attention, device, dtype, cfg.model.dropout > 0)
 
 
 def chunk_activation_bytes(cfg: Config, plan: StagePlan) -> int:
@@ -135,8 +134,8 @@ def chunk_activation_pieces(cfg: Config, plan: StagePlan) -> list[tuple[int, int
     `early`: the device bytes a piece frees before its first gradient arrives. Packed rows'
     mask (`act.mask_bytes`) is freed with the chunk's first block; under activation offload
     each block makes its own host copy of it."""
-    m, x, mode = cfg.model, _shape(cfg), cfg.parallel.recompute
-    offload = cfg.parallel.offload_activations != "none"
+    m, x, mode = cfg.model, _shape(cfg), cfg.memory.recompute
+    offload = cfg.memory.offload_activations != "none"
     plain = m.lora is None  # LoRA's first gradients (an adapter's B) free next to nothing
     pieces = []
     if plan.last:
@@ -164,7 +163,7 @@ def chunk_activation_pieces(cfg: Config, plan: StagePlan) -> list[tuple[int, int
 def _layer_bytes(cfg: Config, x: act.Shape, grad_in: bool = True) -> int:
     """One block's saved bytes; under LoRA block 0's input (`grad_in` False) needs no
     gradient (estimate/adapters.py)."""
-    m, mode = cfg.model, cfg.parallel.recompute
+    m, mode = cfg.model, cfg.memory.recompute
     if m.lora is None:
         return act.layer_bytes(m, x, mode)
     return lora_layer_bytes(m, x, mode, grad_in)
@@ -179,9 +178,9 @@ def _rank(
     stream: Stream | None = None,
 ) -> RankEstimate:
     par = cfg.parallel
-    prec = Precision.of(par.precision, par.reduce_dtype)
+    prec = Precision.of(cfg.train.precision, cfg.train.reduce_dtype)
     params = rank_params(split, plans)
-    states = model_states(params, par.zero, par.dp, prec, par.offload, par.bucket_mb)
+    states = model_states(params, cfg.memory.zero, par.dp, prec, cfg.memory.offload, par.bucket_mb)
     grad_set = 0
     if par.two_bw:  # two weight versions, plain fp32 Adam (WeightVersions)
         grad_set = _two_bw_states(states)
@@ -249,7 +248,7 @@ def _two_bw_states(states: States) -> int:
 
 def _state_lines(states: States, cfg: Config, prec: Precision) -> list[Line]:
     par = cfg.parallel
-    n, stage = par.dp, par.zero
+    n, stage = par.dp, cfg.memory.zero
     full = sum(padded for _, padded in states.groups)
     shard = full if stage == 0 else full // n
     why = {
@@ -259,7 +258,11 @@ def _state_lines(states: States, cfg: Config, prec: Precision) -> list[Line]:
         + (" (ZeRO-2/3: 1/N)" if stage >= 2 else "")
         + (": 2BW, 1-2 sets alive, counted in the total's moments" if par.two_bw else ""),
         "master_weights": f"{shard:,} el x {FP32} B fp32 copy"
-        + ("" if prec.param != FP32 or par.offload != "none" else ": none, fp32 params are it"),
+        + (
+            ""
+            if prec.param != FP32 or cfg.memory.offload != "none"
+            else ": none, fp32 params are it"
+        ),
         "optimizer_states": f"{ADAM_STATES} x {shard:,} el x {FP32} B (Adam moments"
         + (", 1/N)" if stage >= 1 else ")"),
     }
@@ -275,7 +278,7 @@ def _state_lines(states: States, cfg: Config, prec: Precision) -> list[Line]:
 def _activation_line(
     cfg: Config, plans: list[StagePlan], held: int, host: int, in_flight: int
 ) -> Line:
-    x, mode = _shape(cfg), cfg.parallel.recompute
+    x, mode = _shape(cfg), cfg.memory.recompute
     layer = _layer_bytes(cfg, x)
     layers = sum(len(p.layers) for p in plans)
     what = f"{layers} layers x {layer:,} B/layer (recompute {mode}) + ends"
@@ -283,7 +286,7 @@ def _activation_line(
         what += f"; {in_flight} micro-batch chunks in flight (schedule {cfg.parallel.schedule})"
     if host:
         what += "; the blocks' on the host (--offload-activations cpu), the ends' on the device"
-    if cfg.parallel.partition_activations:  # estimate/partitioned.py
+    if cfg.memory.partition_activations:  # estimate/partitioned.py
         what += f"; less (1 - 1/{x.t}) of each block input (--partition-activations)"
     if act.mask_bytes(cfg.model, x, mode):  # instruction data (estimate/activations.py)
         what += f"; packed rows: one {act.mask_bytes(cfg.model, x, mode):,} B mask per chunk"
@@ -296,7 +299,7 @@ def _reference(cfg: Config) -> dict[str, float]:
     """Single-GPU and ZeRO closed forms for this model at this dp (no tp, no pp); under
     LoRA Ψ is the base's, Φ the adapters', and one GPU holds base·Ψ + (p+g+k)Φ."""
     m, par = cfg.model, cfg.parallel
-    prec = Precision.of(par.precision, par.reduce_dtype)
+    prec = Precision.of(cfg.train.precision, cfg.train.reduce_dtype)
     psi = total_parameters(m) if m.lora is None else total_parameters(m, trainable=False)
     optim = ADAM_STATES * FP32 + (FP32 if prec.param != FP32 else 0)
     zero = {

@@ -63,8 +63,8 @@ def nf4_weights(params: list[ParamSpec], model: ModelConfig) -> tuple[int, int]:
 
 def base_total_bytes(cfg: Config, prec: Precision, psi: int) -> int:
     """A single process's whole frozen base of `psi` elements, in `--base-dtype`."""
-    e = base_bytes(cfg.parallel.base_dtype, prec)
-    if cfg.parallel.base_dtype != "nf4":
+    e = base_bytes(cfg.lora.base_dtype, prec)
+    if cfg.lora.base_dtype != "nf4":
         return e * psi
     sizes = _quantized(cfg.model).values()
     layers = cfg.model.n_layers
@@ -154,15 +154,17 @@ def frozen_base(params: list[ParamSpec], cfg: Config, prec: Precision) -> Frozen
     sizes = [sum(p.numel for p in frozen if p.block == b) for b in blocks]
     root = sum(p.numel for p in frozen if p.block is None)
     sizes.append(root)
-    shards = par.dp if par.zero == 3 else 1
+    shards = par.dp if cfg.memory.zero == 3 else 1
     units = tuple((n, padded_size(n, shards)) for n in sizes if n)
-    e = base_bytes(par.base_dtype, prec)
-    kept = par.pp > 1 and not par.two_bw and par.reshard_after_forward != "always"
+    e = base_bytes(cfg.lora.base_dtype, prec)
+    kept = par.pp > 1 and not par.two_bw and cfg.memory.reshard_after_forward != "always"
     held = tuple(b for b, n in zip(blocks, sizes, strict=False) if n)
-    if par.base_dtype == "nf4" and par.zero == 3:
+    if cfg.lora.base_dtype == "nf4" and cfg.memory.zero == 3:
         return _sharded_nf4(frozen, cfg, e, blocks, held, kept)
-    nf4 = nf4_weights(frozen, cfg.model) if par.base_dtype == "nf4" else (0, 0)
-    return FrozenBase(units, root > 0, par.zero, par.dp, e, held, kept and par.zero == 3, nf4)
+    nf4 = nf4_weights(frozen, cfg.model) if cfg.lora.base_dtype == "nf4" else (0, 0)
+    return FrozenBase(
+        units, root > 0, cfg.memory.zero, par.dp, e, held, kept and cfg.memory.zero == 3, nf4
+    )
 
 
 def _sharded_nf4(
@@ -190,14 +192,13 @@ def _sharded_nf4(
 def frozen_line(base: FrozenBase, cfg: Config) -> Line:
     """The 'frozen_base' line: what the rank keeps, with the formula and, under stage 3,
     the bytes it all-gathers per step."""
-    par = cfg.parallel
-    name = par.base_dtype
-    name = f"{par.precision} = auto" if name == "auto" else name
+    name = cfg.lora.base_dtype
+    name = f"{cfg.train.precision} = auto" if name == "auto" else name
     e = base.element
     if base.stage == 3 and base.constants:
         why = (
             f"{base.padded // base.world:,} B (base nf4, ZeRO-3: {len(base.units)} units of "
-            f"fp {par.precision} and packed NF4 bytes, padded to {base.padded:,} B, 1/"
+            f"fp {cfg.train.precision} and packed NF4 bytes, padded to {base.padded:,} B, 1/"
             f"{base.world} each) + {base.constants:,} B of nested scales and offsets, whole"
         )
         gathered = base.gathered_per_step(cfg.accumulation)
@@ -208,11 +209,13 @@ def frozen_line(base: FrozenBase, cfg: Config) -> Line:
         rest, (q, held) = base.numel - base.nf4[0], base.nf4
         why = (
             f"{q:,} el in NF4 = {held:,} B (4.127 bits each + 4 B per weight) + {rest:,} el "
-            f"x {e} B ({par.precision}), replicated over dp (ZeRO-{par.zero})"
+            f"x {e} B ({cfg.train.precision}), replicated over dp (ZeRO-{cfg.memory.zero})"
         )
         return Line(FROZEN, base.held(), formula=why)
     if base.stage != 3:
-        why = f"{base.numel:,} el x {e} B (base {name}), replicated over dp (ZeRO-{par.zero})"
+        why = (
+            f"{base.numel:,} el x {e} B (base {name}), replicated over dp (ZeRO-{cfg.memory.zero})"
+        )
         return Line(FROZEN, base.held(), formula=why)
     why = (
         f"{base.padded // base.world:,} el x {e} B (base {name}; ZeRO-3: "

@@ -53,7 +53,9 @@ def holds_host_memory(cfg: Config) -> bool:
     """Whether the run puts anything in host memory (the estimator models dp_mode ddp only;
     naive dp refuses every offload anyway)."""
     par = cfg.parallel
-    return par.dp_mode == "ddp" and (par.offload_activations != "none" or par.offload != "none")
+    return par.dp_mode == "ddp" and (
+        cfg.memory.offload_activations != "none" or cfg.memory.offload != "none"
+    )
 
 
 def check_run_host_memory(cfg: Config, node_ranks: range, available: int) -> None:

@@ -27,9 +27,9 @@ from plait.schedule.stages import StagePlan, rank_plans
 def input_bytes(cfg: Config, x: act.Shape) -> int:
     """One block's saved input, whole; 0 when partitioning is off or has nothing to split."""
     par = cfg.parallel
-    if not par.partition_activations or x.t == 1 or par.sequence_parallel:
+    if not cfg.memory.partition_activations or x.t == 1 or par.sequence_parallel:
         return 0
-    return act.received_input_bytes(cfg.model, x, par.recompute)
+    return act.received_input_bytes(cfg.model, x, cfg.memory.recompute)
 
 
 def partitioned_blocks(cfg: Config, plan: StagePlan) -> int:
@@ -42,7 +42,7 @@ def is_partitioned(cfg: Config, plan: StagePlan, layer: int) -> bool:
     input's (the pipeline keeps that buffer) and, under LoRA without full recomputation, block
     0's (fed by the frozen embedding, it needs no input gradient, so its frozen norm saves
     nothing)."""
-    lora_first = cfg.model.lora is not None and cfg.parallel.recompute != "full"
+    lora_first = cfg.model.lora is not None and cfg.memory.recompute != "full"
     skips_first = not plan.first or lora_first
     return not (skips_first and layer == plan.layers[0])
 
@@ -57,7 +57,7 @@ def gathers_per_step(cfg: Config, pp_rank: int = 0) -> tuple[int, int]:
     """(calls, logical bytes) of the partitioning's all-gathers on one rank of pipeline
     rank `pp_rank` in one optimizer step: one per partitioned block per micro-batch."""
     par, t = cfg.parallel, cfg.train
-    e = Precision.of(par.precision, par.reduce_dtype).param
+    e = Precision.of(cfg.train.precision, cfg.train.reduce_dtype).param
     x = act.Shape(t.micro_batch, t.seq_len, par.tp, par.sequence_parallel, e)
     whole = input_bytes(cfg, x)
     if whole == 0:

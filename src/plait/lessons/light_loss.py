@@ -101,7 +101,7 @@ def measure_both(cfg: Config, mesh: Mesh) -> dict[str, Any]:
     tokens, targets, seg = rows.draw(micro)
     text = (tokens, torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1), None)
     model = build_model(cfg.model, torch.device("cpu"), seed=cfg.train.seed)
-    model.packed_attention = cfg.parallel.packed_attention
+    model.packed_attention = cfg.train.packed_attention
     out: dict[str, Any] = {"targets": int((targets != IGNORE).sum()), "positions": targets.numel()}
     for name, loss_of in zip(PATHS, (_full_logits, _lighter), strict=True):
         out[name] = _metered(model, loss_of, (tokens, targets, seg))

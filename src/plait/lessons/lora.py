@@ -26,8 +26,8 @@ from plait.models.declare import describe
 
 NAME = "lora"
 TITLE = "LoRA: full fine-tuning vs adapters, ZeRO-2 vs ZeRO-3 with a frozen base, recompute"
-LORA = {"lora_rank": 8, "lora_targets": "all"}
-CASES = {  # label -> (parallel overrides beyond dp and bf16, model overrides)
+LORA = {"rank": 8, "targets": "all"}
+CASES = {  # label -> (layout options beyond dp and bf16, [lora] overrides)
     "full-zero2": ({"zero": 2}, {}),
     "lora-zero2": ({"zero": 2}, LORA),
     "lora-zero3": ({"zero": 3}, LORA),
@@ -37,8 +37,8 @@ CASES = {  # label -> (parallel overrides beyond dp and bf16, model overrides)
 
 def cases(quick: bool, procs: int) -> list[Case]:
     return [
-        Case(label, lesson_config(quick, {"dp": procs, "precision": "bf16", **par}, model=model))
-        for label, (par, model) in CASES.items()
+        Case(label, lesson_config(quick, {"dp": procs, "precision": "bf16", **par}, lora=lora))
+        for label, (par, lora) in CASES.items()
     ]
 
 
@@ -98,7 +98,7 @@ def section(runs: dict[str, Run], out: Path) -> Section:
     ]  # fmt: skip
     sec.notes.append(
         f"Ψ = {n:,} base parameters (the tiny model), Φ = {phi:,} adapter parameters "
-        f"(rank {LORA['lora_rank']}, every Linear of a block), N = {dp}, k = {k} micro-batches."
+        f"(rank {LORA['rank']}, every Linear of a block), N = {dp}, k = {k} micro-batches."
     )
     terms = ("parameters", "gradients", "master_weights", "optimizer_states")
     by_term = {c: [_term(runs[c], t) / 1e6 for t in terms]

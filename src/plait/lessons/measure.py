@@ -36,10 +36,10 @@ def measure(cfg: Config, mesh: Mesh) -> dict[str, Any]:
         for i in range(cfg.train.steps):
             meter = i == 0  # the first step alone (module doc)
             steps.append(step_row(trainer, trainer.train_step(meter_activations=meter), meter))
-        if cfg.train.trace and trainer.pipeline is not None:
+        if cfg.log.trace and trainer.pipeline is not None:
             timings = trainer.pipeline.gather_timings()  # collective over the pp axis
             if mesh.is_logging_rank:
-                pipeline = report(trainer.pipeline.schedule, timings, Path(cfg.train.out))
+                pipeline = report(trainer.pipeline.schedule, timings, Path(cfg.log.out))
     finally:
         trainer.close()
     return save_record(cfg, mesh, steps, pipeline=pipeline)
@@ -49,7 +49,7 @@ def save_record(cfg: Config, mesh: Mesh, steps: list[dict[str, Any]], **extra: A
     """This rank's record (its steps and whatever else the target measured), written as
     OUT/rank{r}.json for the runner, which reads every rank's after the world ends."""
     record = {"rank": mesh.rank, "coord": dataclasses.asdict(mesh.coord), "steps": steps, **extra}
-    out = Path(cfg.train.out)
+    out = Path(cfg.log.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{mesh.rank}.json").write_text(json.dumps(record))
     return record

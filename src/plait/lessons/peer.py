@@ -48,7 +48,7 @@ def ddp_peer(cfg: Config, mesh: Mesh) -> dict[str, Any]:
     ddp = DistributedDataParallel(
         model, process_group=mesh.group("dp"), bucket_cap_mb=cfg.parallel.bucket_mb
     )
-    optimizer = build_optimizer(model, t)
+    optimizer = build_optimizer(model, cfg.optim)
     replica = (mesh.coord.dp, mesh.size("dp"))
     batches = StepBatches(load_corpus(cfg), t.global_batch, t.micro_batch, t.seed, replica,
                           mesh.device, t.loss_average)  # fmt: skip
@@ -88,9 +88,9 @@ def _step(k: int, ddp: DistributedDataParallel, optimizer: torch.optim.Optimizer
             loss = ddp(mb.tokens, mb.targets, mb.keys, segments=mb.segments, denom=mb.denom)
             loss.backward()
         loss_sum += loss.detach().float()
-    if t.grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(ddp.parameters(), t.grad_clip)
-    set_lr(optimizer, lr_at(k, t))
+    if cfg.optim.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(ddp.parameters(), cfg.optim.grad_clip)
+    set_lr(optimizer, lr_at(k, cfg.optim, t.steps))
     optimizer.step()
     grads = sum(p.grad.nbytes for p in ddp.parameters() if p.grad is not None)
     optimizer.zero_grad(set_to_none=True)

@@ -61,7 +61,7 @@ def section(runs: dict[str, Run], out: Path) -> Section:
         ]  # fmt: skip
         chart = f"pipeline-{name}-p{sched.p}-m{sched.m}-v{sched.v}.png"
         out.mkdir(parents=True, exist_ok=True)
-        sec.figures.append(Path(shutil.copy(Path(run.cfg.train.out, chart), out / chart)))
+        sec.figures.append(Path(shutil.copy(Path(run.cfg.log.out, chart), out / chart)))
     first = next(iter(runs.values())).cfg
     p, m = first.parallel.pp, first.accumulation
     for name, expected in (("naive", 1), ("gpipe", m), ("1f1b", min(p, m))):

@@ -82,7 +82,7 @@ def choose_procs(cores: int, say: Callable[[str], None]) -> int:
 def run_case(case: Case, folder: Path) -> Run:
     """One world: every rank trains the case and writes its record under `folder/label`."""
     out = folder / case.label
-    cfg = dataclasses.replace(case.cfg, train=dataclasses.replace(case.cfg.train, out=str(out)))
+    cfg = dataclasses.replace(case.cfg, log=dataclasses.replace(case.cfg.log, out=str(out)))
     launch(cfg, target=case.target)
     ranks = cfg.parallel.layout.world_size
     return Run(cfg, [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)])

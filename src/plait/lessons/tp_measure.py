@@ -30,7 +30,7 @@ def measure_tp(cfg: Config, mesh: Mesh) -> dict[str, Any]:
     trainer = Trainer(cfg, mesh)
     meter = PhaseMeter(trainer.comm.stats)
     runner = MarkedRunner(Accumulate(trainer.model, trainer.engine, trainer.batches), meter)
-    step = Step(trainer.engine, runner, trainer.grad_rules, trainer.comm, cfg.train)
+    step = Step(trainer.engine, runner, trainer.grad_rules, trainer.comm, cfg.train, cfg.optim)
     steps = []
     try:
         with meter.attached(trainer.model):

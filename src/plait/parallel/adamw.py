@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from plait.config import TrainConfig
+from plait.config import OptimConfig
 
 
 def decays(param: nn.Parameter) -> bool:
@@ -60,7 +60,7 @@ class AdamW:
     state_names: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
 
     @classmethod
-    def from_train(cls, cfg: TrainConfig) -> AdamW:
+    def from_optim(cls, cfg: OptimConfig) -> AdamW:
         """The run's hyper-parameters (the same `plait.optim.build_optimizer` gives torch's)."""
         return cls(cfg.beta1, cfg.beta2, 1e-8, cfg.weight_decay)
 

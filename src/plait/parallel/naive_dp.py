@@ -26,9 +26,9 @@ import torch
 from torch import Tensor, nn
 
 from plait.comm import Comm
-from plait.config import TrainConfig
-from plait.data.batches import MicroBatch, StepBatches
+from plait.config import OptimConfig
 from plait.memory_tracker import MemoryTracker, tensor_bytes
+from plait.microbatch import MicroBatch, MicroBatches
 from plait.models.transformer import Transformer
 from plait.parallel.adamw import AdamW
 from plait.parallel.grads import SplitGradRules
@@ -44,7 +44,7 @@ class Coordinator:
     saved_states = ("master", "exp_avg", "exp_avg_sq")
     replicated = True  # rank 0 alone writes checkpoints (it alone has the moments)
 
-    def __init__(self, model: Transformer, train: TrainConfig, comm: Comm) -> None:
+    def __init__(self, model: Transformer, optim: OptimConfig, comm: Comm) -> None:
         self.model, self.comm = model, comm
         self.lead = comm.mesh.axis_rank("dp") == 0
         named = trainable(list(model.named_parameters()))
@@ -54,7 +54,7 @@ class Coordinator:
         frozen = [p for p in model.parameters() if not p.requires_grad]  # a LoRA run's base
         self.memory.track("frozen", "parameters", sum(tensor_bytes(p) for p in frozen))
         self.memory.track("grads", "gradients", sum(tensor_bytes(p) for p in self.params))
-        adamw = AdamW.from_train(train)  # its moments count as rank 0's optimizer_states
+        adamw = AdamW.from_optim(optim)  # its moments count as rank 0's optimizer_states
         self.optimizer = (
             WholeAdamW(self.names, self.params, adamw, self.memory) if self.lead else None
         )
@@ -158,7 +158,7 @@ class ScatterGather:
     draining = False
 
     def __init__(
-        self, model: Transformer, engine: Coordinator, batches: StepBatches, comm: Comm
+        self, model: Transformer, engine: Coordinator, batches: MicroBatches, comm: Comm
     ) -> None:
         self.model, self.engine, self.batches, self.comm = model, engine, batches, comm
 

@@ -27,7 +27,7 @@ def copy_seconds(
 ) -> tuple[float, float]:
     """(exposed seconds in F, in B) of one micro-batch's copies on `plan`'s chunk, whose
     forward computes for `forward_s` seconds."""
-    if cfg.parallel.offload_activations == "none":
+    if cfg.memory.offload_activations == "none":
         return 0.0, 0.0
     moved = chunk_activation_places(cfg, plan)[1] / hw.host_bandwidth
     return moved - hw.overlap * min(moved, forward_s), moved

@@ -75,26 +75,29 @@ class Candidate:
             "tp": self.tp,
             "pp": self.pp,
             "sequence_parallel": self.sequence_parallel,
+        }
+        memory: dict[str, Any] = {
             "zero": self.zero,
-            "precision": req.precision,
             "offload": self.offload,
             "recompute": self.recompute,
             "offload_activations": self.offload_activations,
         }
-        if req.model.lora is not None:
-            par["base_dtype"] = req.base_dtype
         if self.pp > 1:
             par |= {"schedule": self.schedule, "virtual_stages": self.virtual_stages}
         if self.reshard != "default":
-            par["reshard_after_forward"] = self.reshard
+            memory["reshard_after_forward"] = self.reshard
         if self.offload == "nvme":
-            par["offload_dir"] = req.offload_dir
+            memory["offload_dir"] = req.offload_dir
         train = {
             "global_batch": req.global_batch,
             "micro_batch": self.micro_batch,
             "seq_len": req.seq_len,
+            "precision": req.precision,
         }
-        return {"parallel": par, "train": train}
+        over = {"parallel": par, "memory": memory, "train": train}
+        if req.model.lora is not None:
+            over["lora"] = {"base_dtype": req.base_dtype}
+        return over
 
     def describe(self) -> str:
         parts = [f"dp{self.dp}", f"tp{self.tp}" + ("+sp" if self.sequence_parallel else "")]

@@ -71,7 +71,7 @@ def _side(out: Plan, cfg: Config, memo: Memo, ranked: Ranked | None = None) -> B
         ).base_bytes
         for r in range(par.pp)
     )
-    return BaseSide(par.zero, worst.total(), worst.frozen(), ok, seconds, gathered)
+    return BaseSide(cfg.memory.zero, worst.total(), worst.frozen(), ok, seconds, gathered)
 
 
 def _ms(s: float) -> str:

@@ -76,17 +76,18 @@ class PublishedRun:
         return get_preset(self.preset) if self.preset else ModelConfig(**self.shape)
 
     def config(self) -> Config:
-        par: dict[str, Any] = dict(dp=self.dp, tp=self.tp, pp=self.pp, precision="bf16",
-                                   sequence_parallel=self.tp > 1, zero=self.zero,
-                                   recompute=self.recompute)  # fmt: skip
+        par: dict[str, Any] = dict(dp=self.dp, tp=self.tp, pp=self.pp,
+                                   sequence_parallel=self.tp > 1)  # fmt: skip
         if self.pp > 1:
             par |= {"schedule": self.schedule, "virtual_stages": self.virtual_stages}
         train = dict(global_batch=self.global_batch, micro_batch=self.micro_batch,
-                     seq_len=self.seq_len)  # fmt: skip
+                     seq_len=self.seq_len, precision="bf16")  # fmt: skip
+        memory = {"zero": self.zero, "recompute": self.recompute}
         model = self.model()
-        cfg = build_config(self.preset or "tiny-gpt", {"parallel": par, "train": train}, model)
+        over = {"parallel": par, "memory": memory, "train": train}
+        cfg = build_config(self.preset or "tiny-gpt", over, model)
         cfg.model = model
-        cfg.validate(check_data=False)
+        cfg.validate()
         return cfg
 
     def published_tokens(self) -> float:

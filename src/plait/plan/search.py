@@ -41,7 +41,7 @@ profile's `overlap` hiding gigabytes of gathers per step."""
 def moves_base(cfg: Config) -> bool:
     """Whether `cfg` all-gathers a LoRA run's frozen base (ZeRO-3 over dp > 1)."""
     par = cfg.parallel
-    return cfg.model.lora is not None and par.zero == 3 and par.dp > 1
+    return cfg.model.lora is not None and cfg.memory.zero == 3 and par.dp > 1
 
 
 @dataclass(frozen=True)

@@ -152,13 +152,13 @@ def chunk_cost(cfg: Config, hw: Hardware, links: Links, plan: StagePlan) -> Chun
     per_token += head_forward_flops_per_token(m) if plan.last else 0
     rate = hw.flop_rate * par.tp
     extra = 0.0
-    if par.recompute == "full":
+    if cfg.memory.recompute == "full":
         extra = tokens * len(plan.layers) * layer_forward_flops_per_token(m, t.seq_len) / rate
-    elif par.recompute == "selective":
+    elif cfg.memory.recompute == "selective":
         extra = tokens * len(plan.layers) * 4 * t.seq_len * m.d_model / rate
-    tp_f, tp_b = tp_seconds(cfg, links.tp, plan, par.recompute == "full")
+    tp_f, tp_b = tp_seconds(cfg, links.tp, plan, cfg.memory.recompute == "full")
     overhead = hw.pass_overhead_s * (len(plan.layers) + (1 if plan.last else 0))
-    if par.recompute == "full":
+    if cfg.memory.recompute == "full":
         extra += hw.pass_overhead_s * len(plan.layers)
     action = hw.action_overhead_s if par.pp > 1 else 0.0
     flops = tokens * per_token / rate + overhead
@@ -298,21 +298,21 @@ def _after_pipeline(
     par, m = cfg.parallel, cfg.accumulation
     traffic = dp_traffic(cfg, links.dp, plans, memo.groups)
     backward = sum(c.b + c.w for c in costs)  # one micro-batch's backward on this rank
-    if par.pp > 1 and not par.two_bw and par.zero >= 2:  # reduced once per step
+    if par.pp > 1 and not par.two_bw and cfg.memory.zero >= 2:  # reduced once per step
         forward = sum(c.f for c in costs)
         exposed = traffic.reduce_s - hw.overlap * min(traffic.reduce_s, backward)
-        if par.zero == 2:  # the gathers follow the step
+        if cfg.memory.zero == 2:  # the gathers follow the step
             exposed += traffic.gather_s
         else:  # prefetched behind the first forward (kept) or every F and B (regathered)
-            again = par.reshard_after_forward == "always"
+            again = cfg.memory.reshard_after_forward == "always"
             window = m * (forward + backward) if again else forward
             exposed += traffic.gather_s - hw.overlap * min(traffic.gather_s, window)
-    elif par.zero == 3:  # reduce-scatters and prefetched gathers run beside every F and B
+    elif cfg.memory.zero == 3:  # reduce-scatters and prefetched gathers run beside every F and B
         window = m * sum(c.f for c in costs) + m * backward
         overlappable = traffic.reduce_s + traffic.gather_s
         exposed = overlappable - hw.overlap * min(overlappable, window)
     else:  # the gradient buckets go out during the backward; the gathers follow the step
-        window = backward * (m if par.zero == 2 else 1)
+        window = backward * (m if cfg.memory.zero == 2 else 1)
         exposed = traffic.reduce_s - hw.overlap * min(traffic.reduce_s, window)
         exposed += traffic.gather_s
     return exposed, _offload_seconds(cfg, hw, traffic.shard), traffic.shard
@@ -321,12 +321,11 @@ def _after_pipeline(
 def _offload_seconds(cfg: Config, hw: Hardware, shard: int) -> float:
     """The offload's traffic: the gradient shard down and the parameters up at
     `host_bandwidth`; NVMe also reads and writes the fp32 master and moments on disk."""
-    par = cfg.parallel
-    if par.offload == "none":
+    if cfg.memory.offload == "none":
         return 0.0
-    prec = Precision.of(par.precision, par.reduce_dtype)
+    prec = Precision.of(cfg.train.precision, cfg.train.reduce_dtype)
     seconds = shard * (prec.reduce + prec.param) / hw.host_bandwidth
-    if par.offload == "nvme":
+    if cfg.memory.offload == "nvme":
         seconds += 2 * (1 + ADAM_STATES) * FP32 * shard / hw.disk_bandwidth
     return seconds
 
@@ -337,7 +336,7 @@ def _optimizer_seconds(cfg: Config, hw: Hardware, shard: int) -> float:
     (and reads the gradient) in host memory, and is no faster than the device's measured
     pass (on a CPU the host is the device: the same pass, plus the offload's copies)."""
     device = shard * hw.optimizer_s_per_element
-    if cfg.parallel.offload == "none":
+    if cfg.memory.offload == "none":
         return device
     host = (2 * (1 + ADAM_STATES) + 1) * FP32 * shard / hw.host_bandwidth
     return max(device, host)

@@ -2,27 +2,31 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import tomli_w
 
+from plait.config.layout_sections import MODEL_LORA
 from plait.plan.search import Plan, Ranked
 
 
 def plan_sections(r: Ranked) -> dict[str, dict[str, Any]]:
-    """The [model] preset and every [parallel] and [train] field the layout sets."""
+    """The [model] preset, every [parallel] and [memory] field, and the [train] fields the
+    layout sets (batch, sequence, precision); a LoRA plan's [lora]."""
     cfg = r.config
-    par = {k: v for k, v in vars(cfg.parallel).items() if v is not None}  # TOML has no null
-    train = {k: getattr(cfg.train, k) for k in ("global_batch", "micro_batch", "seq_len")}
-    model: dict[str, Any] = {"preset": cfg.preset}
-    if cfg.model.lora_rank is not None:  # a LoRA plan: the adapters it was sized for
-        m = cfg.model
-        model |= {"lora_rank": m.lora_rank, "lora_alpha": m.lora_alpha}
-        model |= {"lora_dropout": m.lora_dropout}
-        if m.lora_targets:  # '' is PEFT's default, which leaving the key out asks for
-            model["lora_targets"] = m.lora_targets
-    return {"model": model, "parallel": par, "train": train}
+    given = lambda section: {k: v for k, v in asdict(section).items() if v is not None}  # noqa: E731 (TOML has no null)
+    keys = ("global_batch", "micro_batch", "seq_len", "precision", "reduce_dtype")
+    train = {k: getattr(cfg.train, k) for k in keys if getattr(cfg.train, k) is not None}
+    out = {"model": {"preset": cfg.preset}, "parallel": given(cfg.parallel)}
+    out |= {"memory": given(cfg.memory), "train": train}
+    if cfg.model.lora_rank is not None:  # a LoRA plan: the adapters it was sized for (the
+        lora = {k: getattr(cfg.model, name) for k, name in MODEL_LORA.items()}  # model's)
+        if not lora["targets"]:  # '' is PEFT's default, which leaving the key out asks for
+            del lora["targets"]
+        out["lora"] = lora | {"base_dtype": cfg.lora.base_dtype}
+    return out
 
 
 def write_plan(out: Plan, path: str | Path) -> None:

@@ -93,7 +93,7 @@ def tp_seconds(
     par = cfg.parallel
     if par.tp == 1:
         return 0.0, 0.0
-    e = Precision.of(par.precision, par.reduce_dtype).param
+    e = Precision.of(cfg.train.precision, cfg.train.reduce_dtype).param
     fwd, bwd = tp_tables(cfg, plan, recompute_full)
 
     def seconds(table: dict) -> float:
@@ -144,20 +144,26 @@ def dp_traffic(
     frozen base: each unit all-gathered twice per micro-batch at the base dtype, priced
     as the trainable gathers are (`estimate/frozen_base.py`); `memo` keeps the groups by cut."""
     par = cfg.parallel
-    prec = Precision.of(par.precision, par.reduce_dtype)
+    prec = Precision.of(cfg.train.precision, cfg.train.reduce_dtype)
     memo = {} if memo is None else memo
-    key = (par.tp, par.zero, par.bucket_mb, par.dp, tuple((p.stage, p.layers) for p in plans))
+    key = (
+        par.tp,
+        cfg.memory.zero,
+        par.bucket_mb,
+        par.dp,
+        tuple((p.stage, p.layers) for p in plans),
+    )
     if key not in memo:
         params = rank_params(tp_contract(cfg.model, par.tp), plans)
-        units = group_units(params, par.zero, par.bucket_mb)
-        memo[key] = flat_groups(params, par.zero, par.bucket_mb, par.dp)
+        units = group_units(params, cfg.memory.zero, par.bucket_mb)
+        memo[key] = flat_groups(params, cfg.memory.zero, par.bucket_mb, par.dp)
         memo[(*key, "blocks")] = [frozenset(p.block for p in unit) for unit in units]
         if cfg.model.lora is not None:
             memo[(*key, "frozen")] = frozen_base(params, cfg, prec)
     groups = memo[key]
     base = memo.get((*key, "frozen"))
     padded = sum(p for _, p in groups)
-    shard = padded if par.zero == 0 else padded // par.dp
+    shard = padded if cfg.memory.zero == 0 else padded // par.dp
     if par.dp == 1:
         return DpTraffic(0.0, 0.0, shard)
     ops = _zero_ops(cfg, plans, groups, memo[(*key, "blocks")])
@@ -180,8 +186,8 @@ def dp_elements(cfg: Config, plans: list[StagePlan]) -> dict[str, tuple[int, int
     `dp_traffic` prices them (tests hold them to the comm layer's counts)."""
     par = cfg.parallel
     params = rank_params(tp_contract(cfg.model, par.tp), plans)
-    units = group_units(params, par.zero, par.bucket_mb)
-    groups = flat_groups(params, par.zero, par.bucket_mb, par.dp)
+    units = group_units(params, cfg.memory.zero, par.bucket_mb)
+    groups = flat_groups(params, cfg.memory.zero, par.bucket_mb, par.dp)
     return _zero_ops(cfg, plans, groups, [frozenset(p.block for p in unit) for unit in units])
 
 
@@ -189,14 +195,14 @@ def base_elements(cfg: Config, plans: list[StagePlan]) -> tuple[int, int]:
     """(elements, calls) a LoRA run's frozen base all-gathers per step under ZeRO-3."""
     par = cfg.parallel
     params = rank_params(tp_contract(cfg.model, par.tp), plans)
-    prec = Precision.of(par.precision, par.reduce_dtype)
+    prec = Precision.of(cfg.train.precision, cfg.train.reduce_dtype)
     return _base_gathers(cfg, plans, frozen_base(params, cfg, prec))
 
 
 def _pipelined_zero(cfg: Config) -> bool:
     """ZeRO-2/3 under a synchronous pipeline: reduced once per step (estimate/zero_pipeline.py)."""
     par = cfg.parallel
-    return par.pp > 1 and not par.two_bw and par.zero >= 2
+    return par.pp > 1 and not par.two_bw and cfg.memory.zero >= 2
 
 
 def _zero_ops(
@@ -206,12 +212,12 @@ def _zero_ops(
     par, k = cfg.parallel, cfg.accumulation
     if _pipelined_zero(cfg):
         split = par.schedule == "zb-h1"
-        reshard = par.reshard_after_forward
-        return pipeline_zero_traffic(par.zero, groups, blocks, plans, split, k, reshard)
+        reshard = cfg.memory.reshard_after_forward
+        return pipeline_zero_traffic(cfg.memory.zero, groups, blocks, plans, split, k, reshard)
     padded = sum(p for _, p in groups)
-    per_step = {"all_reduce": 1, "reduce_scatter": k if par.zero >= 2 else 1}
-    per_step["all_gather"] = 2 * k if par.zero == 3 else 1
-    elements = zero_comm_elements(par.zero, padded, k)
+    per_step = {"all_reduce": 1, "reduce_scatter": k if cfg.memory.zero >= 2 else 1}
+    per_step["all_gather"] = 2 * k if cfg.memory.zero == 3 else 1
+    elements = zero_comm_elements(cfg.memory.zero, padded, k)
     return {op: (n, per_step[op] * len(groups)) for op, n in elements.items()}
 
 
@@ -223,7 +229,7 @@ def _base_gathers(cfg: Config, plans: list[StagePlan], base: FrozenBase) -> tupl
     split = par.schedule == "zb-h1"
     blocks = base.unit_blocks()
     ops = pipeline_zero_traffic(3, list(base.units), blocks, plans, split, k,
-                                par.reshard_after_forward)  # fmt: skip
+                                cfg.memory.reshard_after_forward)  # fmt: skip
     return ops["all_gather"]
 
 
@@ -247,14 +253,14 @@ def step_collectives(
     Under ZeRO >= 1 a rank sums only the pieces in its shard; the elements are then the
     whole pieces' / dp (exact for the calls, the latency; near for the bytes)."""
     par, m = cfg.parallel, cfg.model
-    prec = Precision.of(par.precision, par.reduce_dtype)
-    shard = par.dp if par.zero >= 1 else 1
+    prec = Precision.of(cfg.train.precision, cfg.train.reduce_dtype)
+    shard = par.dp if cfg.memory.zero >= 1 else 1
     out: dict[tuple[str, str], tuple[int, int, int]] = {}
     if par.dp > 1:
         out[("dp", "loss")] = (1, 1, FP32)
     if par.pp > 1:
         out[("pp", "loss")] = (1, 1, FP32)
-    for axis, n in (("dp", par.dp if par.zero >= 1 else 1), ("tp", par.tp), ("pp", par.pp)):
+    for axis, n in (("dp", par.dp if cfg.memory.zero >= 1 else 1), ("tp", par.tp), ("pp", par.pp)):
         if n > 1:
             out[(axis, "grad_norm")] = (1, 1, 8)
     first, last = any(p.first for p in plans), any(p.last for p in plans)

@@ -1,5 +1,5 @@
 """What a QLoRA run (`--base-dtype nf4`) needs of its layout and its folder, checked before
-any worker starts (config.py calls `check_nf4_run`): one line naming the values each."""
+any worker starts (config/checks.py calls `check_nf4_run`): one line naming the values each."""
 
 from __future__ import annotations
 

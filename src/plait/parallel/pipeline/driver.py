@@ -16,8 +16,8 @@ import torch
 
 from plait.comm import Comm
 from plait.config import ParallelConfig
-from plait.data.batches import MicroBatch
 from plait.mesh import Mesh
+from plait.microbatch import MicroBatch
 from plait.models.architecture import ModelConfig
 from plait.models.loss import target_count
 from plait.models.transformer import Transformer

@@ -39,7 +39,7 @@ from collections.abc import Iterator
 
 from torch import Tensor, nn
 
-from plait.data.batches import MicroBatch, StepBatches
+from plait.microbatch import MicroBatch, MicroBatches
 from plait.parallel.pipeline.driver import PipelineDriver
 from plait.parallel.pipeline.walker import Flight, Walker
 from plait.parallel.pipeline.weight_versions import WeightVersions, weights_of
@@ -60,7 +60,7 @@ class TwoBWStream:
         self,
         pipeline: PipelineDriver,
         versions: WeightVersions,
-        batches: StepBatches,
+        batches: MicroBatches,
         steps: int,
         trace_steps: int = 4,
     ) -> None:

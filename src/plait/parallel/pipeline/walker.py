@@ -54,7 +54,7 @@ import torch
 from torch import Tensor, nn
 
 from plait.comm import Comm
-from plait.data.batches import MicroBatch
+from plait.microbatch import MicroBatch
 from plait.parallel.optimizer_engine import OptimizerEngine
 from plait.parallel.pipeline.p2p import Exchange
 from plait.parallel.pipeline.split_backward import (

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from plait.comm import Comm
-from plait.config import TrainConfig
+from plait.config import OptimConfig
 from plait.memory_tracker import MemoryTracker, tensor_bytes
 from plait.models.transformer import Transformer
 from plait.parallel.activation_offload import apply_activation_offload
@@ -62,7 +62,7 @@ class WeightVersions:
     def __init__(
         self,
         model: Transformer,
-        train: TrainConfig,
+        optim: OptimConfig,
         comm: Comm,
         recompute: str,
         offload_activations: str = "none",
@@ -86,7 +86,7 @@ class WeightVersions:
         self.latest = 0
         self.memory = self._track(model)
         self.optimizer = WholeAdamW(
-            self.names, self.params[0], AdamW.from_train(train), self.memory
+            self.names, self.params[0], AdamW.from_optim(optim), self.memory
         )
         self._grads: list[Tensor] | None = None  # the step being updated, from `take`
         self._busy: set[int] = set()
