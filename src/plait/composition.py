@@ -67,18 +67,18 @@ def check_partition_activations(
 
 
 def check_tensor_parallel(
-    cfg: ModelConfig, tp: int, sequence_parallel: bool = False, seq_len: int | None = None
+    model: ModelConfig, tp: int, sequence_parallel: bool = False, seq_len: int | None = None
 ) -> None:
-    """`cfg` splits `tp` ways: heads and MLP columns divide, and sequences under SP. The
+    """`model` splits `tp` ways: heads and MLP columns divide, and sequences under SP. The
     vocabulary needs no check: it is padded to a multiple of tp."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ConfigError(f"tp must be a positive integer, got {tp!r}")
     if sequence_parallel and tp == 1:
         raise ConfigError("sequence_parallel needs tp > 1")
     needs = [
-        ("model.n_heads", cfg.n_heads, "query heads are split across tp ranks"),
-        ("model.n_kv_heads", cfg.kv_heads, "key/value heads are split across tp ranks"),
-        ("MLP hidden size (model.ffn_hidden)", cfg.ffn_dim, "its columns are split"),
+        ("model.n_heads", model.n_heads, "query heads are split across tp ranks"),
+        ("model.n_kv_heads", model.kv_heads, "key/value heads are split across tp ranks"),
+        ("MLP hidden size (model.ffn_hidden)", model.ffn_dim, "its columns are split"),
     ]
     for name, value, why in needs:
         if value % tp:

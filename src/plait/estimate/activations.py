@@ -54,43 +54,43 @@ class Shape:
     packed: bool = False  # packed instruction rows: a block-causal mask, per-token positions
     attention: str = "mask"  # packed rows' path: mask, per-document or varlen
 
-    def res(self, cfg: ModelConfig) -> int:
+    def res(self, model: ModelConfig) -> int:
         """Hr: residual-stream elements (sequence-sharded under SP)."""
-        return self.b * self.s * cfg.d_model // (self.t if self.sp else 1)
+        return self.b * self.s * model.d_model // (self.t if self.sp else 1)
 
     def rows(self) -> int:
         """Tokens of the residual stream on this rank (bs, or bs/t under SP)."""
         return self.b * self.s // (self.t if self.sp else 1)
 
 
-def norm_bytes(cfg: ModelConfig, x: Shape) -> int:
+def norm_bytes(model: ModelConfig, x: Shape) -> int:
     """One norm's saved tensors (LayerNorm on CPU keeps its statistics in the dtype)."""
-    if cfg.norm == "layernorm":
-        return x.res(cfg) * x.e + 2 * x.rows() * x.e
-    return x.res(cfg) * 4 + x.rows() * 4 + x.res(cfg) * x.e
+    if model.norm == "layernorm":
+        return x.res(model) * x.e + 2 * x.rows() * x.e
+    return x.res(model) * 4 + x.rows() * 4 + x.res(model) * x.e
 
 
-def core_bytes(cfg: ModelConfig, x: Shape, recompute: str) -> int:
+def core_bytes(model: ModelConfig, x: Shape, recompute: str) -> int:
     """The attention core's own tensors (beyond q, k, v and its output)."""
     if recompute == "selective":
         return 0
-    heads = cfg.n_heads // x.t
-    if cfg.dropout == 0.0:  # the fused kernel's log-sum-exp; none per document
+    heads = model.n_heads // x.t
+    if model.dropout == 0.0:  # the fused kernel's log-sum-exp; none per document
         return 0 if x.packed and x.attention == "per-document" else x.b * heads * x.s * 4
     scores = x.b * heads * x.s * x.s
     causal = 0 if x.packed else x.s * x.s  # packed rows add their mask: no bool is saved
     return causal + scores * (4 + 1 + x.e)
 
 
-def rope_bytes(cfg: ModelConfig, x: Shape) -> int:
+def rope_bytes(model: ModelConfig, x: Shape) -> int:
     """RoPE's fp32 cos and sin, which each layer makes and its rotations save: (s, h/a)
     each for text windows, per token (b, 1, s, h/a) for packed rows (positions restart)."""
-    if cfg.pos != "rope":
+    if model.pos != "rope":
         return 0
-    return 2 * (x.b if x.packed else 1) * x.s * cfg.head_dim * 4
+    return 2 * (x.b if x.packed else 1) * x.s * model.head_dim * 4
 
 
-def mask_bytes(cfg: ModelConfig, x: Shape, recompute: str) -> int:
+def mask_bytes(model: ModelConfig, x: Shape, recompute: str) -> int:
     """Packed rows' additive block-causal mask (b, 1, s, s) of the compute dtype, once per
     micro-batch and chunk: one tensor (models/packing.py) that every layer's fused attention
     saves, or selective recomputation's checkpoint as the core's input, so one storage
@@ -99,86 +99,86 @@ def mask_bytes(cfg: ModelConfig, x: Shape, recompute: str) -> int:
     packed rows attended by document have none."""
     if not x.packed or x.attention != "mask" or recompute == "full":
         return 0
-    if cfg.dropout > 0.0 and recompute != "selective":
+    if model.dropout > 0.0 and recompute != "selective":
         return 0
     return x.b * x.s * x.s * x.e
 
 
-def layer_bytes(cfg: ModelConfig, x: Shape, recompute: str) -> int:
+def layer_bytes(model: ModelConfig, x: Shape, recompute: str) -> int:
     """Saved bytes of one transformer block for one micro-batch."""
     if recompute == "full":
-        return x.res(cfg) * x.e
-    full = x.b * x.s * cfg.d_model
+        return x.res(model) * x.e
+    full = x.b * x.s * model.d_model
     col = full // x.t
-    mlp = x.b * x.s * cfg.ffn_dim // x.t
-    total = 2 * norm_bytes(cfg, x) + 2 * full * x.e + 3 * col * x.e + col * x.e
-    total += core_bytes(cfg, x, recompute) + rope_bytes(cfg, x)
-    total += (4 if cfg.mlp == "swiglu" else 2) * mlp * x.e
-    if cfg.dropout > 0.0:
-        total += 2 * x.res(cfg)
+    mlp = x.b * x.s * model.ffn_dim // x.t
+    total = 2 * norm_bytes(model, x) + 2 * full * x.e + 3 * col * x.e + col * x.e
+    total += core_bytes(model, x, recompute) + rope_bytes(model, x)
+    total += (4 if model.mlp == "swiglu" else 2) * mlp * x.e
+    if model.dropout > 0.0:
+        total += 2 * x.res(model)
     return total
 
 
-def first_freed_bytes(cfg: ModelConfig, x: Shape, recompute: str) -> int:
+def first_freed_bytes(model: ModelConfig, x: Shape, recompute: str) -> int:
     """What a block's backward frees before its first gradient arrives (the moment
     `estimate/peak.py` counts a block at): the output dropout's mask and the MLP down
     projection's input, F·e, saved by the nodes it runs first; under full recomputation
     nothing the meter sees."""
     if recompute == "full":
         return 0
-    return x.b * x.s * cfg.ffn_dim // x.t * x.e + (x.res(cfg) if cfg.dropout > 0.0 else 0)
+    return x.b * x.s * model.ffn_dim // x.t * x.e + (x.res(model) if model.dropout > 0.0 else 0)
 
 
-def head_first_freed_bytes(cfg: ModelConfig, x: Shape) -> int:
+def head_first_freed_bytes(model: ModelConfig, x: Shape) -> int:
     """What the loss's backward frees before the head's gradient arrives: its saves but
     the row indices (`target_rows_bytes` less n·8)."""
-    return target_rows_bytes(cfg, x) - x.b * x.s * INDEX
+    return target_rows_bytes(model, x) - x.b * x.s * INDEX
 
 
-def received_input_bytes(cfg: ModelConfig, x: Shape, recompute: str) -> int:
+def received_input_bytes(model: ModelConfig, x: Shape, recompute: str) -> int:
     """What a non-first pipeline stage would save of its received input, which the tracker
     counts as a receive buffer instead (a leaf): LayerNorm's input, RMSNorm's fp32 input
     when the dtype is fp32, or the checkpointed block's input."""
-    if recompute == "full" or cfg.norm == "layernorm" or x.e == 4:
-        return x.res(cfg) * x.e
+    if recompute == "full" or model.norm == "layernorm" or x.e == 4:
+        return x.res(model) * x.e
     return 0
 
 
-def embedding_bytes(cfg: ModelConfig, x: Shape) -> int:
+def embedding_bytes(model: ModelConfig, x: Shape) -> int:
     """The first stage: token ids (tp: local ids and the foreign mask), positions, dropout.
     Packed rows' positions are per token (b, s), and a sequence-parallel shard's are a view
     of them: the whole storage is saved."""
     bs = x.b * x.s
     total = bs * INDEX + (bs if x.t > 1 else 0)
-    if cfg.pos == "learned":
+    if model.pos == "learned":
         total += bs * INDEX if x.packed else x.s // (x.t if x.sp else 1) * INDEX
-    if cfg.dropout > 0.0:
-        total += x.res(cfg)
+    if model.dropout > 0.0:
+        total += x.res(model)
     return total
 
 
-def head_bytes(cfg: ModelConfig, x: Shape, vocab_local: int) -> int:
+def head_bytes(model: ModelConfig, x: Shape, vocab_local: int) -> int:
     """The last stage: final norm and the lighter loss's saves (models/light_loss.py).
 
     The loss keeps no logits (each chunk's are recomputed in backward), only the selected
     head inputs, their row indices, targets and log-sum-exps (`target_rows_bytes`); the
     vocabulary (`vocab_local`) no longer enters the saved bytes."""
-    return norm_bytes(cfg, x) + target_rows_bytes(cfg, x)
+    return norm_bytes(model, x) + target_rows_bytes(model, x)
 
 
-def full_logits_head_bytes(cfg: ModelConfig, x: Shape, vocab_local: int) -> int:
+def full_logits_head_bytes(model: ModelConfig, x: Shape, vocab_local: int) -> int:
     """What the last stage saved before the lighter loss, and what a plain head and loss
     (logits for every position) still save: final norm, head input, the fp32 (log-)softmax
     of all b·s rows' logits, targets, and tp's 'mine' mask or else NLL's total weight. Not
     the run's term (`head_bytes` is): the lesson that measures the saving compares with it."""
     bs = x.b * x.s
-    total = norm_bytes(cfg, x) + bs * cfg.d_model * x.e + bs * vocab_local * 4 + bs * INDEX
+    total = norm_bytes(model, x) + bs * model.d_model * x.e + bs * vocab_local * 4 + bs * INDEX
     return total + (bs if x.t > 1 else 4)
 
 
-def target_rows_bytes(cfg: ModelConfig, x: Shape, rows: int | None = None) -> int:
+def target_rows_bytes(model: ModelConfig, x: Shape, rows: int | None = None) -> int:
     """What the lighter loss saves for `rows` target rows (default b·s, every position has
     a target as in text windows; instruction data has fewer): each row's head input (h·e),
     its index (the row selection's backward), its target and its fp32 log-sum-exp."""
     n = x.b * x.s if rows is None else rows
-    return n * (cfg.d_model * x.e + 2 * INDEX + 4)
+    return n * (model.d_model * x.e + 2 * INDEX + 4)

@@ -15,7 +15,7 @@ from pathlib import Path
 from plait.lessons import figures
 from plait.lessons.common import lesson_config, psi
 from plait.lessons.peer import ddp_peer
-from plait.lessons.records import Records, bytes_by_op, losses, median_step_s, peak
+from plait.lessons.readings import Records, bytes_by_op, losses, median_step_s, peak
 from plait.lessons.section import Case, Row, Run, Section
 
 NAME = "dp"

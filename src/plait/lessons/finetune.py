@@ -36,7 +36,7 @@ from plait.lessons.finetune_data import (
     training_rows,
 )
 from plait.lessons.measure import save_record, step_row
-from plait.lessons.records import losses, median_step_s
+from plait.lessons.readings import losses, median_step_s
 from plait.lessons.section import Case, Row, Run, Section
 from plait.mesh import Mesh
 from plait.train import Trainer, build_model
@@ -214,20 +214,20 @@ def _packing(runs: dict[str, Run], sec: Section) -> dict[str, Any]:
         times = [s["time_s"] for s in run.records[0]["steps"]]
         per_step = [rows.target_count(i) / t for i, t in zip(steps, times, strict=True)]
         figures_of[label] = {
-            "rows": len(rows), "efficiency": rows.plan.efficiency, "padding_share": share,
+            "rows": len(rows), "efficiency": rows.assigned.efficiency, "padding_share": share,
             "target_tokens_per_s": statistics.median(per_step[1:] or per_step),
             "median_step_s": median_step_s(run.records),
             "val_at_start": run.records[0]["val_at_start"],
         }  # fmt: skip
         sec.rows.append(Row(f"{label}: padding share of the rows", "1 - efficiency (index)",
-                            (total - int(rows.plan.positions.sum())) / total, share,
+                            (total - int(rows.assigned.positions.sum())) / total, share,
                             unit="%", exact=True))  # fmt: skip
     pk, pd = figures_of["packed"], figures_of["padded"]
     sec.rows += [
         Row("packed: rows per epoch", "⌈Σ example positions / seq_len⌉ (the fewest)",
             packed_rows_bound(made["tokens"]), pk["rows"], unit="rows"),
         Row("padded: rows per epoch", "examples kept (one a row)",
-            len(made["padded"].plan.example), pd["rows"], unit="rows", exact=True),
+            len(made["padded"].assigned.example), pd["rows"], unit="rows", exact=True),
         Row("target tokens per second, packed / padded",
             "efficiency packed / padded (the same positions per step)",
             pk["efficiency"] / pd["efficiency"],

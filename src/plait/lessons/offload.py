@@ -12,7 +12,7 @@ from pathlib import Path
 
 from plait.lessons import figures
 from plait.lessons.common import lesson_config, psi
-from plait.lessons.records import median_step_s, model_states
+from plait.lessons.readings import median_step_s, model_states
 from plait.lessons.section import Case, Row, Run, Section
 
 NAME = "offload"

@@ -16,7 +16,7 @@ from pathlib import Path
 from plait.estimate import estimate
 from plait.lessons import figures
 from plait.lessons.common import lesson_config
-from plait.lessons.records import activations, losses, median_step_s
+from plait.lessons.readings import activations, losses, median_step_s
 from plait.lessons.section import Case, Row, Run, Section
 
 NAME = "offload-activations"

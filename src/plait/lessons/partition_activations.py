@@ -19,7 +19,7 @@ from plait.estimate import estimate
 from plait.estimate.partitioned import gathers_per_step
 from plait.lessons import figures
 from plait.lessons.common import lesson_config
-from plait.lessons.records import activations, bytes_by_op, losses, median_step_s
+from plait.lessons.readings import activations, bytes_by_op, losses, median_step_s
 from plait.lessons.section import Case, Row, Run, Section
 
 NAME = "partition-activations"

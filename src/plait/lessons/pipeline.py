@@ -15,7 +15,7 @@ from pathlib import Path
 from plait.estimate import estimate
 from plait.lessons import figures
 from plait.lessons.common import lesson_config
-from plait.lessons.records import activations
+from plait.lessons.readings import activations
 from plait.lessons.section import Case, Row, Run, Section
 from plait.schedule.schedules import build_schedule
 from plait.schedule.simulate import predicted_bubble, simulate

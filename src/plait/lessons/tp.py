@@ -19,7 +19,7 @@ from plait.config import Config
 from plait.estimate.formulas import tp_comm_per_microbatch
 from plait.lessons import figures
 from plait.lessons.common import lesson_config
-from plait.lessons.records import median_step_s
+from plait.lessons.readings import median_step_s
 from plait.lessons.section import Case, Row, Run, Section
 from plait.lessons.tp_counts import (
     BLOCKS,
@@ -199,8 +199,8 @@ def _notes(cfg: Config) -> list[str]:
         "biases, the position table).",
         "Column vs row: plait's ColumnParallelLinear and RowParallelLinear at the MLP's shapes "
         f"(h = {h} → ffn = {cfg.model.ffn_dim} → h), run once forward and backward on the same "
-        "ranks (lessons/split.py). Paired, the column's output slice is the row's input slice: "
-        "one all-reduce each way per block instead of two all-gathers of b·s·ffn more.",
+        "ranks (lessons/column_row.py). Paired, the column's output slice is the row's input "
+        "slice: one all-reduce each way per block instead of two all-gathers of b·s·ffn more.",
         "Full recomputation would re-run each block's forward in the backward and with it the "
         "forward's two all-reduces per layer; the lesson runs without it.",
     ]

@@ -13,7 +13,7 @@ from pathlib import Path
 from plait.estimate.formulas import zero_comm_elements, zero_model_state_bytes
 from plait.lessons import figures
 from plait.lessons.common import lesson_config, psi
-from plait.lessons.records import bytes_by_op, median_step_s, model_states
+from plait.lessons.readings import bytes_by_op, median_step_s, model_states
 from plait.lessons.section import Case, Row, Run, Section
 
 NAME = "zero"

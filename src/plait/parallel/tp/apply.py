@@ -94,12 +94,12 @@ def shard_dim1_dropout(root: nn.Module, path: str, ctx: TPContext) -> None:
     root.set_submodule(path, ShardedDropout.from_dropout(root.get_submodule(path), 1, ctx.comm))
 
 
-def block_plan(cfg: ModelConfig, sequence_parallel: bool) -> dict[str, Style]:
+def block_plan(model: ModelConfig, sequence_parallel: bool) -> dict[str, Style]:
     """Module path within a Block -> style, in application order: each Linear of the block
     table (models/block_table.py) by its style, the sublayer holding column-parallel ones
     entered once before them, the attention's dropout on its local heads."""
     plan: dict[str, Style] = {}
-    for row in block_table(cfg).linears:
+    for row in block_table(model).linears:
         if row.style == "column" and row.sublayer not in plan:
             plan[row.sublayer] = enter
         plan[row.path] = colwise if row.style == "column" else rowwise
