@@ -20,7 +20,7 @@ from plait.estimate import estimate
 from plait.lessons import recompute
 from plait.lessons.phases import PhaseMeter
 from plait.lessons.runner import choose_procs, plan_cases, registry
-from plait.lessons.section import Run, Section, Target
+from plait.lessons.section import CaseRun, Section, Target
 from plait.mesh import build_mesh
 
 
@@ -28,12 +28,12 @@ def _target(target: Target, cfg: Config) -> dict:
     return target(cfg, build_mesh(cfg.parallel.layout, torch.device("cpu"), 60))
 
 
-def _runs(world, lesson, out: Path) -> dict[str, Run]:
+def _runs(world, lesson, out: Path) -> dict[str, CaseRun]:
     runs = {}
     for case in plan_cases(lesson, quick=True, procs=2, work=out / "work"):
         train = dataclasses.replace(case.cfg.train, steps=2, out=str(out / case.label))
         cfg = dataclasses.replace(case.cfg, train=train)
-        runs[case.label] = Run(cfg, world.run(_target, case.target, cfg))
+        runs[case.label] = CaseRun(cfg, world.run(_target, case.target, cfg))
     return runs
 
 

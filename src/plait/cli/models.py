@@ -1,6 +1,6 @@
 """The model-interchange commands: `plait export`, `plait generate`, and `--init-from`.
 
-Kept apart from cli.py so the training command line stays one page. Each handler validates
+Kept apart from cli/train.py so the training command line stays one page. Each handler validates
 everything (files, configs, lengths) before reading weights, and answers bad input with one
 line and exit code 2.
 """

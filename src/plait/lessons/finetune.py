@@ -37,7 +37,7 @@ from plait.lessons.finetune_data import (
 )
 from plait.lessons.measure import save_record, step_row
 from plait.lessons.readings import losses, median_step_s
-from plait.lessons.section import Case, Row, Run, Section
+from plait.lessons.section import Case, CaseRun, Row, Section
 from plait.mesh import Mesh
 from plait.train import Trainer, build_model
 
@@ -77,7 +77,7 @@ def _micro_sums(trainer: Trainer, cfg: Config, idx: torch.Tensor) -> list[float]
     return out
 
 
-def both_rules(run: Run, counts: list[list[int]]) -> tuple[list[float], list[float]]:
+def both_rules(run: CaseRun, counts: list[list[int]]) -> tuple[list[float], list[float]]:
     """Per step, (token-weighted, mean of micro-batch means) on the weights the step started
     from, from the replicas' micro-batch sums (rank order = replica order at dp only)."""
     token, mean = [], []
@@ -134,11 +134,11 @@ def same_weights(cfg: Config, idx: torch.Tensor) -> dict[str, float]:
     return out
 
 
-def _norms(run: Run) -> list[float]:
+def _norms(run: CaseRun) -> list[float]:
     return [s["grad_norm"] for s in run.records[0]["steps"]]
 
 
-def section(runs: dict[str, Run], out: Path) -> Section:
+def section(runs: dict[str, CaseRun], out: Path) -> Section:
     sec = Section(NAME, TITLE, __doc__.strip())
     loss_rows, counts, expect = _loss_rule(runs, sec)
     packing = _packing(runs, sec)
@@ -155,7 +155,7 @@ def section(runs: dict[str, Run], out: Path) -> Section:
     return sec
 
 
-def _loss_rule(runs: dict[str, Run], sec: Section) -> tuple[dict, list, dict]:
+def _loss_rule(runs: dict[str, CaseRun], sec: Section) -> tuple[dict, list, dict]:
     """Rows of part (a): the two rules step by step, and from the same weights."""
     cfg = runs["tokens"].cfg
     rows, _ = training_rows(cfg)
@@ -202,7 +202,7 @@ def _loss_rule(runs: dict[str, Run], sec: Section) -> tuple[dict, list, dict]:
     return loss_rows, counts, expect
 
 
-def _packing(runs: dict[str, Run], sec: Section) -> dict[str, Any]:
+def _packing(runs: dict[str, CaseRun], sec: Section) -> dict[str, Any]:
     """Rows of part (b): padding, rows, target tokens per second, the validation loss."""
     made = {k: training_rows(runs[k].cfg)[0] for k in ("tokens", "padded")}
     figures_of: dict[str, Any] = {}

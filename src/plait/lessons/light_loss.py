@@ -29,7 +29,7 @@ from plait.lessons import figures
 from plait.lessons.common import lesson_config
 from plait.lessons.finetune_data import build_examples, step_indices, training_rows
 from plait.lessons.measure import save_record
-from plait.lessons.section import Case, Row, Run, Section
+from plait.lessons.section import Case, CaseRun, Row, Section
 from plait.memory_tracker import MemoryTracker
 from plait.mesh import Mesh
 from plait.models.loss import IGNORE
@@ -129,7 +129,7 @@ def text_config(cfg: Config) -> Config:
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=None))
 
 
-def section(runs: dict[str, Run], out: Path) -> Section:
+def section(runs: dict[str, CaseRun], out: Path) -> Section:
     sec = Section(NAME, TITLE, __doc__.strip())
     run = runs["instruction"]
     rec = run.records[0]

@@ -21,7 +21,7 @@ from plait.estimate.formulas import zero_comm_elements, zero_model_state_bytes
 from plait.lessons import figures
 from plait.lessons.common import lesson_config, psi
 from plait.lessons.readings import activations, bytes_by_op, median_step_s, model_states
-from plait.lessons.section import Case, Row, Run, Section
+from plait.lessons.section import Case, CaseRun, Row, Section
 from plait.models.declare import describe
 
 NAME = "lora"
@@ -42,18 +42,18 @@ def cases(quick: bool, procs: int) -> list[Case]:
     ]
 
 
-def adapter_count(runs: dict[str, Run]) -> int:
+def adapter_count(runs: dict[str, CaseRun]) -> int:
     """Φ: the trainable parameters the LoRA runs' contract declares."""
     contract = describe(runs["lora-zero2"].cfg.model)
     return sum(math.prod(e.decl.shape) for e in contract.params() if e.decl.trainable)
 
 
-def _term(run: Run, term: str) -> int:
+def _term(run: CaseRun, term: str) -> int:
     """Rank 0's bytes of one model-state term at the end of the last step."""
     return int(run.records[0]["steps"][-1]["memory"]["current"]["device"][term])
 
 
-def section(runs: dict[str, Run], out: Path) -> Section:
+def section(runs: dict[str, CaseRun], out: Path) -> Section:
     full = runs["full-zero2"].cfg
     n, dp, k = psi(full), full.parallel.dp, full.accumulation
     phi = adapter_count(runs)
@@ -107,7 +107,7 @@ def section(runs: dict[str, Run], out: Path) -> Section:
 
 
 def _figures(
-    runs: dict[str, Run], out: Path, expected: dict, measured: dict, sizes: str
+    runs: dict[str, CaseRun], out: Path, expected: dict, measured: dict, sizes: str
 ) -> list[Path]:
     """The model states by term, and formula vs measured per case."""
     terms = ("parameters", "gradients", "master_weights", "optimizer_states")

@@ -34,7 +34,7 @@ from plait.lessons import (
     tp,
     zero,
 )
-from plait.lessons.section import Case, Run, Section
+from plait.lessons.section import Case, CaseRun, Section
 from plait.lessons.writeup import previous_sections, write_report
 from plait.outdir import check_out_folder
 
@@ -79,13 +79,13 @@ def choose_procs(cores: int, say: Callable[[str], None]) -> int:
     return procs
 
 
-def run_case(case: Case, folder: Path) -> Run:
+def run_case(case: Case, folder: Path) -> CaseRun:
     """One world: every rank trains the case and writes its record under `folder/label`."""
     out = folder / case.label
     cfg = dataclasses.replace(case.cfg, train=dataclasses.replace(case.cfg.train, out=str(out)))
     launch(cfg, target=case.target)
     ranks = cfg.parallel.layout.world_size
-    return Run(cfg, [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)])
+    return CaseRun(cfg, [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)])
 
 
 def run_lessons(names: Sequence[str], quick: bool, out: Path, procs: int,
