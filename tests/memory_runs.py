@@ -18,7 +18,7 @@ import torch
 from plait.config import Config, build_config
 from plait.device import peak_allocated_bytes
 from plait.estimate import Estimate, RankEstimate
-from plait.estimate.activations import Shape, target_rows_bytes
+from plait.estimate.activations import MicroShape, target_rows_bytes
 from plait.estimate.model_states import Precision
 from plait.memory_tracker import MODEL_STATES, PLACES
 from plait.mesh import build_mesh
@@ -126,7 +126,7 @@ def no_target_bytes(cfg: Config, targets: list[int]) -> int:
     estimate's excess is its rows without a target."""
     par, t = cfg.parallel, cfg.train
     e = Precision.of(par.precision, par.reduce_dtype).param
-    x = Shape(t.micro_batch, t.seq_len, par.tp, par.sequence_parallel, e)
+    x = MicroShape(t.micro_batch, t.seq_len, par.tp, par.sequence_parallel, e)
     return target_rows_bytes(cfg.model, x) - target_rows_bytes(cfg.model, x, max(targets))
 
 

@@ -19,9 +19,9 @@ Per block, no recomputation:
   out projection:  Hc·e
   MLP:             GELU 2·F·e; SwiGLU 4·F·e
   dropout masks:   2·Hr bytes (when dropout > 0)
-Packed rows (instruction data, `Shape.packed`): RoPE's cos and sin are per token,
+Packed rows (instruction data, `MicroShape.packed`): RoPE's cos and sin are per token,
 2·b·s·(h/a)·4; learned positions are per token, b·s·8. Attention takes the path
-`Shape.attention` names (models/packed_attention.py): on the mask path the explicit path adds
+`MicroShape.attention` names (models/packed_attention.py): on the mask path the explicit path adds
 the block-causal mask (nothing saved) instead of masking with the causal s² one, and the mask
 itself, b·s²·e, is one tensor for all the layers of a chunk (`mask_bytes`); by document no
 mask, and per-document no log-sum-exp either (its backward recomputes each document's
@@ -43,7 +43,7 @@ INDEX = 8  # int64 token ids and positions
 
 
 @dataclass(frozen=True)
-class Shape:
+class MicroShape:
     """One micro-batch on one rank: the symbols of the module docstring."""
 
     b: int
@@ -63,14 +63,14 @@ class Shape:
         return self.b * self.s // (self.t if self.sp else 1)
 
 
-def norm_bytes(model: ModelConfig, x: Shape) -> int:
+def norm_bytes(model: ModelConfig, x: MicroShape) -> int:
     """One norm's saved tensors (LayerNorm on CPU keeps its statistics in the dtype)."""
     if model.norm == "layernorm":
         return x.res(model) * x.e + 2 * x.rows() * x.e
     return x.res(model) * 4 + x.rows() * 4 + x.res(model) * x.e
 
 
-def core_bytes(model: ModelConfig, x: Shape, recompute: str) -> int:
+def core_bytes(model: ModelConfig, x: MicroShape, recompute: str) -> int:
     """The attention core's own tensors (beyond q, k, v and its output)."""
     if recompute == "selective":
         return 0
@@ -82,7 +82,7 @@ def core_bytes(model: ModelConfig, x: Shape, recompute: str) -> int:
     return causal + scores * (4 + 1 + x.e)
 
 
-def rope_bytes(model: ModelConfig, x: Shape) -> int:
+def rope_bytes(model: ModelConfig, x: MicroShape) -> int:
     """RoPE's fp32 cos and sin, which each layer makes and its rotations save: (s, h/a)
     each for text windows, per token (b, 1, s, h/a) for packed rows (positions restart)."""
     if model.pos != "rope":
@@ -90,7 +90,7 @@ def rope_bytes(model: ModelConfig, x: Shape) -> int:
     return 2 * (x.b if x.packed else 1) * x.s * model.head_dim * 4
 
 
-def mask_bytes(model: ModelConfig, x: Shape, recompute: str) -> int:
+def mask_bytes(model: ModelConfig, x: MicroShape, recompute: str) -> int:
     """Packed rows' additive block-causal mask (b, 1, s, s) of the compute dtype, once per
     micro-batch and chunk: one tensor (models/packing.py) that every layer's fused attention
     saves, or selective recomputation's checkpoint as the core's input, so one storage
@@ -104,7 +104,7 @@ def mask_bytes(model: ModelConfig, x: Shape, recompute: str) -> int:
     return x.b * x.s * x.s * x.e
 
 
-def layer_bytes(model: ModelConfig, x: Shape, recompute: str) -> int:
+def layer_bytes(model: ModelConfig, x: MicroShape, recompute: str) -> int:
     """Saved bytes of one transformer block for one micro-batch."""
     if recompute == "full":
         return x.res(model) * x.e
@@ -119,7 +119,7 @@ def layer_bytes(model: ModelConfig, x: Shape, recompute: str) -> int:
     return total
 
 
-def first_freed_bytes(model: ModelConfig, x: Shape, recompute: str) -> int:
+def first_freed_bytes(model: ModelConfig, x: MicroShape, recompute: str) -> int:
     """What a block's backward frees before its first gradient arrives (the moment
     `estimate/peak.py` counts a block at): the output dropout's mask and the MLP down
     projection's input, F·e, saved by the nodes it runs first; under full recomputation
@@ -129,13 +129,13 @@ def first_freed_bytes(model: ModelConfig, x: Shape, recompute: str) -> int:
     return x.b * x.s * model.ffn_dim // x.t * x.e + (x.res(model) if model.dropout > 0.0 else 0)
 
 
-def head_first_freed_bytes(model: ModelConfig, x: Shape) -> int:
+def head_first_freed_bytes(model: ModelConfig, x: MicroShape) -> int:
     """What the loss's backward frees before the head's gradient arrives: its saves but
     the row indices (`target_rows_bytes` less n·8)."""
     return target_rows_bytes(model, x) - x.b * x.s * INDEX
 
 
-def received_input_bytes(model: ModelConfig, x: Shape, recompute: str) -> int:
+def received_input_bytes(model: ModelConfig, x: MicroShape, recompute: str) -> int:
     """What a non-first pipeline stage would save of its received input, which the tracker
     counts as a receive buffer instead (a leaf): LayerNorm's input, RMSNorm's fp32 input
     when the dtype is fp32, or the checkpointed block's input."""
@@ -144,7 +144,7 @@ def received_input_bytes(model: ModelConfig, x: Shape, recompute: str) -> int:
     return 0
 
 
-def embedding_bytes(model: ModelConfig, x: Shape) -> int:
+def embedding_bytes(model: ModelConfig, x: MicroShape) -> int:
     """The first stage: token ids (tp: local ids and the foreign mask), positions, dropout.
     Packed rows' positions are per token (b, s), and a sequence-parallel shard's are a view
     of them: the whole storage is saved."""
@@ -157,7 +157,7 @@ def embedding_bytes(model: ModelConfig, x: Shape) -> int:
     return total
 
 
-def head_bytes(model: ModelConfig, x: Shape, vocab_local: int) -> int:
+def head_bytes(model: ModelConfig, x: MicroShape, vocab_local: int) -> int:
     """The last stage: final norm and the lighter loss's saves (models/light_loss.py).
 
     The loss keeps no logits (each chunk's are recomputed in backward), only the selected
@@ -166,7 +166,7 @@ def head_bytes(model: ModelConfig, x: Shape, vocab_local: int) -> int:
     return norm_bytes(model, x) + target_rows_bytes(model, x)
 
 
-def full_logits_head_bytes(model: ModelConfig, x: Shape, vocab_local: int) -> int:
+def full_logits_head_bytes(model: ModelConfig, x: MicroShape, vocab_local: int) -> int:
     """What the last stage saved before the lighter loss, and what a plain head and loss
     (logits for every position) still save: final norm, head input, the fp32 (log-)softmax
     of all b·s rows' logits, targets, and tp's 'mine' mask or else NLL's total weight. Not
@@ -176,7 +176,7 @@ def full_logits_head_bytes(model: ModelConfig, x: Shape, vocab_local: int) -> in
     return total + (bs if x.t > 1 else 4)
 
 
-def target_rows_bytes(model: ModelConfig, x: Shape, rows: int | None = None) -> int:
+def target_rows_bytes(model: ModelConfig, x: MicroShape, rows: int | None = None) -> int:
     """What the lighter loss saves for `rows` target rows (default b·s, every position has
     a target as in text windows; instruction data has fewer): each row's head input (h·e),
     its index (the row selection's backward), its target and its fp32 log-sum-exp."""

@@ -15,13 +15,13 @@ it (tests/test_lora_estimate.py).
 
 from __future__ import annotations
 
-from plait.estimate.activations import Shape, core_bytes, rope_bytes, target_rows_bytes
+from plait.estimate.activations import MicroShape, core_bytes, rope_bytes, target_rows_bytes
 from plait.models.architecture import ModelConfig
 from plait.models.block_table import block_table
 from plait.models.lora import LoRASpec
 
 
-def frozen_norm_bytes(model: ModelConfig, x: Shape) -> int:
+def frozen_norm_bytes(model: ModelConfig, x: MicroShape) -> int:
     """A norm with a frozen gain whose input needs a gradient: LayerNorm keeps input, mean
     and rstd as before; RMSNorm its fp32 input and 1/rms, no normalized copy."""
     if model.norm == "layernorm":
@@ -29,7 +29,9 @@ def frozen_norm_bytes(model: ModelConfig, x: Shape) -> int:
     return x.res(model) * 4 + x.rows() * 4
 
 
-def _read_by_a(spec: LoRASpec, leaves: list[str], n: int, x: Shape, grad: bool, kept: bool) -> int:
+def _read_by_a(
+    spec: LoRASpec, leaves: list[str], n: int, x: MicroShape, grad: bool, kept: bool
+) -> int:
     """What the A's of `leaves` (those holding one) save of their shared input of n
     elements: without adapter dropout the input itself, once, unless already `kept`;
     with it, each A its dropped copy and, when the input needs a gradient, the mask."""
@@ -41,7 +43,7 @@ def _read_by_a(spec: LoRASpec, leaves: list[str], n: int, x: Shape, grad: bool, 
     return len(owners) * (n * x.e + (n if grad else 0))
 
 
-def _u_bytes(model: ModelConfig, spec: LoRASpec, leaves: list[str], x: Shape) -> int:
+def _u_bytes(model: ModelConfig, spec: LoRASpec, leaves: list[str], x: MicroShape) -> int:
     """The u = A x each B saves: (b, s, r); a row-parallel target under tp saves its view of
     the collective's (out + r)-feature output (sequence-sharded under SP)."""
     total, rows = 0, block_table(model).style("row")
@@ -55,7 +57,7 @@ def _u_bytes(model: ModelConfig, spec: LoRASpec, leaves: list[str], x: Shape) ->
     return total
 
 
-def lora_layer_bytes(model: ModelConfig, x: Shape, recompute: str, grad_in: bool) -> int:
+def lora_layer_bytes(model: ModelConfig, x: MicroShape, recompute: str, grad_in: bool) -> int:
     """Saved bytes of one block under LoRA; `grad_in`: whether its input needs a gradient
     (False only for the model's block 0, fed by the frozen embedding)."""
     if recompute == "full":
@@ -96,7 +98,7 @@ def lora_layer_bytes(model: ModelConfig, x: Shape, recompute: str, grad_in: bool
     return total + _u_bytes(model, spec, mine, x)
 
 
-def _mlp_bytes(model: ModelConfig, mine: list[str], f: int, x: Shape, grad: bool) -> int:
+def _mlp_bytes(model: ModelConfig, mine: list[str], f: int, x: MicroShape, grad: bool) -> int:
     """The MLP's own saved tensors between its projections (F = f elements each): SwiGLU's
     gate output (for silu), silu(gate) and up (for the product) when each needs a gradient;
     GELU's input when fc1's output needs one."""
@@ -107,7 +109,7 @@ def _mlp_bytes(model: ModelConfig, mine: list[str], f: int, x: Shape, grad: bool
     return f * x.e * ((2 if gate else 0) + (1 if up else 0))
 
 
-def lora_head_bytes(model: ModelConfig, x: Shape, vocab_local: int) -> int:
+def lora_head_bytes(model: ModelConfig, x: MicroShape, vocab_local: int) -> int:
     """The last stage under LoRA: the frozen final norm and the lighter loss's saves
     (`target_rows_bytes`: the selected head inputs, which its recomputing backward needs
     even with the head frozen, their indices and targets; no logits). (The frozen embedding

@@ -97,13 +97,13 @@ def _schedule(cfg: Config) -> Schedule | None:
     return build_schedule(name, par.pp, cfg.accumulation, par.virtual_stages)
 
 
-def _shape(cfg: Config) -> act.Shape:
+def _shape(cfg: Config) -> act.MicroShape:
     """The micro-batch's symbols; packed when the run reads instruction data (an examples
     folder: packed or padded, its rows carry segments), attended as `packed_path` says."""
     par, t = cfg.parallel, cfg.train
     e = Precision.of(par.precision, par.reduce_dtype).param
     packed = is_examples_dir(cfg.data.path)
-    return act.Shape(t.micro_batch, t.seq_len, par.tp, par.sequence_parallel, e, packed,
+    return act.MicroShape(t.micro_batch, t.seq_len, par.tp, par.sequence_parallel, e, packed,
                      packed_path(cfg))  # fmt: skip
 
 
@@ -161,7 +161,7 @@ def chunk_activation_pieces(cfg: Config, plan: StagePlan) -> list[tuple[int, int
     return pieces
 
 
-def _layer_bytes(cfg: Config, x: act.Shape, grad_in: bool = True) -> int:
+def _layer_bytes(cfg: Config, x: act.MicroShape, grad_in: bool = True) -> int:
     """One block's saved bytes; under LoRA block 0's input (`grad_in` False) needs no
     gradient (estimate/adapters.py)."""
     m, mode = cfg.model, cfg.parallel.recompute

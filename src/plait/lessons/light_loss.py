@@ -114,7 +114,7 @@ def expected_saved(cfg: Config, targets: int) -> dict[str, int]:
     position a target) with the head's term swapped for the full logits', or with the
     target rows the micro-batch really has."""
     m = cfg.model
-    x = act.Shape(cfg.train.micro_batch, cfg.train.seq_len, 1, False, 4)
+    x = act.MicroShape(cfg.train.micro_batch, cfg.train.seq_len, 1, False, 4)
     line = estimate(cfg).ranks[0].line("activations").device
     bound = act.head_bytes(m, x, padded_vocab(m, 1))
     return {
