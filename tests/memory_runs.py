@@ -19,7 +19,7 @@ from plait.config import Config, build_config
 from plait.device import peak_allocated_bytes
 from plait.estimate import Estimate, RankEstimate
 from plait.estimate.activations import MicroShape, target_rows_bytes
-from plait.estimate.model_states import Precision
+from plait.estimate.model_states import ElementBytes
 from plait.memory_tracker import MODEL_STATES, PLACES
 from plait.mesh import build_mesh
 from plait.models.loss import IGNORE
@@ -125,7 +125,7 @@ def no_target_bytes(cfg: Config, targets: list[int]) -> int:
     micro-batch's loss at a time, and the one with the most targets makes the peak: the
     estimate's excess is its rows without a target."""
     par, t = cfg.parallel, cfg.train
-    e = Precision.of(par.precision, par.reduce_dtype).param
+    e = ElementBytes.of(par.precision, par.reduce_dtype).param
     x = MicroShape(t.micro_batch, t.seq_len, par.tp, par.sequence_parallel, e)
     return target_rows_bytes(cfg.model, x) - target_rows_bytes(cfg.model, x, max(targets))
 

@@ -18,7 +18,7 @@ from plait.config import build_config
 from plait.estimate import estimate
 from plait.estimate.core import chunk_activation_bytes
 from plait.estimate.frozen_base import frozen_base
-from plait.estimate.model_states import Precision
+from plait.estimate.model_states import ElementBytes
 from plait.estimate.rank_params import rank_params, tp_contract
 from plait.memory_tracker import MemoryTracker
 from plait.models.declare import is_adapter
@@ -94,7 +94,7 @@ def _frozen_planned(layout: Case, pp_rank: int) -> tuple[int, int]:
     par = cfg.parallel
     plans = rank_plans(cfg.model.n_layers, par.pp, par.virtual_stages, pp_rank,
                        par.stage_layer_counts())  # fmt: skip
-    prec = Precision.of(par.precision, par.reduce_dtype)
+    prec = ElementBytes.of(par.precision, par.reduce_dtype)
     base = frozen_base(rank_params(tp_contract(cfg.model, par.tp), plans), cfg, prec)
     n = base.gathered_per_step(cfg.accumulation)
     return n, n * base.element

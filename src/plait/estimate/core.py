@@ -36,7 +36,7 @@ from plait.estimate.lines import LESSON_ORDER, PLACES, Estimate, Line, RankEstim
 from plait.estimate.model_states import (
     ADAM_STATES,
     FP32,
-    Precision,
+    ElementBytes,
     States,
     model_states,
 )
@@ -101,7 +101,7 @@ def _shape(cfg: Config) -> act.MicroShape:
     """The micro-batch's symbols; packed when the run reads instruction data (an examples
     folder: packed or padded, its rows carry segments), attended as `packed_path` says."""
     par, t = cfg.parallel, cfg.train
-    e = Precision.of(par.precision, par.reduce_dtype).param
+    e = ElementBytes.of(par.precision, par.reduce_dtype).param
     packed = is_examples_dir(cfg.data.path)
     return act.MicroShape(t.micro_batch, t.seq_len, par.tp, par.sequence_parallel, e, packed,
                      packed_path(cfg))  # fmt: skip
@@ -179,7 +179,7 @@ def _rank(
     stream: Stream | None = None,
 ) -> RankEstimate:
     par = cfg.parallel
-    prec = Precision.of(par.precision, par.reduce_dtype)
+    prec = ElementBytes.of(par.precision, par.reduce_dtype)
     params = rank_params(split, plans)
     states = model_states(params, par.zero, par.dp, prec, par.offload, par.bucket_mb)
     grad_set = 0
@@ -215,7 +215,7 @@ def _walk(
     params: list,
     held: int,
     states: States,
-    prec: Precision,
+    prec: ElementBytes,
     base: FrozenBase | None,
     schedule: Schedule | None,
     r: int,
@@ -247,7 +247,7 @@ def _two_bw_states(states: States) -> int:
     return states.bytes.pop("gradients", {}).get("device", 0)
 
 
-def _state_lines(states: States, cfg: Config, prec: Precision) -> list[Line]:
+def _state_lines(states: States, cfg: Config, prec: ElementBytes) -> list[Line]:
     par = cfg.parallel
     n, stage = par.dp, par.zero
     full = sum(padded for _, padded in states.groups)
@@ -296,7 +296,7 @@ def _reference(cfg: Config) -> dict[str, float]:
     """Single-GPU and ZeRO closed forms for this model at this dp (no tp, no pp); under
     LoRA Ψ is the base's, Φ the adapters', and one GPU holds base·Ψ + (p+g+k)Φ."""
     m, par = cfg.model, cfg.parallel
-    prec = Precision.of(par.precision, par.reduce_dtype)
+    prec = ElementBytes.of(par.precision, par.reduce_dtype)
     psi = total_parameters(m) if m.lora is None else total_parameters(m, trainable=False)
     optim = ADAM_STATES * FP32 + (FP32 if prec.param != FP32 else 0)
     zero = {

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from plait.config import Config
 from plait.estimate.lines import FROZEN, Line
-from plait.estimate.model_states import DTYPE_BYTES, Precision
+from plait.estimate.model_states import DTYPE_BYTES, ElementBytes
 from plait.estimate.rank_params import ParamSpec
 from plait.mixed_precision import check_base_dtype
 from plait.models.architecture import ModelConfig
@@ -40,7 +40,7 @@ from plait.models.nf4.format import held_bytes
 from plait.parallel.zero.layout import padded_size
 
 
-def base_bytes(base_dtype: str, prec: Precision) -> int:
+def base_bytes(base_dtype: str, prec: ElementBytes) -> int:
     """Bytes per element of a LoRA run's frozen base: `--base-dtype`, auto = the
     precision's parameter dtype (2 under bf16/fp16, 4 under fp32); under nf4 that of what is
     not quantized (`nf4_weights` prices the rest)."""
@@ -61,7 +61,7 @@ def nf4_weights(params: list[ParamSpec], model: ModelConfig) -> tuple[int, int]:
     return numel, held
 
 
-def base_total_bytes(cfg: Config, prec: Precision, psi: int) -> int:
+def base_total_bytes(cfg: Config, prec: ElementBytes, psi: int) -> int:
     """A single process's whole frozen base of `psi` elements, in `--base-dtype`."""
     e = base_bytes(cfg.parallel.base_dtype, prec)
     if cfg.parallel.base_dtype != "nf4":
@@ -145,7 +145,7 @@ class FrozenBase:
         return self.padded if self.kept else 2 * micro_batches * self.padded
 
 
-def frozen_base(params: list[ParamSpec], cfg: Config, prec: Precision) -> FrozenBase:
+def frozen_base(params: list[ParamSpec], cfg: Config, prec: ElementBytes) -> FrozenBase:
     """The frozen base of the rank holding `params` (`rank_params`), as the engine holds it
     (`layout.block_units(trainable=False)`: blocks in reverse order, then the root)."""
     par = cfg.parallel

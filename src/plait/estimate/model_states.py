@@ -29,7 +29,7 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 @dataclass(frozen=True)
-class Precision:
+class ElementBytes:
     """Bytes per element of the parameters (p) and the gradient reduction (r)."""
 
     name: str
@@ -37,7 +37,7 @@ class Precision:
     reduce: int
 
     @classmethod
-    def of(cls, name: str, reduce_dtype: str | None) -> Precision:
+    def of(cls, name: str, reduce_dtype: str | None) -> ElementBytes:
         return cls(name, DTYPE_BYTES[name], DTYPE_BYTES[reduce_dtype or name])
 
 
@@ -91,7 +91,7 @@ def model_states(
     params: list[ParamSpec],
     stage: int,
     world: int,
-    precision: Precision,
+    precision: ElementBytes,
     offload: str = "none",
     bucket_mb: float = 25.0,
 ) -> States:

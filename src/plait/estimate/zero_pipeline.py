@@ -23,7 +23,7 @@ bucket to fill, in the backward that starts to free them (the largest is counted
 
 from __future__ import annotations
 
-from plait.estimate.model_states import Precision, States
+from plait.estimate.model_states import ElementBytes, States
 from plait.schedule.actions import Kind, Schedule
 from plait.schedule.simulate import peak_held
 from plait.schedule.stages import StagePlan
@@ -32,7 +32,7 @@ from plait.schedule.stages import StagePlan
 def pipeline_zero_buffers(
     stage: int,
     states: States,
-    prec: Precision,
+    prec: ElementBytes,
     plans: list[StagePlan],
     schedule: Schedule,
     rank: int,

@@ -45,7 +45,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 
 from plait.config import Config
-from plait.estimate.model_states import ADAM_STATES, Precision
+from plait.estimate.model_states import ADAM_STATES, ElementBytes
 from plait.estimate.rank_params import total_parameters
 from plait.models.architecture import ModelConfig
 from plait.models.transformer import head_forward_flops_per_token, layer_forward_flops_per_token
@@ -324,7 +324,7 @@ def _offload_seconds(cfg: Config, hw: Hardware, shard: int) -> float:
     par = cfg.parallel
     if par.offload == "none":
         return 0.0
-    prec = Precision.of(par.precision, par.reduce_dtype)
+    prec = ElementBytes.of(par.precision, par.reduce_dtype)
     seconds = shard * (prec.reduce + prec.param) / hw.host_bandwidth
     if par.offload == "nvme":
         seconds += 2 * (1 + ADAM_STATES) * FP32 * shard / hw.disk_bandwidth
