@@ -24,9 +24,10 @@ How a packed row's loss stays exact across data-parallel ranks, in the order a s
    head's loss keeps the same rule, parallel/tp/vocab.py; a pipeline's last stage computes
    it, parallel/pipeline/walker.py), backpropagated as it is and summed over micro-batches.
 4. The reduction: the data-parallel gradient reduction averages over dp
-   (`parallel/zero/reducer.py`), so the gradient is that of sum / count over the whole global
-   batch, the single process's; naive data parallelism sums instead, and its micro-batches
-   carry the whole count. The reported loss is averaged over dp the same way (`plait.step`).
+   (`parallel/zero/reducer.py`; 2BW's `parallel/pipeline/weight_versions.py` alike), so the
+   gradient is that of sum / count over the whole global batch, the single process's; naive
+   data parallelism sums instead, and its micro-batches carry the whole count. The reported
+   loss is averaged over dp the same way (`step.py`).
 
 tests/test_exact_loss.py shows it on packed, masked rows of random lengths in every layout.
 """

@@ -169,13 +169,13 @@ def chunk_cost(cfg: Config, hw: Hardware, links: Links, plan: StagePlan) -> Chun
                      copy_f=copy_f, copy_b=copy_b)  # fmt: skip
 
 
-def _weight_gradient_share(m: ModelConfig, layers: int, per_token: int) -> float:
+def _weight_gradient_share(model: ModelConfig, layers: int, per_token: int) -> float:
     """W's FLOPs over F's: 1 when every weight trains (a weight gradient costs what its
     forward did); under LoRA only the adapters' (2 FLOPs per adapter element per token),
     the frozen base's weight gradients are never computed."""
-    if m.lora is None or not per_token:
+    if model.lora is None or not per_token:
         return 1.0
-    return 2 * layers * total_parameters(m, trainable=True) / m.n_layers / per_token
+    return 2 * layers * total_parameters(model, trainable=True) / model.n_layers / per_token
 
 
 def _sending(cost: ChunkCost, plan: StagePlan, busy: float) -> ChunkCost:

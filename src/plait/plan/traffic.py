@@ -106,14 +106,14 @@ def tp_seconds(
     return seconds(fwd), seconds(bwd)
 
 
-def lora_row_features(m: ModelConfig) -> int:
+def lora_row_features(model: ModelConfig) -> int:
     """Features a layer's row-parallel LoRA targets add to their collectives per token: r
     each (A's partial product, summed with the base output in one all-reduce or
     reduce-scatter, and all-gathered back in the backward under SP)."""
-    spec = m.lora
+    spec = model.lora
     if spec is None:
         return 0
-    return spec.rank * sum(leaf in block_table(m).style("row") for leaf in spec.leaves)
+    return spec.rank * sum(leaf in block_table(model).style("row") for leaf in spec.leaves)
 
 
 def p2p_seconds(cfg: Config, link: Link) -> float:
