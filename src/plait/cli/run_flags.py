@@ -13,7 +13,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from plait.cli.models import init_model, init_tokenizer
 from plait.config import SECTIONS, Config, ParallelConfig, build_config, flag_name
 from plait.domain import AUTO, Once
 from plait.errors import ConfigError
@@ -103,6 +102,8 @@ def config_from_args(
             f"--adapter {adapter} needs --init-from BASE: the base model the adapter adapts"
         )
     if folder:  # the model is the folder's: explicit model values must agree with it
+        from plait.cli.models import init_model, init_tokenizer  # HF's reader: only here
+
         model = init_model(folder, overrides.pop("model", {}), preset, adapter or "")
         data = overrides.setdefault("data", {})
         data["tokenizer"] = init_tokenizer(folder, data.get("path"), data.get("tokenizer"))

@@ -30,7 +30,7 @@ from plait.estimate.peak import BUFFERS, Unit, Walk, param_clock, units
 from plait.estimate.rank_params import ParamSpec
 from plait.estimate.zero_pipeline import pipeline_zero_buffers
 from plait.schedule.actions import Schedule
-from plait.schedule.simulate import peak_held
+from plait.schedule.simulate import peak_by_chunk
 from plait.schedule.stages import StagePlan
 
 
@@ -106,7 +106,7 @@ def receive_buffers(
     t, par = cfg.train, cfg.parallel
     seq = t.seq_len // (par.tp if par.sequence_parallel else 1)
     one = t.micro_batch * seq * cfg.model.d_model * prec.param
-    inputs = peak_held(schedule.ranks[rank], lambda c: 0 if plans[c].first else one)
+    inputs = peak_by_chunk(schedule, rank, [0 if plan.first else one for plan in plans])
     grads = one if not all(p.last for p in plans) else 0
     return int(inputs) + grads
 

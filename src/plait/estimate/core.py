@@ -33,6 +33,7 @@ from plait.estimate.formulas import (
 )
 from plait.estimate.frozen_base import FrozenBase, base_total_bytes, frozen_base, frozen_line
 from plait.estimate.lines import LESSON_ORDER, PLACES, Estimate, Line, RankEstimate
+from plait.estimate.model_facts import ModelFacts, facts_for
 from plait.estimate.model_states import (
     ADAM_STATES,
     FP32,
@@ -42,28 +43,25 @@ from plait.estimate.model_states import (
 )
 from plait.estimate.partitioned import block_saving, is_partitioned
 from plait.estimate.peak import Walk, moments, positions
-from plait.estimate.rank_params import (
-    padded_vocab,
-    rank_params,
-    total_parameters,
-    tp_contract,
-)
+from plait.estimate.rank_params import padded_vocab
 from plait.estimate.two_bw import Stream, two_bw_moments, two_bw_streams
 from plait.mixed_precision import parse_precision
-from plait.models.contract import ModelContract
 from plait.models.packed_attention import attention_path
 from plait.schedule.actions import Schedule
 from plait.schedule.schedules import build_schedule
-from plait.schedule.simulate import peak_held
-from plait.schedule.stages import StagePlan, rank_plans
+from plait.schedule.simulate import peak_by_chunk
+from plait.schedule.stages import StagePlan
 
 
-def estimate(cfg: Config, schedule: Schedule | None = None) -> Estimate:
+def estimate(
+    cfg: Config, schedule: Schedule | None = None, facts: ModelFacts | None = None
+) -> Estimate:
     """Memory per rank of every pipeline stage for `cfg` (validated by the caller).
 
     `schedule`: the pipeline schedule to count in-flight activations on, when the caller
     already built it (a planner builds each once; its in-flight peak stops growing after a
-    few times p micro-batches for every schedule but gpipe); by default the config's own."""
+    few times p micro-batches for every schedule but gpipe); by default the config's own.
+    `facts`: the model's facts a planner keeps across layouts (`model_facts.py`)."""
     par, m = cfg.parallel, cfg.model
     if par.dp_mode != "ddp":
         raise ConfigError(
@@ -72,21 +70,21 @@ def estimate(cfg: Config, schedule: Schedule | None = None) -> Estimate:
         )
     sizes = par.stage_layer_counts()
     schedule = schedule or _schedule(cfg)
-    split = tp_contract(m, par.tp)  # what each pipeline rank holds a part of
+    facts = facts_for(m, facts)
     streams = two_bw_streams(par.pp, cfg.accumulation) if par.two_bw else None
     ranks = tuple(
         _rank(
             cfg,
-            split,
+            facts,
             r,
-            rank_plans(m.n_layers, par.pp, par.virtual_stages, r, sizes),
+            facts.rank_plans(par.pp, par.virtual_stages, r, sizes),
             schedule,
             streams[r] if streams else None,
         )
         for r in range(par.pp)
     )
-    psi = total_parameters(m) if m.lora is None else total_parameters(m, trainable=False)
-    return Estimate(psi, ranks, _reference(cfg))
+    psi = facts.total_parameters(None if m.lora is None else False)
+    return Estimate(psi, ranks, _reference(cfg, facts))
 
 
 def _schedule(cfg: Config) -> Schedule | None:
@@ -146,8 +144,9 @@ def chunk_activation_pieces(cfg: Config, plan: StagePlan) -> list[tuple[int, int
     early = act.first_freed_bytes(m, x, mode) if plain and not offload else 0
     saving = block_saving(cfg, x)
     mask = act.mask_bytes(m, x, mode)
+    inner = _layer_bytes(cfg, x)  # every block's but block 0's (its input needs no gradient)
     for i in reversed(plan.layers):
-        block = _layer_bytes(cfg, x, i > 0)
+        block = inner if i > 0 else _layer_bytes(cfg, x, False)
         block += mask if offload or i == plan.layers[0] else 0
         if i == plan.layers[0] and not plan.first:
             block -= act.received_input_bytes(m, x, mode)
@@ -172,7 +171,7 @@ def _layer_bytes(cfg: Config, x: act.MicroShape, grad_in: bool = True) -> int:
 
 def _rank(
     cfg: Config,
-    split: ModelContract,
+    facts: ModelFacts,
     r: int,
     plans: list[StagePlan],
     schedule: Schedule | None,
@@ -180,26 +179,28 @@ def _rank(
 ) -> RankEstimate:
     par = cfg.parallel
     prec = ElementBytes.of(par.precision, par.reduce_dtype)
-    params = rank_params(split, plans)
-    states = model_states(params, par.zero, par.dp, prec, par.offload, par.bucket_mb)
+    params = facts.rank_params(par.tp, plans)
+    units = facts.group_units(par.tp, plans, par.zero, par.bucket_mb)
+    states = model_states(params, par.zero, par.dp, prec, par.offload, par.bucket_mb, units)
     grad_set = 0
     if par.two_bw:  # two weight versions, plain fp32 Adam (WeightVersions)
         grad_set = _two_bw_states(states)
-    places = [chunk_activation_places(cfg, plan) for plan in plans]
+    pieces = [chunk_activation_pieces(cfg, plan) for plan in plans]
+    places = [(sum(p[0] for p in ps), sum(p[1] for p in ps)) for ps in pieces]
     if schedule is None:
         held, host, in_flight = places[0][0], places[0][1], 1
     else:
-        actions, split = schedule.ranks[r], schedule.split_backward
-        held = int(peak_held(actions, lambda c: places[c][0], split))
-        host = int(peak_held(actions, lambda c: places[c][1], split))
-        in_flight = int(peak_held(actions))
+        split = schedule.split_backward
+        held = peak_by_chunk(schedule, r, [p[0] for p in places], split)
+        host = peak_by_chunk(schedule, r, [p[1] for p in places], split)
+        in_flight = peak_by_chunk(schedule, r, [1] * len(places))
     lines = _state_lines(states, cfg, prec)
     base: FrozenBase | None = None
     if cfg.model.lora is not None:  # the frozen base (estimate/frozen_base.py)
         base = frozen_base(params, cfg, prec)
         lines.append(frozen_line(base, cfg))
     lines.append(_activation_line(cfg, plans, held, host, in_flight))
-    walk = _walk(cfg, plans, params, held, states, prec, base, schedule, r)
+    walk = _walk(cfg, plans, pieces, params, held, states, prec, base, schedule, r)
     at = moments(walk)
     lines += buffer_lines(walk, at)
     if stream is not None:  # 2BW's moments: gradient sets come and go (estimate/two_bw.py)
@@ -212,6 +213,7 @@ def _rank(
 def _walk(
     cfg: Config,
     plans: list[StagePlan],
+    chunk_pieces: list[list[tuple[int, int, int]]],
     params: list,
     held: int,
     states: States,
@@ -222,10 +224,11 @@ def _walk(
 ) -> Walk:
     """This rank's backward, position by position (`estimate/peak.py`): the activations
     each position frees (the last chunk's micro-batch: the one whose backward comes at the
-    peak), and the buffers (`estimate/buffers.py`)."""
+    peak), and the buffers (`estimate/buffers.py`); `chunk_pieces`: each plan's
+    `chunk_activation_pieces`."""
     layers = tuple(i for plan in plans for i in plan.layers)
     labels = positions(layers, any(p.first for p in plans), any(p.last for p in plans))
-    pieces = [p for plan in reversed(plans) for p in chunk_activation_pieces(cfg, plan)]
+    pieces = [p for ps in reversed(chunk_pieces) for p in ps]
     return Walk(
         labels,
         held,
@@ -292,12 +295,12 @@ def _activation_line(
     return Line("activations", held, host=host, formula=what)
 
 
-def _reference(cfg: Config) -> dict[str, float]:
+def _reference(cfg: Config, facts: ModelFacts) -> dict[str, float]:
     """Single-GPU and ZeRO closed forms for this model at this dp (no tp, no pp); under
     LoRA Ψ is the base's, Φ the adapters', and one GPU holds base·Ψ + (p+g+k)Φ."""
     m, par = cfg.model, cfg.parallel
     prec = ElementBytes.of(par.precision, par.reduce_dtype)
-    psi = total_parameters(m) if m.lora is None else total_parameters(m, trainable=False)
+    psi = facts.total_parameters(None if m.lora is None else False)
     optim = ADAM_STATES * FP32 + (FP32 if prec.param != FP32 else 0)
     zero = {
         f"zero{s}_per_rank": zero_model_state_bytes(s, psi, par.dp, prec.param, prec.reduce, optim)
@@ -310,7 +313,7 @@ def _reference(cfg: Config) -> dict[str, float]:
         **zero,
     }
     if m.lora is not None:
-        phi = total_parameters(m, trainable=True)
+        phi = facts.total_parameters(True)
         per = prec.param + prec.reduce + optim
         out |= {
             "lora_phi": phi,

@@ -59,11 +59,17 @@ class States:
 
 
 def flat_groups(
-    params: list[ParamSpec], stage: int, bucket_mb: float, world: int
+    params: list[ParamSpec],
+    stage: int,
+    bucket_mb: float,
+    world: int,
+    units: list[list[ParamSpec]] | None = None,
 ) -> list[tuple[int, int]]:
     """(numel, padded) of every flat group, as `zero/layout.build_groups` forms them: of the
-    trainable parameters only (a LoRA run's frozen base is in no group)."""
-    return _sized(group_units(params, stage, bucket_mb), 1 if stage == 0 else world)
+    trainable parameters only (a LoRA run's frozen base is in no group). `units`:
+    `group_units(params, stage, bucket_mb)`, where a planner keeps them."""
+    units = group_units(params, stage, bucket_mb) if units is None else units
+    return _sized(units, 1 if stage == 0 else world)
 
 
 def _sized(units: list[list[ParamSpec]], shards: int) -> list[tuple[int, int]]:
@@ -94,9 +100,11 @@ def model_states(
     precision: ElementBytes,
     offload: str = "none",
     bucket_mb: float = 25.0,
+    units: list[list[ParamSpec]] | None = None,
 ) -> States:
-    """Per-rank model states of ZeRO `stage` over `world` data-parallel ranks."""
-    units = group_units(params, stage, bucket_mb)
+    """Per-rank model states of ZeRO `stage` over `world` data-parallel ranks (`units`:
+    `group_units(params, stage, bucket_mb)`, where a planner keeps them)."""
+    units = group_units(params, stage, bucket_mb) if units is None else units
     shards = 1 if stage == 0 else world
     blocks = [frozenset(p.block for p in u) for u in units]
     out = States(groups=_sized(units, shards), blocks=blocks)
