@@ -8,7 +8,7 @@ from typing import Literal
 
 from plait.domain import above, at_least, check_fields, fraction
 from plait.errors import ConfigError
-from plait.models.block_table import linear_widths
+from plait.models.block_table import TABLES, linear_widths
 from plait.models.lora import LoRASpec, check_rank, lora_spec
 
 
@@ -20,6 +20,13 @@ class ModelConfig:
     LLaMA is RMSNorm + SwiGLU + RoPE + grouped-query attention + untied head, no biases.
     """
 
+    family: str = field(
+        default="",
+        metadata={
+            "help": "block architecture: " + ", ".join(TABLES) + "; default from mlp "
+            "(swiglu: llama, gelu: gpt2)"
+        },
+    )
     vocab_size: int = field(
         default=256,
         metadata={"domain": at_least(1), "help": "vocabulary size (byte tokenizer: 256)"},
@@ -97,8 +104,14 @@ class ModelConfig:
     def lora(self) -> LoRASpec | None:
         """The adapters this model carries (None: no LoRA, every parameter trains)."""
         return lora_spec(
-            self.lora_rank, self.lora_alpha, self.lora_dropout, self.lora_targets, self.mlp
+            self.lora_rank, self.lora_alpha, self.lora_dropout, self.lora_targets, self.arch
         )
+
+    @property
+    def arch(self) -> str:
+        """The block architecture (its table in models/block_table.py): `family`, or the
+        one `mlp` implies when no family is given (LLaMA's SwiGLU, GPT-2's GELU)."""
+        return self.family or ("llama" if self.mlp == "swiglu" else "gpt2")
 
     @property
     def kv_heads(self) -> int:
@@ -137,9 +150,22 @@ class ModelConfig:
             raise ConfigError(f"model.mlp must be 'gelu' or 'swiglu', got {self.mlp!r}")
         if self.pos not in ("learned", "rope"):
             raise ConfigError(f"model.pos must be 'learned' or 'rope', got {self.pos!r}")
+        self._check_family()
         spec = self.lora
         if spec is not None:
             check_rank(spec, linear_widths(self))
+
+    def _check_family(self) -> None:
+        """A family is one of the tables, and its rows compute the MLP `mlp` names."""
+        if self.arch not in TABLES:
+            raise ConfigError(
+                f"model.family={self.family!r} is not one plait builds ({', '.join(TABLES)})"
+            )
+        if TABLES[self.arch].mlp != self.mlp:
+            raise ConfigError(
+                f"model.family={self.arch!r} has a {TABLES[self.arch].mlp} MLP, "
+                f"got model.mlp={self.mlp!r}"
+            )
 
     def check_seq_len(self, seq_len: int) -> None:
         """Learned positions end at max_seq_len (a Hugging Face GPT-2's n_positions): a longer

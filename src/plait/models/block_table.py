@@ -52,7 +52,7 @@ class Shape(Protocol):
     @property
     def ffn_dim(self) -> int: ...
     @property
-    def mlp(self) -> str: ...
+    def arch(self) -> str: ...
     @property
     def bias(self) -> bool: ...
 
@@ -114,6 +114,7 @@ class BlockTable:
     stores it."""
 
     name: str  # what messages call it: "LLaMA", "GPT-2"
+    mlp: str  # the model.mlp its rows compute: "swiglu", "gelu"
     rows: tuple[NormRow | LinearRow, ...]
     hf_transposed: bool  # Hugging Face stores the Linears (in, out) (GPT-2's Conv1D)
     default_targets: tuple[str, ...]  # PEFT's default target_modules, as target words
@@ -155,6 +156,7 @@ class BlockTable:
 
 LLAMA = BlockTable(
     "LLaMA",
+    "swiglu",
     (
         NormRow("attn_norm", "input_layernorm"),
         LinearRow("attn.wq", "q", "h", "column", False, "q", "self_attn.q_proj"),
@@ -172,6 +174,7 @@ LLAMA = BlockTable(
 
 GPT2 = BlockTable(
     "GPT-2",
+    "gelu",
     (
         NormRow("attn_norm", "ln_1"),
         LinearRow("attn.wq", "q", "h", "column", False, "q", "attn.c_attn"),
@@ -186,23 +189,22 @@ GPT2 = BlockTable(
     default_targets=("q", "k", "v"),  # PEFT's c_attn
 )
 
-TABLES = (LLAMA, GPT2)
+TABLES = {"llama": LLAMA, "gpt2": GPT2}
+"""Every architecture's table by its `model.family` name."""
 
-LINEAR_PATHS = tuple(sorted({r.path for table in TABLES for r in table.linears}))
+LINEAR_PATHS = tuple(sorted({r.path for table in TABLES.values() for r in table.linears}))
 """Every architecture's Linear paths, sorted: an adapter's dropout site is its index here
 (models/lora.py), so a path added later sorts among them and moves the sites after it."""
 
 
-def table_for(mlp: str) -> BlockTable:
-    """The table of the architecture a config's `mlp` names today: LLaMA's with a SwiGLU MLP,
-    GPT-2's with GELU (the one key callers outside models/ pass; a family field would
-    replace it here)."""
-    return LLAMA if mlp == "swiglu" else GPT2
+def table_for(arch: str) -> BlockTable:
+    """The table of the architecture `arch` names (a config's `arch`: its `model.family`)."""
+    return TABLES[arch]
 
 
 def block_table(cfg: Shape) -> BlockTable:
     """The table of `cfg`'s architecture."""
-    return table_for(cfg.mlp)
+    return table_for(cfg.arch)
 
 
 def linear_widths(cfg: Shape) -> dict[str, tuple[int, int]]:

@@ -142,12 +142,12 @@ def family(cfg: ModelConfig) -> str:
     gpt2 = (cfg.norm, cfg.mlp, cfg.pos, cfg.bias, cfg.tie_embeddings) == (
         "layernorm", "gelu", "learned", True, True,
     )  # fmt: skip
-    if llama:
+    if llama and cfg.arch == LLAMA:
         return LLAMA
-    if gpt2:
+    if gpt2 and cfg.arch == GPT2:
         return GPT2
     raise ConfigError(
-        f"model.norm={cfg.norm!r} mlp={cfg.mlp!r} pos={cfg.pos!r} bias={cfg.bias} "
+        f"model.family={cfg.arch!r} norm={cfg.norm!r} mlp={cfg.mlp!r} pos={cfg.pos!r} bias={cfg.bias} "
         f"tie_embeddings={cfg.tie_embeddings} is neither LlamaForCausalLM (rmsnorm, swiglu, "
         "rope, no bias) nor GPT2LMHeadModel (layernorm, gelu, learned, bias, tied)"
     )

@@ -89,10 +89,10 @@ def _gpt2(cfg: ModelConfig) -> dict[str, Piece]:
     return out | _blocks(cfg, "transformer.h")
 
 
-def block_linears(mlp: str) -> dict[str, str]:
+def block_linears(arch: str) -> dict[str, str]:
     """Each Linear of a block by its plait path ('attn.wq') -> its Hugging Face module path in
     the block (LLaMA 'self_attn.q_proj'; GPT-2's wq, wk and wv all 'attn.c_attn')."""
-    return {row.path: row.hf for row in table_for(mlp).linears}
+    return {row.path: row.hf for row in table_for(arch).linears}
 
 
 def pieces(cfg: ModelConfig) -> dict[str, Piece]:
