@@ -198,6 +198,7 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
         "tie_word_embeddings": cfg.tie_embeddings,
         "bos_token_id": None,
         "eos_token_id": None,
+        "pad_token_id": None,  # Phi-3's default (32000) would be out of a smaller vocabulary
         "torch_dtype": "float32",
     }
     if kind == GPT2:
