@@ -360,8 +360,9 @@ def _block_weight_elements(cfg: ModelConfig) -> int:
 
 def layer_forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     """One block's forward matmul FLOPs per token: 2 per Linear weight element (multiply-add)
-    plus attention's q k^T and probs v, 2·2·s·h (no weights; the causal half is counted)."""
-    return 2 * _block_weight_elements(cfg) + 4 * seq_len * cfg.d_model
+    plus attention's q k^T and probs v, 2·2·s·a·hd (h unless the head size is decoupled; no
+    weights; the causal half is counted)."""
+    return 2 * _block_weight_elements(cfg) + 4 * seq_len * cfg.n_heads * cfg.head_dim
 
 
 def head_forward_flops_per_token(cfg: ModelConfig) -> int:
@@ -378,4 +379,5 @@ def matmul_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     masking half of it is wasted work, and the convention counts it anyway. It is three
     forwards: 3 (L x layer_forward_flops_per_token + head_forward_flops_per_token).
     """
-    return 6 * linear_weight_elements(cfg) + 12 * cfg.n_layers * seq_len * cfg.d_model
+    attention = 12 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim  # a·hd: h, or Qwen3's
+    return 6 * linear_weight_elements(cfg) + attention
