@@ -1,8 +1,11 @@
 """Hugging Face config.json <-> plait's ModelConfig, refusing what plait cannot express.
 
-plait's one decoder family covers two Hugging Face architectures: LlamaForCausalLM
-(RMSNorm, SwiGLU, rotate-half RoPE, grouped-query attention, no biases) and GPT2LMHeadModel
-(LayerNorm, tanh-GELU MLP, learned positions, tied head, biases). Every config field that
+plait's one decoder family covers the Llama-like Hugging Face architectures (RMSNorm, SwiGLU,
+rotate-half RoPE, grouped-query attention): LlamaForCausalLM (no biases; Llama 3's `llama3`
+RoPE rescale), Qwen2ForCausalLM (biases on q, k, v), Qwen3ForCausalLM (per-head q/k norms,
+its own head size) and Phi3ForCausalLM (fused projections: models/hf/mapping.py), each a
+`model.family` with its block table; and GPT2LMHeadModel (LayerNorm, tanh-GELU MLP, learned
+positions, tied head, biases). Every config field that
 changes the forward pass is either mapped or refused here, naming the field, so a model that
 loads computes what `transformers` computes. Dropout is a training choice: plait's
 `model.dropout` applies, the folder's dropout fields are not read.

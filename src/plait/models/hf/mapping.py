@@ -6,7 +6,8 @@ plait's Llama attention already uses Hugging Face's layout: rotate-half RoPE ove
 hd/2) and query head j reading kv head j // (a / kv) (`repeat_kv`), so q/k need no permutation
 and every Llama tensor maps by name alone. GPT-2 differs in two ways: its Conv1D stores weights
 (in, out), the transpose of nn.Linear, and one `c_attn` holds q, k and v stacked along its
-output dimension, so plait's wq/wk/wv are column ranges of it.
+output dimension, so plait's wq/wk/wv are column ranges of it; Phi-3 stacks q, k, v in one
+`qkv_proj` and gate, up in one `gate_up_proj` the same way (untransposed).
 """
 
 from __future__ import annotations
