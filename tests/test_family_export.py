@@ -112,3 +112,29 @@ def test_export_peft_and_merged(folders, corpus, tmp_path, kind: str) -> None:
     theirs = peft.PeftModel.from_pretrained(hf_model(folders[kind]), out["peft"])
     torch.testing.assert_close(_logits(theirs), ours, rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(_logits(hf_model(out["merged"])), ours, rtol=RTOL, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_plait_reads_what_peft_saves(folders, tmp_path, kind: str) -> None:
+    """PEFT's adapter on every Linear of the family's block (its own module names), random
+    A and B, saved by PEFT: plait reads its fields and tensors and computes PEFT's logits."""
+    from plait.models.hf.peft import adapter_model_fields, adapter_source, read_adapter_config
+
+    names = PEFT_MODULES.get(kind, PEFT_MODULES["other"])
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=names, task_type="CAUSAL_LM")
+    theirs = peft.get_peft_model(hf_model(folders[kind]), config)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in theirs.parameters():
+            if p.requires_grad:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    theirs.save_pretrained(tmp_path / "adapter")
+    cfg = load_config(folders[kind])
+    fields = adapter_model_fields(read_adapter_config(tmp_path / "adapter"), cfg)
+    assert fields["lora_targets"] == "q,k,v,o,gate,up,down"
+    for key, value in fields.items():
+        setattr(cfg, key, value)
+    model = Transformer(cfg)
+    adapters = adapter_source(tmp_path / "adapter", cfg)
+    fill_parameters(model, with_adapters(hf_source(folders[kind], cfg), cfg, 0, adapters))
+    torch.testing.assert_close(_logits(model), _logits(theirs), rtol=RTOL, atol=ATOL)
