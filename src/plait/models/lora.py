@@ -107,11 +107,11 @@ def check_given_targets(text: object) -> None:
         )
 
 
-def parse_targets(text: str, mlp: str) -> tuple[str, ...]:
+def parse_targets(text: str, arch: str) -> tuple[str, ...]:
     """'q,v', 'attn', 'mlp', 'all' (or '' for PEFT's default) -> target words, in the block
-    table's order (`table_for(mlp)`); an unknown or absent name is refused, naming the known
+    table's order (`table_for(arch)`); an unknown or absent name is refused, naming the known
     ones."""
-    table = table_for(mlp)
+    table = table_for(arch)
     known = table.targets
     names: list[str] = []
     for word in (w.strip() for w in text.split(",")) if text.strip() else table.default_targets:
@@ -129,15 +129,15 @@ def parse_targets(text: str, mlp: str) -> tuple[str, ...]:
 
 
 def lora_spec(
-    rank: int | None, alpha: float, dropout: float, targets: str, mlp: str
+    rank: int | None, alpha: float, dropout: float, targets: str, arch: str
 ) -> LoRASpec | None:
     """The adapters a model config asks for (None without a rank), checked: the Linears
     stacked in one Hugging Face module share one adapter there, so they are targeted
     together or not at all."""
     if rank is None:
         return None
-    table = table_for(mlp)
-    names = parse_targets(targets, mlp)
+    table = table_for(arch)
+    names = parse_targets(targets, arch)
     leaves = tuple(table.targets[n] for n in names)
     for leaf in leaves:
         rows = table.fused(leaf)

@@ -31,6 +31,62 @@ def _llama(**shape: Any) -> dict[str, Any]:
     }
 
 
+def _llama3(factor: float, **shape: Any) -> dict[str, Any]:
+    """Llama 3.1/3.2: 128,256-token vocabulary, RoPE base 500000 rescaled by `factor` (the
+    llama3 rope_type, original context 8192), 131,072 positions."""
+    rope = dict(rope_theta=500000.0, rope_factor=factor, rope_low_freq_factor=1.0,
+                rope_high_freq_factor=4.0, rope_original_max=8192)  # fmt: skip
+    return _llama(vocab_size=128256, max_seq_len=131072, norm_eps=1e-5, **rope, **shape)
+
+
+def _qwen(family: str, **shape: Any) -> dict[str, Any]:
+    """Qwen2.5 (biases on q, k, v) and Qwen3 (per-head q/k norms): RoPE base 1e6."""
+    base = dict(family=family, rope_theta=1e6, norm_eps=1e-6, max_seq_len=32768)
+    return _llama(**(base | shape))
+
+
+def _families() -> dict[str, dict[str, Any]]:
+    """The Llama-like families as Hugging Face publishes them (config.json of each)."""
+    return {
+        "llama3.2-1b": _llama3(32.0, n_layers=16, d_model=2048, n_heads=32, n_kv_heads=8,
+                               ffn_hidden=8192, tie_embeddings=True),
+        "llama3.2-3b": _llama3(32.0, n_layers=28, d_model=3072, n_heads=24, n_kv_heads=8,
+                               ffn_hidden=8192, tie_embeddings=True),
+        "llama3.1-8b": _llama3(8.0, n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8,
+                               ffn_hidden=14336),
+        "llama3.1-70b": _llama3(8.0, n_layers=80, d_model=8192, n_heads=64, n_kv_heads=8,
+                                ffn_hidden=28672),
+        "qwen2.5-0.5b": _qwen("qwen2", vocab_size=151936, n_layers=24, d_model=896, n_heads=14,
+                              n_kv_heads=2, ffn_hidden=4864, tie_embeddings=True),
+        "qwen2.5-7b": _qwen("qwen2", vocab_size=152064, n_layers=28, d_model=3584, n_heads=28,
+                            n_kv_heads=4, ffn_hidden=18944),
+        "qwen3-0.6b": _qwen("qwen3", vocab_size=151936, n_layers=28, d_model=1024, n_heads=16,
+                            n_kv_heads=8, head_size=128, ffn_hidden=3072, tie_embeddings=True,
+                            max_seq_len=40960),
+        "phi3-mini": _llama(family="phi3", vocab_size=32064, n_layers=32, d_model=3072,
+                            n_heads=32, ffn_hidden=8192, max_seq_len=4096, norm_eps=1e-5),
+    }  # fmt: skip
+
+
+def _tiny(family: str, **over: Any) -> dict[str, Any]:
+    """A byte-level model of `family` for tests and CPU runs, with every flag it has."""
+    shape = dict(vocab_size=256, n_layers=2, d_model=64, n_heads=4, n_kv_heads=2,
+                 ffn_hidden=128, max_seq_len=64, family=family)  # fmt: skip
+    return _llama(**(shape | over))
+
+
+def _tiny_families() -> dict[str, dict[str, Any]]:
+    """Tiny models of each Llama-like family (Llama 3's rescale within a 16-token context,
+    Qwen3's head size apart from d_model / n_heads)."""
+    return {
+        "tiny-llama3": _tiny("llama", rope_theta=500000.0, rope_factor=8.0,
+                             rope_original_max=16, tie_embeddings=True),
+        "tiny-qwen2": _tiny("qwen2", rope_theta=1e6, tie_embeddings=True),
+        "tiny-qwen3": _tiny("qwen3", head_size=24, tie_embeddings=True),
+        "tiny-phi3": _tiny("phi3"),
+    }  # fmt: skip
+
+
 def _table() -> dict[str, dict[str, Any]]:
     """name -> ModelConfig keyword arguments (fresh dicts each call)."""
     return {
@@ -66,6 +122,7 @@ def _table() -> dict[str, dict[str, Any]]:
             max_seq_len=8192,
             norm_eps=1e-5,
         ),
+        **_families(),
         # Small byte-level models (vocabulary 256) for tests and CPU runs.
         "tiny-gpt": _gpt2(vocab_size=256, n_layers=2, d_model=64, n_heads=4, max_seq_len=64),
         "tiny-llama": _llama(
@@ -77,6 +134,7 @@ def _table() -> dict[str, dict[str, Any]]:
             ffn_hidden=128,
             max_seq_len=64,
         ),
+        **_tiny_families(),
         "small-gpt": _gpt2(vocab_size=256, n_layers=4, d_model=128, n_heads=4, max_seq_len=256),
         "small-llama": _llama(
             vocab_size=256, n_layers=4, d_model=128, n_heads=4, n_kv_heads=2, max_seq_len=256

@@ -37,6 +37,7 @@ from plait.models.kv_cache import KVCache, causal_mask
 from plait.models.light_loss import target_rows_loss
 from plait.models.lora import Linear, LoRASpec
 from plait.models.loss import LMLoss
+from plait.models.norms import head_norms, make_norm
 from plait.models.packing import Bound, Packing
 from plait.models.rope import apply_rope, rope_cos_sin
 from plait.torch_private import embedding_left_unset
@@ -45,31 +46,11 @@ from plait.torch_private import embedding_left_unset
 SITE_EMBED, SITE_ATTN_PROBS, SITE_ATTN_OUT, SITE_MLP_OUT = 0, 1, 2, 3
 
 
-class RMSNorm(nn.Module):
-    """x / rms(x) * weight (Zhang & Sennrich, 2019), as LLaMA; computed in fp32."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return xf.type_as(x) * self.weight
-
-
 def make_linear(cfg: ModelConfig, path: str) -> Linear:
     """The Linear at `path` in a block, with the widths and bias its table row gives."""
     row = block_table(cfg).linear(path)
     out_f, in_f = row.widths(cfg)
     return Linear(in_f, out_f, row.has_bias(cfg))
-
-
-def make_norm(cfg: ModelConfig) -> nn.Module:
-    if cfg.norm == "rmsnorm":
-        return RMSNorm(cfg.d_model, cfg.norm_eps)
-    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
 
 
 class CoreAttention(nn.Module):
@@ -122,9 +103,10 @@ class Attention(nn.Module):
         super().__init__()
         hd = cfg.head_dim
         self.head_dim, self.layer = hd, layer
-        self.rope_theta = cfg.rope_theta if cfg.pos == "rope" else None
+        self.rope = (cfg.rope_theta, cfg.rope_scaling) if cfg.pos == "rope" else None
         self.wq, self.wk = make_linear(cfg, "attn.wq"), make_linear(cfg, "attn.wk")
         self.wv, self.wo = make_linear(cfg, "attn.wv"), make_linear(cfg, "attn.wo")
+        self.q_norm, self.k_norm = head_norms(cfg)  # Qwen3's, over each head; or None
         self.core = CoreAttention(cfg.dropout, 4 * layer + SITE_ATTN_PROBS)
         self.shared_adapter = False  # GPT-2's LoRA: wk and wv use wq's A (models/lora.py)
 
@@ -143,9 +125,12 @@ class Attention(nn.Module):
         q = self.wq(x, keys, u).view(b, s, -1, hd).transpose(1, 2)  # (b, a, s, hd)
         k = self.wk(x, keys, u).view(b, s, -1, hd).transpose(1, 2)  # (b, kv, s, hd)
         v = self.wv(x, keys, u).view(b, s, -1, hd).transpose(1, 2)  # (b, kv, s, hd)
-        if self.rope_theta is not None:
+        if self.q_norm is not None:  # over each head's hd features, before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope is not None:
             positions = None if pack is None else pack.positions
-            cos, sin = rope_cos_sin(s, hd, self.rope_theta, x.device, start, positions)
+            theta, scaling = self.rope
+            cos, sin = rope_cos_sin(s, hd, theta, x.device, start, positions, scaling)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.extend(self.layer, k, v)  # (b, kv, start + s, hd)
@@ -180,9 +165,11 @@ class SwiGLU(nn.Module):
         super().__init__()
         self.w_gate, self.w_up = make_linear(cfg, "mlp.w_gate"), make_linear(cfg, "mlp.w_up")
         self.w_down = make_linear(cfg, "mlp.w_down")
+        self.shared_adapter = False  # Phi-3's LoRA: w_up uses w_gate's A (gate_up_proj)
 
     def forward(self, x: Tensor, keys: Tensor | None = None) -> Tensor:
-        gated = F.silu(self.w_gate(x, keys)) * self.w_up(x, keys)  # (b, s, f)
+        u = self.w_gate.adapter_input(x, keys) if self.shared_adapter else None  # (b, s, r)
+        gated = F.silu(self.w_gate(x, keys, u)) * self.w_up(x, keys, u)  # (b, s, f)
         return self.w_down(gated, keys)  # (b, s, h)
 
 
@@ -347,6 +334,7 @@ def add_adapters(blocks: nn.ModuleList, spec: LoRASpec | None) -> None:
         for leaf in spec.leaves:
             block.get_submodule(leaf).add_adapter(spec, i, leaf)
         block.attn.shared_adapter = "attn.wk" in spec.leaves and not spec.has_a("attn.wk")
+        block.mlp.shared_adapter = "mlp.w_up" in spec.leaves and not spec.has_a("mlp.w_up")
 
 
 # ---------------------------------------------------------------- counting
@@ -372,8 +360,9 @@ def _block_weight_elements(cfg: ModelConfig) -> int:
 
 def layer_forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     """One block's forward matmul FLOPs per token: 2 per Linear weight element (multiply-add)
-    plus attention's q k^T and probs v, 2·2·s·h (no weights; the causal half is counted)."""
-    return 2 * _block_weight_elements(cfg) + 4 * seq_len * cfg.d_model
+    plus attention's q k^T and probs v, 2·2·s·a·hd (h unless the head size is decoupled; no
+    weights; the causal half is counted)."""
+    return 2 * _block_weight_elements(cfg) + 4 * seq_len * cfg.n_heads * cfg.head_dim
 
 
 def head_forward_flops_per_token(cfg: ModelConfig) -> int:
@@ -390,4 +379,5 @@ def matmul_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     masking half of it is wasted work, and the convention counts it anyway. It is three
     forwards: 3 (L x layer_forward_flops_per_token + head_forward_flops_per_token).
     """
-    return 6 * linear_weight_elements(cfg) + 12 * cfg.n_layers * seq_len * cfg.d_model
+    attention = 12 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim  # a·hd: h, or Qwen3's
+    return 6 * linear_weight_elements(cfg) + attention
