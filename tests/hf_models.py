@@ -40,3 +40,13 @@ def hf_model(folder: Path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(folder).eval()
+
+
+def mistral_config(vocab: int = 300, **over: Any):
+    """Every Mistral flag set: a sliding window (5) shorter than the test rows."""
+    from transformers import MistralConfig
+
+    shape = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                 rms_norm_eps=1e-5, rope_theta=5000.0, sliding_window=5)  # fmt: skip
+    return MistralConfig(**(shape | over))

@@ -70,6 +70,22 @@ class ModelConfig:
         default=1e-5, metadata={"domain": above(0), "help": "epsilon of the norms"}
     )
     rope_theta: float = field(default=10000.0, metadata={"domain": above(0), "help": "RoPE base"})
+    sliding_window: int | None = field(
+        default=None,
+        metadata={
+            "domain": at_least(1),
+            "help": "a position attends to the last this many (itself included; Mistral v0.1, "
+            "Gemma's local layers); default: to every earlier one",
+        },
+    )
+    global_every: int = field(
+        default=0,
+        metadata={
+            "domain": at_least(0),
+            "help": "with sliding_window: every n-th layer attends to all (Gemma 2: 2, Gemma 3: "
+            "6); 0: every layer slides",
+        },
+    )
     multiple_of: int = field(
         default=256,
         metadata={"domain": at_least(1), "help": "SwiGLU hidden size rounding (LLaMA convention)"},
@@ -112,6 +128,15 @@ class ModelConfig:
         """The block architecture (its table in models/block_table.py): `family`, or the
         one `mlp` implies when no family is given (LLaMA's SwiGLU, GPT-2's GELU)."""
         return self.family or ("llama" if self.mlp == "swiglu" else "gpt2")
+
+    def window(self, layer: int) -> int | None:
+        """How many positions layer `layer` attends to (None: all): Hugging Face's
+        `layer_types`, where layer i is global when (i + 1) % global_every == 0."""
+        if self.sliding_window is None:
+            return None
+        if self.global_every and (layer + 1) % self.global_every == 0:
+            return None
+        return self.sliding_window
 
     @property
     def kv_heads(self) -> int:

@@ -29,7 +29,7 @@ This module imports nothing of plait: the config reaches it as a `Shape`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Literal, Protocol
 
@@ -189,7 +189,9 @@ GPT2 = BlockTable(
     default_targets=("q", "k", "v"),  # PEFT's c_attn
 )
 
-TABLES = {"llama": LLAMA, "gpt2": GPT2}
+MISTRAL = replace(LLAMA, name="Mistral")  # LLaMA's block; its attention slides (core_attention)
+
+TABLES = {"llama": LLAMA, "gpt2": GPT2, "mistral": MISTRAL}
 """Every architecture's table by its `model.family` name."""
 
 LINEAR_PATHS = tuple(sorted({r.path for table in TABLES.values() for r in table.linears}))

@@ -31,6 +31,12 @@ def _llama(**shape: Any) -> dict[str, Any]:
     }
 
 
+def _mistral(**shape: Any) -> dict[str, Any]:
+    """Mistral 7B: LLaMA's block with grouped-query attention (8 kv heads)."""
+    mistral = dict(family="mistral", n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8)
+    return _llama(**mistral, ffn_hidden=14336, max_seq_len=32768, norm_eps=1e-5, **shape)
+
+
 def _table() -> dict[str, dict[str, Any]]:
     """name -> ModelConfig keyword arguments (fresh dicts each call)."""
     return {
@@ -66,6 +72,10 @@ def _table() -> dict[str, dict[str, Any]]:
             max_seq_len=8192,
             norm_eps=1e-5,
         ),
+        # Mistral 7B (Jiang et al., 2023): v0.1 slides a 4,096-position window in every
+        # layer; v0.3 attends to all, with a 32,768 vocabulary and RoPE base 1e6.
+        "mistral-7b-v0.1": _mistral(sliding_window=4096),
+        "mistral-7b-v0.3": _mistral(vocab_size=32768, rope_theta=1e6),
         # Small byte-level models (vocabulary 256) for tests and CPU runs.
         "tiny-gpt": _gpt2(vocab_size=256, n_layers=2, d_model=64, n_heads=4, max_seq_len=64),
         "tiny-llama": _llama(

@@ -22,8 +22,6 @@ and the same additive mask tensor if any. Without segments nothing changes (is_c
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -31,13 +29,14 @@ from torch import Tensor, nn
 from plait.models.architecture import ModelConfig
 from plait.models.block_table import block_table, linear_widths
 from plait.models.contract import ModelContract
+from plait.models.core_attention import CoreAttention
 from plait.models.declare import describe
 from plait.models.dropout import KeyedDropout
-from plait.models.kv_cache import KVCache, causal_mask
+from plait.models.kv_cache import KVCache
 from plait.models.light_loss import target_rows_loss
 from plait.models.lora import Linear, LoRASpec
 from plait.models.loss import LMLoss
-from plait.models.packing import Bound, Packing
+from plait.models.packing import Packing
 from plait.models.rope import apply_rope, rope_cos_sin
 from plait.torch_private import embedding_left_unset
 
@@ -72,49 +71,6 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
     return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
 
 
-class CoreAttention(nn.Module):
-    """softmax(q k^T / sqrt(hd) + causal) v with dropout on the probabilities.
-
-    Parameter-free and separate so that selective recomputation can wrap exactly the
-    part whose activations (b, a, s, s) dominate memory (Korthikanti et al., 2022).
-    `mask` (b, 1, s, s), packed rows' block-causal mask as an additive float mask (0 where
-    a query may see a key, -inf elsewhere: `Packing.additive`), replaces the causal mask; a
-    Packing attends within its documents instead (`Packing.attend`: models/packed_attention.py);
-    None keeps SDPA's is_causal kernel. Every layer gets the same mask tensor, so what SDPA
-    saves of it is one storage; the explicit path adds it (what masked_fill with -inf
-    gives), and an addition saves nothing for backward.
-    """
-
-    def __init__(self, p: float, site: int) -> None:
-        super().__init__()
-        self.drop = KeyedDropout(p, site)
-
-    @property
-    def explicit(self) -> bool:
-        """Whether the forward takes the explicit path (keyed dropout on the probabilities)."""
-        return self.training and self.drop.p > 0
-
-    def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, keys: Tensor | None, mask: Bound = None
-    ) -> Tensor:
-        if isinstance(mask, Packing):  # packed rows by document (never explicit)
-            return mask.attend(q, k, v)  # (b, a, s, hd)
-        if not self.explicit:
-            if mask is not None:
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (b, a, s, hd)
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (b, a, s, hd)
-        # Explicit path: the fused kernel's dropout uses torch's RNG, which is not keyed.
-        s = q.shape[-2]
-        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # (b, a, s, s)
-        if mask is None:
-            causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
-            scores = scores.masked_fill(~causal, float("-inf"))
-        else:
-            scores = scores + mask  # -inf where hidden, as masked_fill; 0 leaves the score
-        probs = scores.float().softmax(dim=-1).type_as(q)  # (b, a, s, s)
-        return self.drop(probs, keys) @ v  # (b, a, s, hd)
-
-
 class Attention(nn.Module):
     """Multi-head / grouped-query self-attention with optional RoPE."""
 
@@ -125,7 +81,7 @@ class Attention(nn.Module):
         self.rope_theta = cfg.rope_theta if cfg.pos == "rope" else None
         self.wq, self.wk = make_linear(cfg, "attn.wq"), make_linear(cfg, "attn.wk")
         self.wv, self.wo = make_linear(cfg, "attn.wv"), make_linear(cfg, "attn.wo")
-        self.core = CoreAttention(cfg.dropout, 4 * layer + SITE_ATTN_PROBS)
+        self.core = CoreAttention(cfg.dropout, 4 * layer + SITE_ATTN_PROBS, cfg.window(layer))
         self.shared_adapter = False  # GPT-2's LoRA: wk and wv use wq's A (models/lora.py)
 
     def forward(
@@ -154,10 +110,11 @@ class Attention(nn.Module):
             k = k.repeat_interleave(rep, dim=1)  # (b, a, s, hd)
             v = v.repeat_interleave(rep, dim=1)  # (b, a, s, hd)
         if cache is None:
-            mask = None if pack is None else pack.bound(q, self.core.explicit)  # or by doc
+            window, explicit = self.core.window, self.core.explicit
+            mask = None if pack is None else pack.bound(q, explicit, window)  # or by doc
             y = self.core(q, k, v, keys, mask)  # (b, a, s, hd)
-        else:  # decoding (no dropout): the new positions see every cached one
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(start, s, x.device))
+        else:  # decoding (no dropout): the new positions see the cached ones
+            y = self.core.decode(q, k, v, start)  # (b, a, s, hd)
         y = y.transpose(1, 2).reshape(b, s, -1)  # (b, s, a*hd)
         return self.wo(y, keys)  # (b, s, h)
 

@@ -18,8 +18,9 @@ from plait.errors import ConfigError
 from plait.models.architecture import ModelConfig
 from plait.models.nf4.hf import folder_scheme
 
-LLAMA, GPT2 = "llama", "gpt2"
-ARCHITECTURES = {LLAMA: "LlamaForCausalLM", GPT2: "GPT2LMHeadModel"}
+LLAMA, GPT2, MISTRAL = "llama", "gpt2", "mistral"
+ARCHITECTURES = {LLAMA: "LlamaForCausalLM", GPT2: "GPT2LMHeadModel", MISTRAL: "MistralForCausalLM"}
+MISTRAL_WINDOW = 4096  # MistralConfig's sliding_window when config.json has none (v0.1)
 # GPT-2's "gelu_new" is the tanh approximation plait's MLP computes.
 TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
 
@@ -49,7 +50,8 @@ def read_json_object(folder: Path, name: str, flag: str, kind: str, note: str = 
 def family_of(hf: dict[str, Any], where: str) -> str:
     kind = hf.get("model_type")
     if kind not in ARCHITECTURES:
-        raise ConfigError(f"{where}: model_type={kind!r} is not one plait reads (llama, gpt2)")
+        known = ", ".join(ARCHITECTURES)
+        raise ConfigError(f"{where}: model_type={kind!r} is not one plait reads ({known})")
     return kind
 
 
@@ -101,6 +103,14 @@ def _llama(hf: dict[str, Any], where: str) -> ModelConfig:
     )
 
 
+def _mistral(hf: dict[str, Any], where: str) -> ModelConfig:
+    """LLaMA's block, every layer seeing the last `sliding_window` positions (v0.1: 4096;
+    v0.3 writes null: all); Mistral reads no layer_types (MistralConfig ignores them)."""
+    cfg = _llama(hf, where)
+    cfg.family, cfg.sliding_window = MISTRAL, hf.get("sliding_window", MISTRAL_WINDOW)
+    return cfg
+
+
 def _gpt2(hf: dict[str, Any], where: str) -> ModelConfig:
     _expect(hf, where, "activation_function", TANH_GELU, "gelu_new")
     _expect(hf, where, "scale_attn_weights", (True,), True)
@@ -129,7 +139,7 @@ def from_hf_config(hf: dict[str, Any], where: str = "config.json") -> ModelConfi
     """plait's ModelConfig for a Hugging Face config; ConfigError naming a field it can't."""
     folder_scheme(hf, where)  # a quantized folder: NF4 (QLoRA) read, any other refused
     try:
-        cfg = _llama(hf, where) if family_of(hf, where) == LLAMA else _gpt2(hf, where)
+        cfg = {LLAMA: _llama, GPT2: _gpt2, MISTRAL: _mistral}[family_of(hf, where)](hf, where)
     except KeyError as e:
         raise ConfigError(f"{where}: the field {e.args[0]!r} is missing") from e
     cfg.validate()
@@ -142,14 +152,18 @@ def family(cfg: ModelConfig) -> str:
     gpt2 = (cfg.norm, cfg.mlp, cfg.pos, cfg.bias, cfg.tie_embeddings) == (
         "layernorm", "gelu", "learned", True, True,
     )  # fmt: skip
-    if llama and cfg.arch == LLAMA:
+    if llama and cfg.arch == MISTRAL:
+        return MISTRAL
+    if llama and cfg.arch == LLAMA and cfg.sliding_window is None:  # Llama slides nowhere
         return LLAMA
     if gpt2 and cfg.arch == GPT2:
         return GPT2
     raise ConfigError(
-        f"model.family={cfg.arch!r} norm={cfg.norm!r} mlp={cfg.mlp!r} pos={cfg.pos!r} bias={cfg.bias} "
-        f"tie_embeddings={cfg.tie_embeddings} is neither LlamaForCausalLM (rmsnorm, swiglu, "
-        "rope, no bias) nor GPT2LMHeadModel (layernorm, gelu, learned, bias, tied)"
+        f"model.family={cfg.arch!r} norm={cfg.norm!r} mlp={cfg.mlp!r} pos={cfg.pos!r} "
+        f"bias={cfg.bias} tie_embeddings={cfg.tie_embeddings} "
+        f"sliding_window={cfg.sliding_window} is neither LlamaForCausalLM (rmsnorm, swiglu, "
+        "rope, no bias, no window), MistralForCausalLM (the same, family mistral) nor "
+        "GPT2LMHeadModel (layernorm, gelu, learned, bias, tied)"
     )
 
 
@@ -178,8 +192,10 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
             "activation_function": "gelu_new",
             **{f"{site}_pdrop": cfg.dropout for site in ("resid", "embd", "attn")},
         }
+    window = {"sliding_window": cfg.sliding_window} if kind == MISTRAL else {}
     return {
         **common,
+        **window,
         "hidden_size": cfg.d_model,
         "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads,

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from plait.models.architecture import ModelConfig
 from plait.models.block_table import NormRow, block_table, table_for
-from plait.models.hf.config_json import LLAMA, family
+from plait.models.hf.config_json import GPT2, family
 from plait.models.init import canonical_name
 
 
@@ -98,7 +98,7 @@ def block_linears(arch: str) -> dict[str, str]:
 def pieces(cfg: ModelConfig) -> dict[str, Piece]:
     """Every single-process plait parameter name (a tied head under the embedding's name)
     -> its place in the Hugging Face state dict."""
-    return _llama(cfg) if family(cfg) == LLAMA else _gpt2(cfg)
+    return _gpt2(cfg) if family(cfg) == GPT2 else _llama(cfg)  # Mistral: LLaMA's names
 
 
 def piece(cfg: ModelConfig, table: dict[str, Piece], name: str) -> Piece:
