@@ -19,6 +19,22 @@ def llama_config(vocab: int = 300, **over: Any):
     return LlamaConfig(**(shape | over))
 
 
+def qwen3_config(vocab: int = 300, **over: Any):
+    """Qwen3 with every flag: per-head q/k norms, a head size that is not hidden / heads
+    (3 x 24 = 72 wide q over hidden 64), grouped-query attention, tied head."""
+    from transformers import Qwen3Config
+
+    shape = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                 max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=1e6,
+                 tie_word_embeddings=True)  # fmt: skip
+    return Qwen3Config(**(shape | over))
+
+
+FAMILY_CONFIGS = {"qwen3": qwen3_config}
+"""Each family's tiny config with every one of its flags set (tests/test_hf_families.py)."""
+
+
 def gpt2_config(vocab: int = 300, **over: Any):
     from transformers import GPT2Config
 
@@ -43,10 +59,12 @@ def hf_model(folder: Path):
 
 
 def mistral_config(vocab: int = 300, **over: Any):
-    """Every Mistral flag set: a sliding window (5) shorter than the test rows."""
+    """Every Mistral flag set: a sliding window (5) shorter than the test rows, and a head size
+    (32) not hidden / heads, as Mistral Nemo and Ministral have."""
     from transformers import MistralConfig
 
     shape = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                 rms_norm_eps=1e-5, rope_theta=5000.0, sliding_window=5)  # fmt: skip
+                 rms_norm_eps=1e-5, rope_theta=5000.0, sliding_window=5,
+                 head_dim=32)  # fmt: skip
     return MistralConfig(**(shape | over))

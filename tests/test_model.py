@@ -179,7 +179,7 @@ def test_model_validation_messages() -> None:
         Transformer(ModelConfig(d_model=12, n_heads=4, pos="rope"))
     with pytest.raises(ConfigError, match=r"model.family='mamba' is not one plait builds \(llama"):
         ModelConfig(family="mamba").validate()
-    with pytest.raises(ConfigError, match="model.family='llama' has a swiglu MLP, got model.mlp="):
+    with pytest.raises(ConfigError, match=r"model.family='llama' has a swiglu MLP, got model.mlp="):
         ModelConfig(family="llama", mlp="gelu").validate()
 
 

@@ -43,6 +43,13 @@ class ModelConfig:
             "help": "key/value heads (grouped-query attention); default n_heads",
         },
     )
+    head_size: int | None = field(
+        default=None,
+        metadata={
+            "domain": at_least(1),
+            "help": "features per attention head; default d_model / n_heads (Qwen3 decouples it)",
+        },
+    )
     ffn_hidden: int | None = field(
         default=None,
         metadata={
@@ -144,7 +151,8 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        """`head_size`, or d_model / n_heads: q is n_heads x head_dim wide, o reads that back."""
+        return self.head_size or self.d_model // self.n_heads
 
     @property
     def ffn_dim(self) -> int:
@@ -159,7 +167,7 @@ class ModelConfig:
     def validate(self) -> None:
         """Raise ConfigError naming the values when the shape is impossible."""
         check_fields("model", self)  # each number in its domain (field metadata)
-        if self.d_model % self.n_heads:
+        if self.head_size is None and self.d_model % self.n_heads:
             raise ConfigError(
                 f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}"
             )

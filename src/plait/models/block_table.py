@@ -102,10 +102,17 @@ class LinearRow:
 
 @dataclass(frozen=True)
 class NormRow:
-    """One norm of a block: its module path and its Hugging Face module."""
+    """One norm of a block: its module path and its Hugging Face module. `over="head"`: an
+    RMSNorm over each head of the projection it follows (Qwen3's q_norm and k_norm, before
+    RoPE), of head_dim features; under tensor parallelism a rank normalizes its own heads,
+    so the gain is replicated and its gradient partial over tp."""
 
     path: str  # "attn_norm"
     hf: str  # "input_layernorm"
+    over: Literal["h", "head"] = "h"  # the residual stream's d_model, or each head
+
+    def width(self, cfg: Shape) -> int:
+        return cfg.head_dim if self.over == "head" else cfg.d_model
 
 
 @dataclass(frozen=True)
@@ -189,9 +196,24 @@ GPT2 = BlockTable(
     default_targets=("q", "k", "v"),  # PEFT's c_attn
 )
 
+QWEN3 = BlockTable(
+    "Qwen3",
+    "swiglu",
+    (
+        *LLAMA.rows[:5],
+        NormRow("attn.q_norm", "self_attn.q_norm", over="head"),
+        NormRow("attn.k_norm", "self_attn.k_norm", over="head"),
+        *LLAMA.rows[5:],
+    ),
+    hf_transposed=False,
+    default_targets=("q", "v"),
+)
+"""LLaMA's block with an RMSNorm over each head of q and of k before RoPE; registered after
+o_proj, as Hugging Face's Qwen3Attention does."""
+
 MISTRAL = replace(LLAMA, name="Mistral")  # LLaMA's block; its attention slides (core_attention)
 
-TABLES = {"llama": LLAMA, "gpt2": GPT2, "mistral": MISTRAL}
+TABLES = {"llama": LLAMA, "gpt2": GPT2, "qwen3": QWEN3, "mistral": MISTRAL}
 """Every architecture's table by its `model.family` name."""
 
 LINEAR_PATHS = tuple(sorted({r.path for table in TABLES.values() for r in table.linears}))

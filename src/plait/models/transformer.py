@@ -81,6 +81,9 @@ class Attention(nn.Module):
         self.rope_theta = cfg.rope_theta if cfg.pos == "rope" else None
         self.wq, self.wk = make_linear(cfg, "attn.wq"), make_linear(cfg, "attn.wk")
         self.wv, self.wo = make_linear(cfg, "attn.wv"), make_linear(cfg, "attn.wo")
+        norms = {r.path for r in block_table(cfg).norms}  # Qwen3's per-head q and k norms
+        self.q_norm = RMSNorm(hd, cfg.norm_eps) if "attn.q_norm" in norms else None
+        self.k_norm = RMSNorm(hd, cfg.norm_eps) if "attn.k_norm" in norms else None
         self.core = CoreAttention(cfg.dropout, 4 * layer + SITE_ATTN_PROBS, cfg.window(layer))
         self.shared_adapter = False  # GPT-2's LoRA: wk and wv use wq's A (models/lora.py)
 
@@ -99,6 +102,8 @@ class Attention(nn.Module):
         q = self.wq(x, keys, u).view(b, s, -1, hd).transpose(1, 2)  # (b, a, s, hd)
         k = self.wk(x, keys, u).view(b, s, -1, hd).transpose(1, 2)  # (b, kv, s, hd)
         v = self.wv(x, keys, u).view(b, s, -1, hd).transpose(1, 2)  # (b, kv, s, hd)
+        if self.q_norm is not None:  # over each head's hd features, before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rope_theta is not None:
             positions = None if pack is None else pack.positions
             cos, sin = rope_cos_sin(s, hd, self.rope_theta, x.device, start, positions)

@@ -18,9 +18,12 @@ from plait.errors import ConfigError
 from plait.models.architecture import ModelConfig
 from plait.models.nf4.hf import folder_scheme
 
-LLAMA, GPT2, MISTRAL = "llama", "gpt2", "mistral"
-ARCHITECTURES = {LLAMA: "LlamaForCausalLM", GPT2: "GPT2LMHeadModel", MISTRAL: "MistralForCausalLM"}
+LLAMA, GPT2, QWEN3, MISTRAL = "llama", "gpt2", "qwen3", "mistral"
+ARCHITECTURES = {LLAMA: "LlamaForCausalLM", GPT2: "GPT2LMHeadModel", QWEN3: "Qwen3ForCausalLM"}
+ARCHITECTURES[MISTRAL] = "MistralForCausalLM"
 MISTRAL_WINDOW = 4096  # MistralConfig's sliding_window when config.json has none (v0.1)
+SWITCHES = {LLAMA: ("attention_bias", "mlp_bias"), QWEN3: ("attention_bias",), MISTRAL: ()}
+"""Each Llama-like family's bias switches, which plait reads only off (False)."""
 # GPT-2's "gelu_new" is the tanh approximation plait's MLP computes.
 TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
 
@@ -76,15 +79,18 @@ def _rope_theta(hf: dict[str, Any], where: str) -> float:
     return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
 
 
-def _llama(hf: dict[str, Any], where: str) -> ModelConfig:
+def _llama(hf: dict[str, Any], where: str, kind: str) -> ModelConfig:
+    """The Llama-like families: LLaMA's block, Qwen3's per-head q/k norms and head size."""
     _expect(hf, where, "hidden_act", ("silu",), "silu")
-    _expect(hf, where, "attention_bias", (False,), False)
-    _expect(hf, where, "mlp_bias", (False,), False)
+    for switch in SWITCHES[kind]:
+        _expect(hf, where, switch, (False,), False)
+    if kind != LLAMA:  # Qwen's optional sliding windows
+        _expect(hf, where, "use_sliding_window", (False,), False)
     d, heads = hf["hidden_size"], hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or d // heads
-    if head_dim * heads != d:
-        _refuse(where, "head_dim", head_dim, f"needs hidden_size / heads = {d // heads}")
     return ModelConfig(
+        family="" if kind == LLAMA else kind,
+        head_size=None if head_dim * heads == d else head_dim,
         vocab_size=hf["vocab_size"],
         n_layers=hf["num_hidden_layers"],
         d_model=d,
@@ -103,12 +109,10 @@ def _llama(hf: dict[str, Any], where: str) -> ModelConfig:
     )
 
 
-def _mistral(hf: dict[str, Any], where: str) -> ModelConfig:
-    """LLaMA's block, every layer seeing the last `sliding_window` positions (v0.1: 4096;
-    v0.3 writes null: all); Mistral reads no layer_types (MistralConfig ignores them)."""
-    cfg = _llama(hf, where)
-    cfg.family, cfg.sliding_window = MISTRAL, hf.get("sliding_window", MISTRAL_WINDOW)
-    return cfg
+def _mistral_window(hf: dict[str, Any]) -> int | None:
+    """Mistral's window, in every layer (v0.1: 4096; v0.3 writes null: none); MistralConfig
+    reads no layer_types."""
+    return hf.get("sliding_window", MISTRAL_WINDOW)
 
 
 def _gpt2(hf: dict[str, Any], where: str) -> ModelConfig:
@@ -139,7 +143,10 @@ def from_hf_config(hf: dict[str, Any], where: str = "config.json") -> ModelConfi
     """plait's ModelConfig for a Hugging Face config; ConfigError naming a field it can't."""
     folder_scheme(hf, where)  # a quantized folder: NF4 (QLoRA) read, any other refused
     try:
-        cfg = {LLAMA: _llama, GPT2: _gpt2, MISTRAL: _mistral}[family_of(hf, where)](hf, where)
+        kind = family_of(hf, where)
+        cfg = _gpt2(hf, where) if kind == GPT2 else _llama(hf, where, kind)
+        if kind == MISTRAL:
+            cfg.sliding_window = _mistral_window(hf)
     except KeyError as e:
         raise ConfigError(f"{where}: the field {e.args[0]!r} is missing") from e
     cfg.validate()
@@ -147,23 +154,22 @@ def from_hf_config(hf: dict[str, Any], where: str = "config.json") -> ModelConfi
 
 
 def family(cfg: ModelConfig) -> str:
-    """Which Hugging Face architecture `cfg` is; ConfigError naming the fields if neither."""
+    """Which Hugging Face architecture `cfg` is (its `model_type`); ConfigError naming the
+    fields if none."""
     llama = (cfg.norm, cfg.mlp, cfg.pos, cfg.bias) == ("rmsnorm", "swiglu", "rope", False)
     gpt2 = (cfg.norm, cfg.mlp, cfg.pos, cfg.bias, cfg.tie_embeddings) == (
         "layernorm", "gelu", "learned", True, True,
     )  # fmt: skip
-    if llama and cfg.arch == MISTRAL:
-        return MISTRAL
-    if llama and cfg.arch == LLAMA and cfg.sliding_window is None:  # Llama slides nowhere
-        return LLAMA
+    if llama and cfg.arch != GPT2 and (cfg.sliding_window is None or cfg.arch == MISTRAL):
+        return cfg.arch  # of the Llama-like families only Mistral's attention slides
     if gpt2 and cfg.arch == GPT2:
         return GPT2
     raise ConfigError(
         f"model.family={cfg.arch!r} norm={cfg.norm!r} mlp={cfg.mlp!r} pos={cfg.pos!r} "
         f"bias={cfg.bias} tie_embeddings={cfg.tie_embeddings} "
-        f"sliding_window={cfg.sliding_window} is neither LlamaForCausalLM (rmsnorm, swiglu, "
-        "rope, no bias, no window), MistralForCausalLM (the same, family mistral) nor "
-        "GPT2LMHeadModel (layernorm, gelu, learned, bias, tied)"
+        f"sliding_window={cfg.sliding_window} is neither Llama-like (rmsnorm, swiglu, rope, "
+        "no bias; a sliding window in family mistral only) nor GPT2LMHeadModel (layernorm, "
+        "gelu, learned, bias, tied)"
     )
 
 
@@ -196,6 +202,9 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
     return {
         **common,
         **window,
+        **dict.fromkeys(SWITCHES.get(kind, ()), False),
+        **({"use_sliding_window": False} if kind == QWEN3 else {}),
+        "head_dim": cfg.head_dim,
         "hidden_size": cfg.d_model,
         "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads,
@@ -205,7 +214,5 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
         "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
         "attention_dropout": cfg.dropout,
     }

@@ -53,7 +53,8 @@ def block_pieces(cfg: ModelConfig, prefix: str) -> dict[str, Piece]:
     out: dict[str, Piece] = {}
     for row in table.rows:
         if isinstance(row, NormRow):
-            leaves = ("weight", "bias") if cfg.norm == "layernorm" and cfg.bias else ("weight",)
+            biased = cfg.norm == "layernorm" and cfg.bias and row.over == "h"
+            leaves = ("weight", "bias") if biased else ("weight",)
             for leaf in leaves:
                 out[f"{row.path}.{leaf}"] = Piece(f"{prefix}{row.hf}.{leaf}")
             continue
@@ -98,7 +99,7 @@ def block_linears(arch: str) -> dict[str, str]:
 def pieces(cfg: ModelConfig) -> dict[str, Piece]:
     """Every single-process plait parameter name (a tied head under the embedding's name)
     -> its place in the Hugging Face state dict."""
-    return _gpt2(cfg) if family(cfg) == GPT2 else _llama(cfg)  # Mistral: LLaMA's names
+    return _gpt2(cfg) if family(cfg) == GPT2 else _llama(cfg)
 
 
 def piece(cfg: ModelConfig, table: dict[str, Piece], name: str) -> Piece:
