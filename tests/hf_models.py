@@ -68,3 +68,7 @@ def mistral_config(vocab: int = 300, **over: Any):
                  rms_norm_eps=1e-5, rope_theta=5000.0, sliding_window=5,
                  head_dim=32)  # fmt: skip
     return MistralConfig(**(shape | over))
+
+
+WINDOWED_CONFIGS = {"mistral": mistral_config}
+"""The families whose attention slides (tests/test_windowed_families.py)."""

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-from hf_models import hf_model, mistral_config, save  # noqa: E402
+from hf_models import WINDOWED_CONFIGS, hf_model, mistral_config, save  # noqa: E402
 from packed_rows import PackedRows  # noqa: E402
 from plait.errors import ConfigError  # noqa: E402
 from plait.models.generate import generate  # noqa: E402
@@ -26,7 +26,7 @@ from plait.models.transformer import Transformer, count_parameters  # noqa: E402
 
 RTOL, ATOL = 1e-5, 1e-5
 VOCAB, SEQ = 300, 24
-CONFIGS = {"mistral": mistral_config}
+CONFIGS = WINDOWED_CONFIGS
 FAMILIES = list(CONFIGS)
 # Published parameter counts (the model cards), equal to transformers' own count on meta.
 PUBLISHED = {"mistral-7b-v0.3": 7_248_023_552}

@@ -87,6 +87,20 @@ def _table() -> dict[str, dict[str, Any]]:
             ffn_hidden=128,
             max_seq_len=64,
         ),
+        # Mistral's sliding window (6) shorter than the test rows, and a head size (32) not
+        # d_model / heads (Mistral Nemo's shape).
+        "tiny-mistral": _llama(
+            family="mistral",
+            vocab_size=256,
+            n_layers=2,
+            d_model=64,
+            n_heads=4,
+            n_kv_heads=2,
+            head_size=32,
+            ffn_hidden=128,
+            max_seq_len=64,
+            sliding_window=6,
+        ),
         "small-gpt": _gpt2(vocab_size=256, n_layers=4, d_model=128, n_heads=4, max_seq_len=256),
         "small-llama": _llama(
             vocab_size=256, n_layers=4, d_model=128, n_heads=4, n_kv_heads=2, max_seq_len=256
