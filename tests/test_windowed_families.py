@@ -29,7 +29,11 @@ VOCAB, SEQ = 300, 24
 CONFIGS = WINDOWED_CONFIGS
 FAMILIES = list(CONFIGS)
 # Published parameter counts (the model cards), equal to transformers' own count on meta.
-PUBLISHED = {"mistral-7b-v0.3": 7_248_023_552}
+PUBLISHED = {
+    "mistral-7b-v0.3": 7_248_023_552,
+    "gemma2-2b": 2_614_341_888,
+    "gemma3-1b": 999_885_952,
+}
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,9 @@ import pytest
 
 from exact_loss import exact_parity
 from lora_parity import lora_parity
+from plait.models.presets import get_preset
 
-PRESETS = ["tiny-mistral"]
+PRESETS = ["tiny-mistral", "tiny-gemma2", "tiny-gemma3"]
 SLOW = dict(lr=1e-4, min_lr=1e-5)
 LAYOUTS = {
     "tp2-sp": dict(tp=2, sequence_parallel=True, accum=2, **SLOW),
@@ -41,4 +42,5 @@ def test_every_layout_equals_one_process(world2, preset: str, layout: str) -> No
 def test_lora_on_every_target_equals_one_process(world2, preset: str, layout: str) -> None:
     ranks = world2.run(lora_parity, preset=preset, targets="all", **LORA[layout])
     assert ranks[0]["losses"] == ranks[1]["losses"]
-    assert len(ranks[0]["adapters"]) == 2 * 7 * 2  # two layers, seven Linears, A and B
+    layers = get_preset(preset).n_layers
+    assert len(ranks[0]["adapters"]) == layers * 7 * 2  # seven Linears a layer, A and B

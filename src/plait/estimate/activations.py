@@ -113,7 +113,7 @@ def layer_bytes(cfg: ModelConfig, x: Shape, recompute: str) -> int:
     mlp = x.b * x.s * cfg.ffn_dim // x.t
     total = 2 * norm_bytes(cfg, x) + 2 * full * x.e + 3 * col * x.e + col * x.e
     total += core_bytes(cfg, x, recompute) + rope_bytes(cfg, x)
-    total += (4 if cfg.mlp == "swiglu" else 2) * mlp * x.e
+    total += (2 if cfg.mlp == "gelu" else 4) * mlp * x.e
     if cfg.dropout > 0.0:
         total += 2 * x.res(cfg)
     return total

@@ -64,7 +64,9 @@ class ModelConfig:
     norm: Literal["layernorm", "rmsnorm"] = field(
         default="layernorm", metadata={"help": "norm type"}
     )
-    mlp: Literal["gelu", "swiglu"] = field(default="gelu", metadata={"help": "MLP type"})
+    mlp: Literal["gelu", "swiglu", "geglu"] = field(
+        default="gelu", metadata={"help": "MLP type (geglu: Gemma's tanh-GELU gated MLP)"}
+    )
     pos: Literal["learned", "rope"] = field(
         default="learned", metadata={"help": "position encoding"}
     )
@@ -92,6 +94,29 @@ class ModelConfig:
             "help": "with sliding_window: every n-th layer attends to all (Gemma 2: 2, Gemma 3: "
             "6); 0: every layer slides",
         },
+    )
+    rope_local_theta: float | None = field(
+        default=None,
+        metadata={
+            "domain": above(0),
+            "help": "RoPE base of the sliding-window layers (Gemma 3: 10000); default rope_theta",
+        },
+    )
+    attn_scalar: float | None = field(
+        default=None,
+        metadata={
+            "domain": above(0),
+            "help": "scores are q k^T / sqrt(this) (Gemma's query_pre_attn_scalar); default "
+            "the head size",
+        },
+    )
+    attn_softcap: float | None = field(
+        default=None,
+        metadata={"domain": above(0), "help": "scores soft-capped: tanh(s / c) c (Gemma 2: 50)"},
+    )
+    logit_softcap: float | None = field(
+        default=None,
+        metadata={"domain": above(0), "help": "logits soft-capped: tanh(z / c) c (Gemma 2: 30)"},
     )
     multiple_of: int = field(
         default=256,
@@ -146,6 +171,22 @@ class ModelConfig:
         return self.sliding_window
 
     @property
+    def gemma(self) -> bool:
+        """Gemma's block (2 or 3): norms scaling by (1 + w), a norm after each sublayer too,
+        embeddings times sqrt(d_model) (models/gemma.py)."""
+        return self.arch in ("gemma2", "gemma3")
+
+    def theta(self, layer: int) -> float:
+        """Layer `layer`'s RoPE base: Gemma 3's local base on its sliding layers."""
+        local = self.rope_local_theta is not None and self.window(layer) is not None
+        return self.rope_local_theta if local else self.rope_theta
+
+    @property
+    def attn_scale(self) -> float | None:
+        """The factor of q k^T, None for 1/sqrt(head size) (attn_scalar's inverse root)."""
+        return None if self.attn_scalar is None else self.attn_scalar**-0.5
+
+    @property
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
 
@@ -179,8 +220,8 @@ class ModelConfig:
             raise ConfigError(f"RoPE needs an even head dimension, got {self.head_dim}")
         if self.norm not in ("layernorm", "rmsnorm"):
             raise ConfigError(f"model.norm must be 'layernorm' or 'rmsnorm', got {self.norm!r}")
-        if self.mlp not in ("gelu", "swiglu"):
-            raise ConfigError(f"model.mlp must be 'gelu' or 'swiglu', got {self.mlp!r}")
+        if self.mlp not in ("gelu", "swiglu", "geglu"):
+            raise ConfigError(f"model.mlp must be 'gelu', 'swiglu' or 'geglu', got {self.mlp!r}")
         if self.pos not in ("learned", "rope"):
             raise ConfigError(f"model.pos must be 'learned' or 'rope', got {self.pos!r}")
         self._check_family()

@@ -32,6 +32,7 @@ from plait.models.contract import ModelContract
 from plait.models.core_attention import CoreAttention
 from plait.models.declare import describe
 from plait.models.dropout import KeyedDropout
+from plait.models.gemma import GemmaRMSNorm, scale_embeddings, softcap
 from plait.models.kv_cache import KVCache
 from plait.models.light_loss import target_rows_loss
 from plait.models.lora import Linear, LoRASpec
@@ -65,9 +66,13 @@ def make_linear(cfg: ModelConfig, path: str) -> Linear:
     return Linear(in_f, out_f, row.has_bias(cfg))
 
 
-def make_norm(cfg: ModelConfig) -> nn.Module:
+def make_norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:
+    """The config's norm over `dim` features (default d_model): Gemma's (1 + w) RMSNorm."""
+    dim = dim or cfg.d_model
+    if cfg.gemma:
+        return GemmaRMSNorm(dim, cfg.norm_eps)
     if cfg.norm == "rmsnorm":
-        return RMSNorm(cfg.d_model, cfg.norm_eps)
+        return RMSNorm(dim, cfg.norm_eps)
     return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
 
 
@@ -78,13 +83,14 @@ class Attention(nn.Module):
         super().__init__()
         hd = cfg.head_dim
         self.head_dim, self.layer = hd, layer
-        self.rope_theta = cfg.rope_theta if cfg.pos == "rope" else None
+        self.rope_theta = cfg.theta(layer) if cfg.pos == "rope" else None
         self.wq, self.wk = make_linear(cfg, "attn.wq"), make_linear(cfg, "attn.wk")
         self.wv, self.wo = make_linear(cfg, "attn.wv"), make_linear(cfg, "attn.wo")
         norms = {r.path for r in block_table(cfg).norms}  # Qwen3's per-head q and k norms
-        self.q_norm = RMSNorm(hd, cfg.norm_eps) if "attn.q_norm" in norms else None
-        self.k_norm = RMSNorm(hd, cfg.norm_eps) if "attn.k_norm" in norms else None
-        self.core = CoreAttention(cfg.dropout, 4 * layer + SITE_ATTN_PROBS, cfg.window(layer))
+        self.q_norm = make_norm(cfg, hd) if "attn.q_norm" in norms else None
+        self.k_norm = make_norm(cfg, hd) if "attn.k_norm" in norms else None
+        site, window = 4 * layer + SITE_ATTN_PROBS, cfg.window(layer)
+        self.core = CoreAttention(cfg.dropout, site, window, cfg.attn_scale, cfg.attn_softcap)
         self.shared_adapter = False  # GPT-2's LoRA: wk and wv use wq's A (models/lora.py)
 
     def forward(
@@ -136,15 +142,19 @@ class GeluMLP(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """LLaMA MLP: w_down(silu(w_gate x) * w_up x) (Shazeer, GLU variants, 2020)."""
+    """LLaMA MLP: w_down(silu(w_gate x) * w_up x) (Shazeer, GLU variants, 2020); Gemma's
+    gates with tanh-GELU instead (GeGLU, same paper)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.w_gate, self.w_up = make_linear(cfg, "mlp.w_gate"), make_linear(cfg, "mlp.w_up")
         self.w_down = make_linear(cfg, "mlp.w_down")
+        self.geglu = cfg.mlp == "geglu"
 
     def forward(self, x: Tensor, keys: Tensor | None = None) -> Tensor:
-        gated = F.silu(self.w_gate(x, keys)) * self.w_up(x, keys)  # (b, s, f)
+        gate = self.w_gate(x, keys)  # (b, s, f)
+        act = F.gelu(gate, approximate="tanh") if self.geglu else F.silu(gate)
+        gated = act * self.w_up(x, keys)  # (b, s, f)
         return self.w_down(gated, keys)  # (b, s, h)
 
 
@@ -155,9 +165,11 @@ class Block(nn.Module):
         super().__init__()
         self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg, layer)
+        self.attn_post_norm = make_norm(cfg) if cfg.gemma else None  # registered after attn
         self.attn_drop = KeyedDropout(cfg.dropout, 4 * layer + SITE_ATTN_OUT)
         self.mlp_norm = make_norm(cfg)
-        self.mlp = SwiGLU(cfg) if cfg.mlp == "swiglu" else GeluMLP(cfg)
+        self.mlp = GeluMLP(cfg) if cfg.mlp == "gelu" else SwiGLU(cfg)
+        self.mlp_post_norm = make_norm(cfg) if cfg.gemma else None
         self.mlp_drop = KeyedDropout(cfg.dropout, 4 * layer + SITE_MLP_OUT)
 
     def forward(
@@ -167,8 +179,14 @@ class Block(nn.Module):
         cache: KVCache | None = None,
         pack: Packing | None = None,
     ) -> Tensor:
-        x = x + self.attn_drop(self.attn(self.attn_norm(x), keys, cache, pack), keys)  # (b, s, h)
-        return x + self.mlp_drop(self.mlp(self.mlp_norm(x), keys), keys)  # (b, s, h)
+        y = self.attn(self.attn_norm(x), keys, cache, pack)  # (b, s, h)
+        if self.attn_post_norm is not None:  # Gemma: each sublayer's output normed too
+            y = self.attn_post_norm(y)
+        x = x + self.attn_drop(y, keys)  # (b, s, h)
+        y = self.mlp(self.mlp_norm(x), keys)  # (b, s, h)
+        if self.mlp_post_norm is not None:
+            y = self.mlp_post_norm(y)
+        return x + self.mlp_drop(y, keys)  # (b, s, h)
 
 
 def _table(rows: int, dim: int) -> nn.Embedding:
@@ -188,6 +206,7 @@ class Embedding(nn.Module):
         super().__init__()
         self.tok = _table(cfg.vocab_size, cfg.d_model)
         self.learned = cfg.pos == "learned"  # learned positions (GPT-2)
+        self.scaled = cfg.gemma  # Gemma: times sqrt(d_model)
         if self.learned:
             self.pos = _table(cfg.max_seq_len, cfg.d_model)
         self.drop = KeyedDropout(cfg.dropout, SITE_EMBED)
@@ -200,6 +219,8 @@ class Embedding(nn.Module):
         pack: Packing | None = None,
     ) -> Tensor:
         x = self.tok(tokens)  # (b, s, h)
+        if self.scaled:
+            x = scale_embeddings(x)
         if self.learned:
             end = start + tokens.shape[1]
             if end > self.pos.num_embeddings:
@@ -291,11 +312,11 @@ class Transformer(nn.Module):
         only the rows that have a target reach the head, in chunks, and backward recomputes
         their logits (models/light_loss.py): the (b, s, V) logits are never held. The head's
         `region_input` comes first (a tensor-parallel head's sequence all-gather under SP)."""
-        x = self.norm(x)
+        x, cap = self.norm(x), self.cfg.logit_softcap
         if targets is None:
-            return self.head(x)  # (b, s, V)
-        if not self.contract.plain_head:
-            return self.loss(self.head(x), targets, denom)
+            return softcap(self.head(x), cap)  # (b, s, V)
+        if not self.contract.plain_head or cap is not None:  # Gemma 2: capped logits
+            return self.loss(softcap(self.head(x), cap), targets, denom)
         x = self.head.region_input(x)  # (b, s, h)
         # A frozen head held in another dtype meets the activations in theirs, as its own
         # forward would (mixed_precision.compute_frozen_in); otherwise `to` is a no-op.

@@ -16,6 +16,7 @@ from typing import Any
 
 from plait.errors import ConfigError
 from plait.models.architecture import ModelConfig
+from plait.models.hf.config_gemma import GEMMA_TYPES, check_gemma, gemma_config, gemma_fields
 from plait.models.nf4.hf import folder_scheme
 
 LLAMA, GPT2, QWEN3, MISTRAL = "llama", "gpt2", "qwen3", "mistral"
@@ -52,8 +53,8 @@ def read_json_object(folder: Path, name: str, flag: str, kind: str, note: str = 
 
 def family_of(hf: dict[str, Any], where: str) -> str:
     kind = hf.get("model_type")
-    if kind not in ARCHITECTURES:
-        known = ", ".join(ARCHITECTURES)
+    if kind not in ARCHITECTURES and kind not in GEMMA_TYPES:
+        known = ", ".join([*ARCHITECTURES, *GEMMA_TYPES])
         raise ConfigError(f"{where}: model_type={kind!r} is not one plait reads ({known})")
     return kind
 
@@ -144,18 +145,38 @@ def from_hf_config(hf: dict[str, Any], where: str = "config.json") -> ModelConfi
     folder_scheme(hf, where)  # a quantized folder: NF4 (QLoRA) read, any other refused
     try:
         kind = family_of(hf, where)
+        if kind in GEMMA_TYPES:
+            return _checked(gemma_config(hf, where, kind))
         cfg = _gpt2(hf, where) if kind == GPT2 else _llama(hf, where, kind)
         if kind == MISTRAL:
             cfg.sliding_window = _mistral_window(hf)
     except KeyError as e:
         raise ConfigError(f"{where}: the field {e.args[0]!r} is missing") from e
+    return _checked(cfg)
+
+
+def _checked(cfg: ModelConfig) -> ModelConfig:
     cfg.validate()
     return cfg
+
+
+def _gemma_only(cfg: ModelConfig) -> None:
+    """What only a Gemma folder holds (scores scaled apart from the head size, soft-caps, a
+    local RoPE base, alternating windows), refused elsewhere, naming the first one set."""
+    for name in ("attn_scalar", "attn_softcap", "logit_softcap", "rope_local_theta"):
+        if getattr(cfg, name) is not None:
+            raise ConfigError(f"model.{name}={getattr(cfg, name)} is Gemma's (family gemma2/3)")
+    if cfg.global_every:
+        raise ConfigError(f"model.global_every={cfg.global_every} is Gemma's (family gemma2/3)")
 
 
 def family(cfg: ModelConfig) -> str:
     """Which Hugging Face architecture `cfg` is (its `model_type`); ConfigError naming the
     fields if none."""
+    if cfg.gemma:
+        check_gemma(cfg)
+        return cfg.arch
+    _gemma_only(cfg)
     llama = (cfg.norm, cfg.mlp, cfg.pos, cfg.bias) == ("rmsnorm", "swiglu", "rope", False)
     gpt2 = (cfg.norm, cfg.mlp, cfg.pos, cfg.bias, cfg.tie_embeddings) == (
         "layernorm", "gelu", "learned", True, True,
@@ -177,7 +198,7 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
     """config.json for `cfg` (the inverse of `from_hf_config`); byte-level: no special tokens."""
     kind = family(cfg)
     common = {
-        "architectures": [ARCHITECTURES[kind]],
+        "architectures": [ARCHITECTURES.get(kind)],  # Gemma's: gemma_fields
         "model_type": kind,
         "vocab_size": cfg.vocab_size,
         "initializer_range": cfg.init_std,
@@ -186,6 +207,8 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
         "eos_token_id": None,
         "torch_dtype": "float32",
     }
+    if cfg.gemma:
+        return {**common, **gemma_fields(cfg)}
     if kind == GPT2:
         return {
             **common,
