@@ -389,5 +389,7 @@ def signals() -> list[Case]:
 
 
 def all_cases() -> list[Case]:
+    from bad_input_families import family_cases  # it imports Case from here
+
     return (wrong_values() + wrong_paths() + wrong_types() + conflicting_flags() + one_source()
-            + damaged_checkpoints() + signals())  # fmt: skip
+            + damaged_checkpoints() + signals() + family_cases())  # fmt: skip

@@ -31,7 +31,42 @@ def qwen3_config(vocab: int = 300, **over: Any):
     return Qwen3Config(**(shape | over))
 
 
-FAMILY_CONFIGS = {"qwen3": qwen3_config}
+def qwen2_config(vocab: int = 300, **over: Any):
+    """Qwen2 with every flag: biases on q, k and v (not o), tied head, RoPE base 1e6."""
+    from transformers import Qwen2Config
+
+    shape = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                 rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True)  # fmt: skip
+    return Qwen2Config(**(shape | over))
+
+
+def llama3_config(vocab: int = 300, **over: Any):
+    """Llama 3.2 with every flag: the llama3 RoPE rescale (an original context of 16 puts
+    the tiny head's wavelengths on both sides of the blend), base 500000, tied head."""
+    scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=16)  # fmt: skip
+    return llama_config(vocab, rope_theta=500000.0, rope_scaling=scaling,
+                        tie_word_embeddings=True, **over)  # fmt: skip
+
+
+def phi3_config(vocab: int = 300, **over: Any):
+    """Phi-3-mini with every flag: fused qkv_proj and gate_up_proj, untied head."""
+    from transformers import Phi3Config
+
+    shape = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                 original_max_position_embeddings=64, rms_norm_eps=1e-5, pad_token_id=0,
+                 bos_token_id=1, eos_token_id=2, sliding_window=None)  # fmt: skip
+    return Phi3Config(**(shape | over))
+
+
+FAMILY_CONFIGS = {
+    "llama3": llama3_config,
+    "qwen2": qwen2_config,
+    "qwen3": qwen3_config,
+    "phi3": phi3_config,
+}
 """Each family's tiny config with every one of its flags set (tests/test_hf_families.py)."""
 
 

@@ -5,6 +5,7 @@ greedy generation with plait's KV cache gives transformers' tokens."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -75,3 +76,40 @@ def test_greedy_generation_with_the_cache_gives_transformers_tokens(folders, kin
         prompt.view(1, -1), max_new_tokens=12, do_sample=False, eos_token_id=None
     )
     assert ours.tolist() == theirs[0, 7:].tolist()
+
+
+def test_the_family_fields_map(folders) -> None:
+    llama3, qwen3 = load_config(folders["llama3"]), load_config(folders["qwen3"])
+    assert (llama3.arch, llama3.rope_theta, llama3.rope_factor, llama3.rope_original_max) == (
+        "llama", 500000.0, 8.0, 16,
+    )  # fmt: skip
+    assert (qwen3.arch, qwen3.head_dim, qwen3.tie_embeddings) == ("qwen3", 24, True)
+    assert (load_config(folders["qwen2"]).arch, load_config(folders["phi3"]).arch) == (
+        "qwen2", "phi3",
+    )  # fmt: skip
+
+
+LONGROPE = {"type": "longrope", "long_factor": [1.0] * 8, "short_factor": [1.0] * 8}
+
+
+@pytest.mark.parametrize(
+    ("kind", "over", "message"),
+    [
+        ("phi3", {"rope_scaling": LONGROPE}, "rope_scaling.rope_type='longrope' cannot be "
+         "expressed by plait's model (plain RoPE or llama3 only)"),
+        ("phi3", {"sliding_window": 2047}, "sliding_window=2047 cannot be expressed"),
+        ("phi3", {"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5 cannot be"),
+        ("qwen2", {"use_sliding_window": True}, "use_sliding_window=True cannot be expressed"),
+        ("qwen3", {"attention_bias": True}, "attention_bias=True cannot be expressed"),
+        ("qwen3", {"hidden_act": "gelu"}, "hidden_act='gelu' cannot be expressed"),
+        ("qwen3", {"model_type": "mamba"}, "model_type='mamba' is not one plait reads (llama, "
+         "qwen2, qwen3, phi3, gpt2, mistral, gemma2, gemma3_text)"),
+    ],
+)  # fmt: skip
+def test_what_a_family_cannot_express_is_named(kind: str, over: dict, message: str) -> None:
+    from plait.errors import ConfigError
+    from plait.models.hf.config_json import from_hf_config
+
+    hf = FAMILY_CONFIGS[kind](VOCAB).to_dict() | over
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        from_hf_config(hf)

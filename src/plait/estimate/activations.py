@@ -11,7 +11,10 @@ Per block, no recomputation:
   each norm (2):   LayerNorm Hr·e + 2(bs/t_sp)·e (input, mean, rstd);
                    RMSNorm  Hr·4 + (bs/t_sp)·4 + Hr·e (fp32 input, 1/rms, normalized)
   Linear inputs:   2·H·e (after each norm; all-gathered under SP, so never /t)
-  q, k, v:         3·Hc·e (k, v repeated to a/t heads under grouped-query attention)
+  q, k, v:         3·Hc·e (k, v repeated to a/t heads under grouped-query attention; Hc is
+                   sb·a·hd/t where the head size is not h/a, as Qwen3's)
+  q/k head norms:  (Qwen3) as an RMSNorm, per rank: n·4 + (bs·heads)·4 + n·e for q's a/t
+                   heads and k's kv/t, n = bs·heads·hd
   attention core:  fused (dropout 0): b(a/t)s·4 (log-sum-exp);
                    explicit (dropout > 0): s² (causal mask) + A·(4 + 1 + e) (fp32 softmax,
                    dropout mask, dropped probabilities)  -- Korthikanti's 5as²b
@@ -38,6 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from plait.models.architecture import ModelConfig
+from plait.models.block_table import block_table
 
 INDEX = 8  # int64 token ids and positions
 
@@ -90,6 +94,18 @@ def rope_bytes(cfg: ModelConfig, x: Shape) -> int:
     return 2 * (x.b if x.packed else 1) * x.s * cfg.head_dim * 4
 
 
+def head_norm_bytes(cfg: ModelConfig, x: Shape) -> int:
+    """The RMSNorms over each head of q and of k (Qwen3's, before RoPE), saving what a norm
+    saves (fp32 input, 1/rms per head, normalized) over this rank's heads; 0 without them."""
+    if not any(r.over == "head" for r in block_table(cfg).norms):
+        return 0
+    out = 0
+    for heads in (cfg.n_heads // x.t, cfg.kv_heads // x.t):
+        n = x.b * x.s * heads * cfg.head_dim
+        out += n * 4 + x.b * x.s * heads * 4 + n * x.e
+    return out
+
+
 def mask_bytes(cfg: ModelConfig, x: Shape, recompute: str) -> int:
     """Packed rows' additive block-causal mask (b, 1, s, s) of the compute dtype, once per
     micro-batch and chunk: one tensor (models/packing.py) that every layer's fused attention
@@ -109,10 +125,10 @@ def layer_bytes(cfg: ModelConfig, x: Shape, recompute: str) -> int:
     if recompute == "full":
         return x.res(cfg) * x.e
     full = x.b * x.s * cfg.d_model
-    col = full // x.t
+    col = x.b * x.s * cfg.n_heads * cfg.head_dim // x.t  # q's width: a·hd (h unless decoupled)
     mlp = x.b * x.s * cfg.ffn_dim // x.t
     total = 2 * norm_bytes(cfg, x) + 2 * full * x.e + 3 * col * x.e + col * x.e
-    total += core_bytes(cfg, x, recompute) + rope_bytes(cfg, x)
+    total += core_bytes(cfg, x, recompute) + rope_bytes(cfg, x) + head_norm_bytes(cfg, x)
     total += (2 if cfg.mlp == "gelu" else 4) * mlp * x.e
     if cfg.dropout > 0.0:
         total += 2 * x.res(cfg)

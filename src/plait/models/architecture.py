@@ -10,6 +10,7 @@ from plait.domain import above, at_least, check_fields, fraction
 from plait.errors import ConfigError
 from plait.models.block_table import TABLES, linear_widths
 from plait.models.lora import LoRASpec, check_rank, lora_spec
+from plait.models.rope import Llama3Scaling
 
 
 @dataclass
@@ -79,6 +80,24 @@ class ModelConfig:
         default=1e-5, metadata={"domain": above(0), "help": "epsilon of the norms"}
     )
     rope_theta: float = field(default=10000.0, metadata={"domain": above(0), "help": "RoPE base"})
+    rope_factor: float | None = field(
+        default=None,
+        metadata={
+            "domain": above(0),
+            "help": "Llama 3 RoPE rescale: long wavelengths divided by it; default none (plain)",
+        },
+    )
+    rope_low_freq_factor: float = field(
+        default=1.0,
+        metadata={"domain": above(0), "help": "Llama 3 RoPE: rescaled above original/this"},
+    )
+    rope_high_freq_factor: float = field(
+        default=4.0, metadata={"domain": above(0), "help": "Llama 3 RoPE: kept below original/this"}
+    )
+    rope_original_max: int = field(
+        default=8192,
+        metadata={"domain": at_least(1), "help": "Llama 3 RoPE: the pretraining context"},
+    )
     sliding_window: int | None = field(
         default=None,
         metadata={
@@ -187,6 +206,18 @@ class ModelConfig:
         return None if self.attn_scalar is None else self.attn_scalar**-0.5
 
     @property
+    def rope_scaling(self) -> Llama3Scaling | None:
+        """Llama 3's RoPE rescale when `rope_factor` is set (models/rope.py)."""
+        if self.rope_factor is None:
+            return None
+        return Llama3Scaling(
+            self.rope_factor,
+            self.rope_low_freq_factor,
+            self.rope_high_freq_factor,
+            self.rope_original_max,
+        )
+
+    @property
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
 
@@ -225,6 +256,11 @@ class ModelConfig:
         if self.pos not in ("learned", "rope"):
             raise ConfigError(f"model.pos must be 'learned' or 'rope', got {self.pos!r}")
         self._check_family()
+        if self.rope_factor is not None and self.rope_high_freq_factor <= self.rope_low_freq_factor:
+            raise ConfigError(
+                f"model.rope_high_freq_factor={self.rope_high_freq_factor} must exceed "
+                f"model.rope_low_freq_factor={self.rope_low_freq_factor} (Llama 3's RoPE blend)"
+            )
         spec = self.lora
         if spec is not None:
             check_rank(spec, linear_widths(self))

@@ -69,8 +69,9 @@ def width(cfg: Shape, rule: Width) -> int:
 
 
 def flags(cfg: Shape) -> dict[str, bool]:
-    """The config's switches a row's `bias` may name."""
-    return {"bias": cfg.bias}
+    """The config's switches a row's `bias` may name; "always": the family's own bias
+    (Qwen2's q, k and v), whatever `model.bias` says."""
+    return {"bias": cfg.bias, "always": True}
 
 
 @dataclass(frozen=True)
@@ -211,6 +212,33 @@ QWEN3 = BlockTable(
 """LLaMA's block with an RMSNorm over each head of q and of k before RoPE; registered after
 o_proj, as Hugging Face's Qwen3Attention does."""
 
+QWEN2 = BlockTable(
+    "Qwen2",
+    "swiglu",
+    (
+        LLAMA.rows[0],
+        *(replace(r, bias=("always",)) for r in LLAMA.rows[1:4]),
+        *LLAMA.rows[4:],
+    ),
+    hf_transposed=False,
+    default_targets=("q", "v"),
+)
+"""LLaMA's block with biases on q, k and v (not o): Qwen2 and Qwen2.5."""
+
+FUSED = {"self_attn.q_proj": "self_attn.qkv_proj", "self_attn.k_proj": "self_attn.qkv_proj",
+         "self_attn.v_proj": "self_attn.qkv_proj", "mlp.gate_proj": "mlp.gate_up_proj",
+         "mlp.up_proj": "mlp.gate_up_proj"}  # fmt: skip
+PHI3 = BlockTable(
+    "Phi-3",
+    "swiglu",
+    tuple(replace(r, hf=FUSED.get(r.hf, r.hf)) for r in LLAMA.rows),
+    hf_transposed=False,
+    default_targets=("q", "k", "v"),  # qkv_proj (PEFT has no default for Phi-3)
+)
+"""LLaMA's block, stored by Hugging Face with q, k and v stacked in one qkv_proj and gate
+and up in one gate_up_proj (split on the way in, stacked on the way out, by the rows'
+order); PEFT adapts each fused module once, so they share one A (models/lora.py)."""
+
 MISTRAL = replace(LLAMA, name="Mistral")  # LLaMA's block; its attention slides (core_attention)
 
 _ATTN, _MLP = LLAMA.linears[:4], LLAMA.linears[4:]
@@ -246,7 +274,9 @@ GEMMA3 = replace(
 TABLES = {
     "llama": LLAMA,
     "gpt2": GPT2,
+    "qwen2": QWEN2,
     "qwen3": QWEN3,
+    "phi3": PHI3,
     "mistral": MISTRAL,
     "gemma2": GEMMA2,
     "gemma3": GEMMA3,

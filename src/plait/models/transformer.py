@@ -32,31 +32,18 @@ from plait.models.contract import ModelContract
 from plait.models.core_attention import CoreAttention
 from plait.models.declare import describe
 from plait.models.dropout import KeyedDropout
-from plait.models.gemma import GemmaRMSNorm, scale_embeddings, softcap
+from plait.models.gemma import scale_embeddings, softcap
 from plait.models.kv_cache import KVCache
 from plait.models.light_loss import target_rows_loss
 from plait.models.lora import Linear, LoRASpec
 from plait.models.loss import LMLoss
+from plait.models.norms import head_norms, make_norm
 from plait.models.packing import Packing
 from plait.models.rope import apply_rope, rope_cos_sin
 from plait.torch_private import embedding_left_unset
 
 # Dropout site ids: the embedding owns site 0, block i owns 4 * i + kind.
 SITE_EMBED, SITE_ATTN_PROBS, SITE_ATTN_OUT, SITE_MLP_OUT = 0, 1, 2, 3
-
-
-class RMSNorm(nn.Module):
-    """x / rms(x) * weight (Zhang & Sennrich, 2019), as LLaMA; computed in fp32."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return xf.type_as(x) * self.weight
 
 
 def make_linear(cfg: ModelConfig, path: str) -> Linear:
@@ -66,16 +53,6 @@ def make_linear(cfg: ModelConfig, path: str) -> Linear:
     return Linear(in_f, out_f, row.has_bias(cfg))
 
 
-def make_norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:
-    """The config's norm over `dim` features (default d_model): Gemma's (1 + w) RMSNorm."""
-    dim = dim or cfg.d_model
-    if cfg.gemma:
-        return GemmaRMSNorm(dim, cfg.norm_eps)
-    if cfg.norm == "rmsnorm":
-        return RMSNorm(dim, cfg.norm_eps)
-    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
-
-
 class Attention(nn.Module):
     """Multi-head / grouped-query self-attention with optional RoPE."""
 
@@ -83,12 +60,10 @@ class Attention(nn.Module):
         super().__init__()
         hd = cfg.head_dim
         self.head_dim, self.layer = hd, layer
-        self.rope_theta = cfg.theta(layer) if cfg.pos == "rope" else None
+        self.rope = (cfg.theta(layer), cfg.rope_scaling) if cfg.pos == "rope" else None
         self.wq, self.wk = make_linear(cfg, "attn.wq"), make_linear(cfg, "attn.wk")
         self.wv, self.wo = make_linear(cfg, "attn.wv"), make_linear(cfg, "attn.wo")
-        norms = {r.path for r in block_table(cfg).norms}  # Qwen3's per-head q and k norms
-        self.q_norm = make_norm(cfg, hd) if "attn.q_norm" in norms else None
-        self.k_norm = make_norm(cfg, hd) if "attn.k_norm" in norms else None
+        self.q_norm, self.k_norm = head_norms(cfg)  # Qwen3's and Gemma 3's, over each head
         site, window = 4 * layer + SITE_ATTN_PROBS, cfg.window(layer)
         self.core = CoreAttention(cfg.dropout, site, window, cfg.attn_scale, cfg.attn_softcap)
         self.shared_adapter = False  # GPT-2's LoRA: wk and wv use wq's A (models/lora.py)
@@ -110,9 +85,10 @@ class Attention(nn.Module):
         v = self.wv(x, keys, u).view(b, s, -1, hd).transpose(1, 2)  # (b, kv, s, hd)
         if self.q_norm is not None:  # over each head's hd features, before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.rope_theta is not None:
+        if self.rope is not None:
             positions = None if pack is None else pack.positions
-            cos, sin = rope_cos_sin(s, hd, self.rope_theta, x.device, start, positions)
+            theta, scaling = self.rope
+            cos, sin = rope_cos_sin(s, hd, theta, x.device, start, positions, scaling)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.extend(self.layer, k, v)  # (b, kv, start + s, hd)
@@ -149,12 +125,14 @@ class SwiGLU(nn.Module):
         super().__init__()
         self.w_gate, self.w_up = make_linear(cfg, "mlp.w_gate"), make_linear(cfg, "mlp.w_up")
         self.w_down = make_linear(cfg, "mlp.w_down")
+        self.shared_adapter = False  # Phi-3's LoRA: w_up uses w_gate's A (gate_up_proj)
         self.geglu = cfg.mlp == "geglu"
 
     def forward(self, x: Tensor, keys: Tensor | None = None) -> Tensor:
-        gate = self.w_gate(x, keys)  # (b, s, f)
+        u = self.w_gate.adapter_input(x, keys) if self.shared_adapter else None  # (b, s, r)
+        gate = self.w_gate(x, keys, u)  # (b, s, f)
         act = F.gelu(gate, approximate="tanh") if self.geglu else F.silu(gate)
-        gated = act * self.w_up(x, keys)  # (b, s, f)
+        gated = act * self.w_up(x, keys, u)  # (b, s, f)
         return self.w_down(gated, keys)  # (b, s, h)
 
 
@@ -330,6 +308,7 @@ def add_adapters(blocks: nn.ModuleList, spec: LoRASpec | None) -> None:
         for leaf in spec.leaves:
             block.get_submodule(leaf).add_adapter(spec, i, leaf)
         block.attn.shared_adapter = "attn.wk" in spec.leaves and not spec.has_a("attn.wk")
+        block.mlp.shared_adapter = "mlp.w_up" in spec.leaves and not spec.has_a("mlp.w_up")
 
 
 # ---------------------------------------------------------------- counting
@@ -355,8 +334,9 @@ def _block_weight_elements(cfg: ModelConfig) -> int:
 
 def layer_forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     """One block's forward matmul FLOPs per token: 2 per Linear weight element (multiply-add)
-    plus attention's q k^T and probs v, 2·2·s·h (no weights; the causal half is counted)."""
-    return 2 * _block_weight_elements(cfg) + 4 * seq_len * cfg.d_model
+    plus attention's q k^T and probs v, 2·2·s·a·hd (h unless the head size is decoupled; no
+    weights; the causal half is counted)."""
+    return 2 * _block_weight_elements(cfg) + 4 * seq_len * cfg.n_heads * cfg.head_dim
 
 
 def head_forward_flops_per_token(cfg: ModelConfig) -> int:
@@ -373,4 +353,5 @@ def matmul_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     masking half of it is wasted work, and the convention counts it anyway. It is three
     forwards: 3 (L x layer_forward_flops_per_token + head_forward_flops_per_token).
     """
-    return 6 * linear_weight_elements(cfg) + 12 * cfg.n_layers * seq_len * cfg.d_model
+    attention = 12 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim  # a·hd: h, or Qwen3's
+    return 6 * linear_weight_elements(cfg) + attention

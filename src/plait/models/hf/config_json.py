@@ -19,12 +19,26 @@ from plait.models.architecture import ModelConfig
 from plait.models.hf.config_gemma import GEMMA_TYPES, check_gemma, gemma_config, gemma_fields
 from plait.models.nf4.hf import folder_scheme
 
-LLAMA, GPT2, QWEN3, MISTRAL = "llama", "gpt2", "qwen3", "mistral"
-ARCHITECTURES = {LLAMA: "LlamaForCausalLM", GPT2: "GPT2LMHeadModel", QWEN3: "Qwen3ForCausalLM"}
-ARCHITECTURES[MISTRAL] = "MistralForCausalLM"
-MISTRAL_WINDOW = 4096  # MistralConfig's sliding_window when config.json has none (v0.1)
+LLAMA, GPT2, QWEN2, QWEN3, PHI3 = "llama", "gpt2", "qwen2", "qwen3", "phi3"
+MISTRAL = "mistral"
+ARCHITECTURES = {
+    LLAMA: "LlamaForCausalLM",
+    QWEN2: "Qwen2ForCausalLM",
+    QWEN3: "Qwen3ForCausalLM",
+    PHI3: "Phi3ForCausalLM",
+    GPT2: "GPT2LMHeadModel",
+    MISTRAL: "MistralForCausalLM",
+}
 SWITCHES = {LLAMA: ("attention_bias", "mlp_bias"), QWEN3: ("attention_bias",), MISTRAL: ()}
+MISTRAL_WINDOW = 4096  # MistralConfig's sliding_window when config.json has none (v0.1)
 """Each Llama-like family's bias switches, which plait reads only off (False)."""
+LLAMA3_FIELDS = {
+    "rope_factor": "factor",
+    "rope_low_freq_factor": "low_freq_factor",
+    "rope_high_freq_factor": "high_freq_factor",
+    "rope_original_max": "original_max_position_embeddings",
+}
+"""ModelConfig's Llama 3 RoPE fields -> their key in a rope_type "llama3" config."""
 # GPT-2's "gelu_new" is the tanh approximation plait's MLP computes.
 TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
 
@@ -69,24 +83,36 @@ def _expect(hf: dict[str, Any], where: str, field: str, allowed: tuple, default:
         _refuse(where, field, value, "needs " + " or ".join(repr(a) for a in allowed))
 
 
-def _rope_theta(hf: dict[str, Any], where: str) -> float:
-    """RoPE base; transformers 5 keeps it in `rope_parameters`, 4.x at the top level."""
+def _rope(hf: dict[str, Any], where: str) -> dict[str, Any]:
+    """RoPE base and Llama 3's rescale; transformers 5 keeps them in `rope_parameters`, 4.x
+    in `rope_theta` and `rope_scaling`. Any other rope_type (Phi-3's longrope, yarn,
+    linear, dynamic) and a partial rotation are refused, naming the field."""
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or {}
+    out: dict[str, Any] = {"rope_theta": float(params.get("rope_theta", hf.get("rope_theta", 1e4)))}
     for field, spec in (("rope_parameters", params), ("rope_scaling", scaling)):
         kind = spec.get("rope_type", spec.get("type", "default"))
-        if kind != "default":
-            _refuse(where, f"{field}.rope_type", kind, "plain RoPE only")
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+        if kind == "llama3":
+            out |= {ours: float(spec[theirs]) for ours, theirs in LLAMA3_FIELDS.items()}
+        elif kind != "default":
+            _refuse(where, f"{field}.rope_type", kind, "plain RoPE or llama3 only")
+        part = spec.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+        if part != 1.0:
+            _refuse(where, "partial_rotary_factor", part, "RoPE over the whole head only")
+    if "rope_original_max" in out:
+        out["rope_original_max"] = int(out["rope_original_max"])
+    return out
 
 
 def _llama(hf: dict[str, Any], where: str, kind: str) -> ModelConfig:
     """The Llama-like families: LLaMA's block, Qwen3's per-head q/k norms and head size."""
     _expect(hf, where, "hidden_act", ("silu",), "silu")
-    for switch in SWITCHES[kind]:
+    for switch in SWITCHES.get(kind, ()):
         _expect(hf, where, switch, (False,), False)
-    if kind != LLAMA:  # Qwen's optional sliding windows
+    if kind in (QWEN2, QWEN3):  # Qwen's optional sliding windows
         _expect(hf, where, "use_sliding_window", (False,), False)
+    if kind == PHI3:  # Phi-3-mini-4k's 2047: rows up to that length would be exact
+        _expect(hf, where, "sliding_window", (None,), None)
     d, heads = hf["hidden_size"], hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or d // heads
     return ModelConfig(
@@ -105,7 +131,7 @@ def _llama(hf: dict[str, Any], where: str, kind: str) -> ModelConfig:
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         bias=False,
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope_theta=_rope_theta(hf, where),
+        **_rope(hf, where),
         init_std=float(hf.get("initializer_range", 0.02)),
     )
 
@@ -205,6 +231,7 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
         "tie_word_embeddings": cfg.tie_embeddings,
         "bos_token_id": None,
         "eos_token_id": None,
+        "pad_token_id": None,  # Phi-3's default (32000) would be out of a smaller vocabulary
         "torch_dtype": "float32",
     }
     if cfg.gemma:
@@ -226,7 +253,7 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
         **common,
         **window,
         **dict.fromkeys(SWITCHES.get(kind, ()), False),
-        **({"use_sliding_window": False} if kind == QWEN3 else {}),
+        **({"use_sliding_window": False} if kind in (QWEN2, QWEN3) else {}),
         "head_dim": cfg.head_dim,
         "hidden_size": cfg.d_model,
         "num_hidden_layers": cfg.n_layers,
@@ -236,6 +263,17 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
         "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
+        **_rope_scaling(cfg),
         "hidden_act": "silu",
         "attention_dropout": cfg.dropout,
     }
+
+
+def _rope_scaling(cfg: ModelConfig) -> dict[str, Any]:
+    """Llama 3's RoPE rescale as a config.json's `rope_scaling` (nothing for plain RoPE)."""
+    if cfg.rope_factor is None:
+        return {}
+    ours = (cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
+            cfg.rope_original_max)  # fmt: skip
+    spec = dict(zip(LLAMA3_FIELDS.values(), ours, strict=True))
+    return {"rope_scaling": {"rope_type": "llama3", **spec}}
