@@ -116,7 +116,8 @@ def test_each_rank_reads_its_slices(world2, folders, kind: str, layout: str) -> 
         compared = [r for r in ranks if r["logits"] is not None]
         assert compared or layout.startswith("dp")  # tp2: both ranks; pp2: the last stage
         for r in compared:
-            torch.testing.assert_close(r["logits"], theirs, rtol=1e-5, atol=1e-6)
+            atol = 1e-5 if kind == "gemma2" else 1e-6  # its logits reach the cap (3)
+            torch.testing.assert_close(r["logits"], theirs, rtol=1e-5, atol=atol)
         losses = [F.cross_entropy(model(x).logits.flatten(0, 1), y.flatten()) for x, y in batches]
     for r in ranks:
         assert r["loss"] == pytest.approx(float(torch.stack(losses).mean()), rel=1e-5)
