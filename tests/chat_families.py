@@ -38,8 +38,17 @@ QWEN_REGEX = (
 )
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
                    "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"]  # fmt: skip
-FAMILIES = ("llama2", "mistral", "zephyr", "llama3", "llama3.1", "llama3.2", "qwen2.5", "gpt2",
-            "gemma")
+FAMILIES = (
+    "llama2",
+    "mistral",
+    "zephyr",
+    "llama3",
+    "llama3.1",
+    "llama3.2",
+    "qwen2.5",
+    "gpt2",
+    "gemma",
+)
 
 
 def template(name: str) -> str:

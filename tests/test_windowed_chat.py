@@ -13,10 +13,10 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from chat_families import gemma_folder  # noqa: E402
-from hf_models import gemma2_config, save  # noqa: E402
-from plait.models.generate import stop_ids  # noqa: E402
-from test_generate_templates import _hf_greedy, _plait  # noqa: E402
+from chat_families import gemma_folder
+from hf_models import gemma2_config, save
+from plait.models.generate import stop_ids
+from test_generate_templates import _hf_greedy, _plait
 
 END_OF_TURN = 5  # gemma_folder's <end_of_turn>
 
