@@ -29,7 +29,45 @@ def family_cases() -> list[Case]:
         Case("wrong type", (*train, "{S}/hf-shape")),
         Case("wrong type", ("eval", "--init-from", "{S}/hf-shape", "--data", "{S}/text.txt")),
         Case("wrong type", ("generate", "--init-from", "{S}/hf-tok", "--chat", "--prompt", "x")),
+        *windowed_cases(train),
     ]
+
+
+GEMMA3_VISION = {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"]}
+GEMMA3_SCALED = {
+    "model_type": "gemma3_text", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "head_dim": 16,
+    "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0}},
+}  # fmt: skip
+"""Gemma 3 4B's shape, small: its global layers' RoPE is linearly scaled."""
+GEMMA2_LAYERS = {
+    "model_type": "gemma2", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96,
+    "num_hidden_layers": 3, "num_attention_heads": 4, "head_dim": 16,
+    "layer_types": ["full_attention", "sliding_attention", "sliding_attention"],
+}  # fmt: skip
+"""Layer types no period describes (plait: every n-th layer global)."""
+
+
+ZERO_WINDOW = ("--model", "tiny-mistral", "--sliding-window", "0")
+
+
+def windowed_cases(train: tuple[str, ...]) -> list[Case]:
+    """Mistral and Gemma: a window of 0 positions, Gemma 3's multimodal folder, its scaled
+    global RoPE (4B and up) and irregular layer types."""
+    return [
+        Case("wrong value", ("train", *FROM_HF, "--out", "{S}/new-run", *ZERO_WINDOW)),
+        Case("wrong type", (*train, "{S}/hf-gemma3-vision")),
+        Case("wrong type", (*train, "{S}/hf-gemma3-scaled")),
+        Case("wrong type", ("generate", "--init-from", "{S}/hf-gemma2-layers", "--prompt", "x")),
+    ]
+
+
+def windowed_folders(root: Path) -> None:
+    """The config.json of each windowed case (refused before any weight is read)."""
+    for name, config in (("hf-gemma3-vision", GEMMA3_VISION), ("hf-gemma3-scaled", GEMMA3_SCALED),
+                         ("hf-gemma2-layers", GEMMA2_LAYERS)):  # fmt: skip
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(json.dumps(config))
 
 
 def folders(root: Path) -> None:
@@ -38,6 +76,7 @@ def folders(root: Path) -> None:
     MLP width disagrees with the weights ({S}/hf-shape)."""
     from safetensors.torch import load_file, save_file
 
+    windowed_folders(root)
     (root / "hf-longrope").mkdir()
     (root / "hf-longrope" / "config.json").write_text(json.dumps(PHI3_128K))
     shutil.copytree(root / "hf-ok", root / "hf-missing")

@@ -91,3 +91,50 @@ def hf_model(folder: Path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(folder).eval()
+
+
+def mistral_config(vocab: int = 300, **over: Any):
+    """Every Mistral flag set: a sliding window (5) shorter than the test rows, and a head size
+    (32) not hidden / heads, as Mistral Nemo and Ministral have."""
+    from transformers import MistralConfig
+
+    shape = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                 rms_norm_eps=1e-5, rope_theta=5000.0, sliding_window=5,
+                 head_dim=32)  # fmt: skip
+    return MistralConfig(**(shape | over))
+
+
+def gemma2_config(vocab: int = 300, **over: Any):
+    """Every Gemma 2 flag set: soft-caps (scores 50 -> 2, logits 30 -> 3, so both bite), a
+    query_pre_attn_scalar (20) not the head size, a head size (24) not hidden / heads, a
+    sliding window (5) on alternate layers, tied embeddings; weights of std 0.3, so that
+    scores and logits reach the caps."""
+    from transformers import Gemma2Config
+
+    shape = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                 max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=5000.0,
+                 sliding_window=5, query_pre_attn_scalar=20, attn_logit_softcapping=2.0,
+                 final_logit_softcapping=3.0, pad_token_id=0,
+                 initializer_range=0.3)  # fmt: skip
+    return Gemma2Config(**(shape | over))
+
+
+def gemma3_config(vocab: int = 300, **over: Any):
+    """Every Gemma 3 flag set: q/k norms, two RoPE bases (local 100, global 5000), a sliding
+    window (5) on two layers of three, a head size (24) not hidden / heads."""
+    from transformers import Gemma3TextConfig
+
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 5000.0}}  # fmt: skip
+    shape = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                 max_position_embeddings=64, rms_norm_eps=1e-5, rope_parameters=rope,
+                 sliding_window=5, query_pre_attn_scalar=20, pad_token_id=0,
+                 sliding_window_pattern=3)  # fmt: skip
+    return Gemma3TextConfig(**(shape | over))
+
+
+WINDOWED_CONFIGS = {"mistral": mistral_config, "gemma2": gemma2_config, "gemma3": gemma3_config}
+"""The families whose attention slides (tests/test_windowed_families.py)."""

@@ -89,7 +89,7 @@ def test_the_config_fields_map(folders) -> None:
         ("llama", {"attention_bias": True}, "attention_bias=True cannot be expressed"),
         ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_type='linear'"),
         ("llama", {"mlp_bias": True}, "mlp_bias=True cannot be expressed"),
-        ("llama", {"model_type": "mistral"}, "model_type='mistral' is not one plait reads"),
+        ("llama", {"model_type": "falcon"}, "model_type='falcon' is not one plait reads"),
         ("gpt2", {"activation_function": "relu"}, "activation_function='relu'"),
         ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
         ("llama", {"hidden_size": None}, "the field 'hidden_size' is missing"),

@@ -103,7 +103,7 @@ LONGROPE = {"type": "longrope", "long_factor": [1.0] * 8, "short_factor": [1.0] 
         ("qwen3", {"attention_bias": True}, "attention_bias=True cannot be expressed"),
         ("qwen3", {"hidden_act": "gelu"}, "hidden_act='gelu' cannot be expressed"),
         ("qwen3", {"model_type": "mamba"}, "model_type='mamba' is not one plait reads (llama, "
-         "qwen2, qwen3, phi3, gpt2)"),
+         "qwen2, qwen3, phi3, gpt2, mistral, gemma2, gemma3_text)"),
     ],
 )  # fmt: skip
 def test_what_a_family_cannot_express_is_named(kind: str, over: dict, message: str) -> None:

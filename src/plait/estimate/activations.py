@@ -17,7 +17,11 @@ Per block, no recomputation:
                    heads and k's kv/t, n = bs·heads·hd
   attention core:  fused (dropout 0): b(a/t)s·4 (log-sum-exp);
                    explicit (dropout > 0): s² (causal mask) + A·(4 + 1 + e) (fp32 softmax,
-                   dropout mask, dropped probabilities)  -- Korthikanti's 5as²b
+                   dropout mask, dropped probabilities)  -- Korthikanti's 5as²b;
+                   soft-capped scores (Gemma 2, explicit without a fused kernel) add A·e
+                   (tanh's output), the mask byte only with dropout; a sliding window on
+                   text rows: s² (the fused kernel saves the windowed bool mask)
+  Gemma:           four norms, each saving its normalized input in fp32
   RoPE:            2·s·(h/a)·4 (cos, sin)
   out projection:  Hc·e
   MLP:             GELU 2·F·e; SwiGLU 4·F·e
@@ -68,10 +72,17 @@ class MicroShape:
 
 
 def norm_bytes(model: ModelConfig, x: MicroShape) -> int:
-    """One norm's saved tensors (LayerNorm on CPU keeps its statistics in the dtype)."""
+    """One norm's saved tensors (LayerNorm on CPU keeps its statistics in the dtype; Gemma's
+    scales the fp32 normalized input by 1 + w before rounding, so saves it in fp32)."""
     if model.norm == "layernorm":
         return x.res(model) * x.e + 2 * x.rows() * x.e
-    return x.res(model) * 4 + x.rows() * 4 + x.res(model) * x.e
+    normed = 4 if model.gemma else x.e
+    return x.res(model) * 4 + x.rows() * 4 + x.res(model) * normed
+
+
+def block_norms(model: ModelConfig) -> int:
+    """Norms over the residual stream in a block: 2, Gemma's 4 (after each sublayer too)."""
+    return sum(1 for r in block_table(model).norms if r.over == "h")
 
 
 def core_bytes(model: ModelConfig, x: MicroShape, recompute: str) -> int:
@@ -79,11 +90,16 @@ def core_bytes(model: ModelConfig, x: MicroShape, recompute: str) -> int:
     if recompute == "selective":
         return 0
     heads = model.n_heads // x.t
-    if model.dropout == 0.0:  # the fused kernel's log-sum-exp; none per document
-        return 0 if x.packed and x.attention == "per-document" else x.b * heads * x.s * 4
+    if model.dropout == 0.0 and model.attn_softcap is None:  # fused: log-sum-exp; per document none
+        # a sliding window on text rows: the fused kernel saves the layer's (s, s) bool mask
+        # (counted on every layer: Gemma 3's global ones, one in six, have none)
+        window = x.s * x.s if model.sliding_window is not None and not x.packed else 0
+        return window + (0 if x.packed and x.attention == "per-document" else x.b * heads * x.s * 4)
     scores = x.b * heads * x.s * x.s
     causal = 0 if x.packed else x.s * x.s  # packed rows add their mask: no bool is saved
-    return causal + scores * (4 + 1 + x.e)
+    capped = x.e if model.attn_softcap is not None else 0  # tanh's output (Gemma 2)
+    dropped = 1 if model.dropout > 0.0 else 0  # the keyed mask
+    return causal + scores * (capped + 4 + dropped + x.e)
 
 
 def rope_bytes(model: ModelConfig, x: MicroShape) -> int:
@@ -127,9 +143,9 @@ def layer_bytes(model: ModelConfig, x: MicroShape, recompute: str) -> int:
     full = x.b * x.s * model.d_model
     col = x.b * x.s * model.n_heads * model.head_dim // x.t  # q's width: a·hd (h unless decoupled)
     mlp = x.b * x.s * model.ffn_dim // x.t
-    total = 2 * norm_bytes(model, x) + 2 * full * x.e + 3 * col * x.e + col * x.e
+    total = block_norms(model) * norm_bytes(model, x) + 2 * full * x.e + 3 * col * x.e + col * x.e
     total += core_bytes(model, x, recompute) + rope_bytes(model, x) + head_norm_bytes(model, x)
-    total += (4 if model.mlp == "swiglu" else 2) * mlp * x.e
+    total += (2 if model.mlp == "gelu" else 4) * mlp * x.e
     if model.dropout > 0.0:
         total += 2 * x.res(model)
     return total

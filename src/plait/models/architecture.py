@@ -65,7 +65,9 @@ class ModelConfig:
     norm: Literal["layernorm", "rmsnorm"] = field(
         default="layernorm", metadata={"help": "norm type"}
     )
-    mlp: Literal["gelu", "swiglu"] = field(default="gelu", metadata={"help": "MLP type"})
+    mlp: Literal["gelu", "swiglu", "geglu"] = field(
+        default="gelu", metadata={"help": "MLP type (geglu: Gemma's tanh-GELU gated MLP)"}
+    )
     pos: Literal["learned", "rope"] = field(
         default="learned", metadata={"help": "position encoding"}
     )
@@ -95,6 +97,45 @@ class ModelConfig:
     rope_original_max: int = field(
         default=8192,
         metadata={"domain": at_least(1), "help": "Llama 3 RoPE: the pretraining context"},
+    )
+    sliding_window: int | None = field(
+        default=None,
+        metadata={
+            "domain": at_least(1),
+            "help": "a position attends to the last this many (itself included; Mistral v0.1, "
+            "Gemma's local layers); default: to every earlier one",
+        },
+    )
+    global_every: int = field(
+        default=0,
+        metadata={
+            "domain": at_least(0),
+            "help": "with sliding_window: every n-th layer attends to all (Gemma 2: 2, Gemma 3: "
+            "6); 0: every layer slides",
+        },
+    )
+    rope_local_theta: float | None = field(
+        default=None,
+        metadata={
+            "domain": above(0),
+            "help": "RoPE base of the sliding-window layers (Gemma 3: 10000); default rope_theta",
+        },
+    )
+    attn_scalar: float | None = field(
+        default=None,
+        metadata={
+            "domain": above(0),
+            "help": "scores are q k^T / sqrt(this) (Gemma's query_pre_attn_scalar); default "
+            "the head size",
+        },
+    )
+    attn_softcap: float | None = field(
+        default=None,
+        metadata={"domain": above(0), "help": "scores soft-capped: tanh(s / c) c (Gemma 2: 50)"},
+    )
+    logit_softcap: float | None = field(
+        default=None,
+        metadata={"domain": above(0), "help": "logits soft-capped: tanh(z / c) c (Gemma 2: 30)"},
     )
     multiple_of: int = field(
         default=256,
@@ -138,6 +179,31 @@ class ModelConfig:
         """The block architecture (its table in models/block_table.py): `family`, or the
         one `mlp` implies when no family is given (LLaMA's SwiGLU, GPT-2's GELU)."""
         return self.family or ("llama" if self.mlp == "swiglu" else "gpt2")
+
+    def window(self, layer: int) -> int | None:
+        """How many positions layer `layer` attends to (None: all): Hugging Face's
+        `layer_types`, where layer i is global when (i + 1) % global_every == 0."""
+        if self.sliding_window is None:
+            return None
+        if self.global_every and (layer + 1) % self.global_every == 0:
+            return None
+        return self.sliding_window
+
+    @property
+    def gemma(self) -> bool:
+        """Gemma's block (2 or 3): norms scaling by (1 + w), a norm after each sublayer too,
+        embeddings times sqrt(d_model) (models/gemma.py)."""
+        return self.arch in ("gemma2", "gemma3")
+
+    def theta(self, layer: int) -> float:
+        """Layer `layer`'s RoPE base: Gemma 3's local base on its sliding layers."""
+        local = self.rope_local_theta is not None and self.window(layer) is not None
+        return self.rope_local_theta if local else self.rope_theta
+
+    @property
+    def attn_scale(self) -> float | None:
+        """The factor of q k^T, None for 1/sqrt(head size) (attn_scalar's inverse root)."""
+        return None if self.attn_scalar is None else self.attn_scalar**-0.5
 
     @property
     def rope_scaling(self) -> Llama3Scaling | None:
@@ -185,8 +251,8 @@ class ModelConfig:
             raise ConfigError(f"RoPE needs an even head dimension, got {self.head_dim}")
         if self.norm not in ("layernorm", "rmsnorm"):
             raise ConfigError(f"model.norm must be 'layernorm' or 'rmsnorm', got {self.norm!r}")
-        if self.mlp not in ("gelu", "swiglu"):
-            raise ConfigError(f"model.mlp must be 'gelu' or 'swiglu', got {self.mlp!r}")
+        if self.mlp not in ("gelu", "swiglu", "geglu"):
+            raise ConfigError(f"model.mlp must be 'gelu', 'swiglu' or 'geglu', got {self.mlp!r}")
         if self.pos not in ("learned", "rope"):
             raise ConfigError(f"model.pos must be 'learned' or 'rope', got {self.pos!r}")
         self._check_family()

@@ -239,7 +239,48 @@ PHI3 = BlockTable(
 and up in one gate_up_proj (split on the way in, stacked on the way out, by the rows'
 order); PEFT adapts each fused module once, so they share one A (models/lora.py)."""
 
-TABLES = {"llama": LLAMA, "gpt2": GPT2, "qwen2": QWEN2, "qwen3": QWEN3, "phi3": PHI3}
+MISTRAL = replace(LLAMA, name="Mistral")  # LLaMA's block; its attention slides (core_attention)
+
+_ATTN, _MLP = LLAMA.linears[:4], LLAMA.linears[4:]
+GEMMA2 = BlockTable(
+    "Gemma 2",
+    "geglu",
+    (
+        NormRow("attn_norm", "input_layernorm"),
+        *_ATTN,
+        NormRow("attn_post_norm", "post_attention_layernorm"),
+        NormRow("mlp_norm", "pre_feedforward_layernorm"),
+        *_MLP,
+        NormRow("mlp_post_norm", "post_feedforward_layernorm"),
+    ),
+    hf_transposed=False,
+    default_targets=("q", "v"),
+)
+"""LLaMA's Linears with a tanh-GELU gate, and a norm before and after each sublayer (the
+block registers each post norm after its sublayer, models/transformer.py)."""
+
+GEMMA3 = replace(
+    GEMMA2,
+    name="Gemma 3",
+    rows=(
+        *GEMMA2.rows[:5],
+        NormRow("attn.q_norm", "self_attn.q_norm", over="head"),
+        NormRow("attn.k_norm", "self_attn.k_norm", over="head"),
+        *GEMMA2.rows[5:],
+    ),
+)
+"""Gemma 2's block with Qwen3's per-head q and k norms (Gemma's (1 + w) kind)."""
+
+TABLES = {
+    "llama": LLAMA,
+    "gpt2": GPT2,
+    "qwen2": QWEN2,
+    "qwen3": QWEN3,
+    "phi3": PHI3,
+    "mistral": MISTRAL,
+    "gemma2": GEMMA2,
+    "gemma3": GEMMA3,
+}
 """Every architecture's table by its `model.family` name."""
 
 LINEAR_PATHS = tuple(sorted({r.path for table in TABLES.values() for r in table.linears}))

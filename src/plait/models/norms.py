@@ -9,6 +9,7 @@ from torch import Tensor, nn
 
 from plait.models.architecture import ModelConfig
 from plait.models.block_table import block_table
+from plait.models.gemma import GemmaRMSNorm
 
 
 class RMSNorm(nn.Module):
@@ -26,17 +27,21 @@ class RMSNorm(nn.Module):
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
-    """A norm over the residual stream's d_model features."""
+    """A norm over the residual stream's d_model features (Gemma's scales by 1 + w)."""
+    if cfg.gemma:
+        return GemmaRMSNorm(cfg.d_model, cfg.norm_eps)
     if cfg.norm == "rmsnorm":
         return RMSNorm(cfg.d_model, cfg.norm_eps)
     return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
 
 
-def head_norms(cfg: ModelConfig) -> tuple[RMSNorm | None, RMSNorm | None]:
+def head_norms(cfg: ModelConfig) -> tuple[nn.Module | None, nn.Module | None]:
     """The RMSNorms over each head of q and of k (head_dim features, applied before RoPE)
-    when the block table has them (Qwen3's q_norm and k_norm), else None."""
+    when the block table has them (Qwen3's q_norm and k_norm; Gemma 3's, of its (1 + w)
+    kind), else None."""
     norms = {r.path for r in block_table(cfg).norms}
+    kind = GemmaRMSNorm if cfg.gemma else RMSNorm
     return tuple(  # type: ignore[return-value]
-        RMSNorm(cfg.head_dim, cfg.norm_eps) if f"attn.{name}" in norms else None
+        kind(cfg.head_dim, cfg.norm_eps) if f"attn.{name}" in norms else None
         for name in ("q_norm", "k_norm")
     )

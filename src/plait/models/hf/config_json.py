@@ -19,17 +19,21 @@ from typing import Any
 
 from plait.errors import ConfigError
 from plait.models.architecture import ModelConfig
+from plait.models.hf.config_gemma import GEMMA_TYPES, check_gemma, gemma_config, gemma_fields
 from plait.models.nf4.hf import folder_scheme
 
 LLAMA, GPT2, QWEN2, QWEN3, PHI3 = "llama", "gpt2", "qwen2", "qwen3", "phi3"
+MISTRAL = "mistral"
 ARCHITECTURES = {
     LLAMA: "LlamaForCausalLM",
     QWEN2: "Qwen2ForCausalLM",
     QWEN3: "Qwen3ForCausalLM",
     PHI3: "Phi3ForCausalLM",
     GPT2: "GPT2LMHeadModel",
+    MISTRAL: "MistralForCausalLM",
 }
-SWITCHES = {LLAMA: ("attention_bias", "mlp_bias"), QWEN3: ("attention_bias",)}
+SWITCHES = {LLAMA: ("attention_bias", "mlp_bias"), QWEN3: ("attention_bias",), MISTRAL: ()}
+MISTRAL_WINDOW = 4096  # MistralConfig's sliding_window when config.json has none (v0.1)
 """Each Llama-like family's bias switches, which plait reads only off (False)."""
 LLAMA3_FIELDS = {
     "rope_factor": "factor",
@@ -66,8 +70,8 @@ def read_json_object(folder: Path, name: str, flag: str, kind: str, note: str = 
 
 def family_of(hf: dict[str, Any], where: str) -> str:
     kind = hf.get("model_type")
-    if kind not in ARCHITECTURES:
-        known = ", ".join(ARCHITECTURES)
+    if kind not in ARCHITECTURES and kind not in GEMMA_TYPES:
+        known = ", ".join([*ARCHITECTURES, *GEMMA_TYPES])
         raise ConfigError(f"{where}: model_type={kind!r} is not one plait reads ({known})")
     return kind
 
@@ -135,6 +139,12 @@ def _llama(hf: dict[str, Any], where: str, kind: str) -> ModelConfig:
     )
 
 
+def _mistral_window(hf: dict[str, Any]) -> int | None:
+    """Mistral's window, in every layer (v0.1: 4096; v0.3 writes null: none); MistralConfig
+    reads no layer_types."""
+    return hf.get("sliding_window", MISTRAL_WINDOW)
+
+
 def _gpt2(hf: dict[str, Any], where: str) -> ModelConfig:
     _expect(hf, where, "activation_function", TANH_GELU, "gelu_new")
     _expect(hf, where, "scale_attn_weights", (True,), True)
@@ -164,29 +174,52 @@ def from_hf_config(hf: dict[str, Any], where: str = "config.json") -> ModelConfi
     folder_scheme(hf, where)  # a quantized folder: NF4 (QLoRA) read, any other refused
     try:
         kind = family_of(hf, where)
+        if kind in GEMMA_TYPES:
+            return _checked(gemma_config(hf, where, kind))
         cfg = _gpt2(hf, where) if kind == GPT2 else _llama(hf, where, kind)
+        if kind == MISTRAL:
+            cfg.sliding_window = _mistral_window(hf)
     except KeyError as e:
         raise ConfigError(f"{where}: the field {e.args[0]!r} is missing") from e
+    return _checked(cfg)
+
+
+def _checked(cfg: ModelConfig) -> ModelConfig:
     cfg.validate()
     return cfg
+
+
+def _gemma_only(cfg: ModelConfig) -> None:
+    """What only a Gemma folder holds (scores scaled apart from the head size, soft-caps, a
+    local RoPE base, alternating windows), refused elsewhere, naming the first one set."""
+    for name in ("attn_scalar", "attn_softcap", "logit_softcap", "rope_local_theta"):
+        if getattr(cfg, name) is not None:
+            raise ConfigError(f"model.{name}={getattr(cfg, name)} is Gemma's (family gemma2/3)")
+    if cfg.global_every:
+        raise ConfigError(f"model.global_every={cfg.global_every} is Gemma's (family gemma2/3)")
 
 
 def family(cfg: ModelConfig) -> str:
     """Which Hugging Face architecture `cfg` is (its `model_type`); ConfigError naming the
     fields if none."""
+    if cfg.gemma:
+        check_gemma(cfg)
+        return cfg.arch
+    _gemma_only(cfg)
     llama = (cfg.norm, cfg.mlp, cfg.pos, cfg.bias) == ("rmsnorm", "swiglu", "rope", False)
     gpt2 = (cfg.norm, cfg.mlp, cfg.pos, cfg.bias, cfg.tie_embeddings) == (
         "layernorm", "gelu", "learned", True, True,
     )  # fmt: skip
-    if llama and cfg.arch != GPT2:
-        return cfg.arch
+    if llama and cfg.arch != GPT2 and (cfg.sliding_window is None or cfg.arch == MISTRAL):
+        return cfg.arch  # of the Llama-like families only Mistral's attention slides
     if gpt2 and cfg.arch == GPT2:
         return GPT2
     raise ConfigError(
         f"model.family={cfg.arch!r} norm={cfg.norm!r} mlp={cfg.mlp!r} pos={cfg.pos!r} "
-        f"bias={cfg.bias} tie_embeddings={cfg.tie_embeddings} is neither Llama-like "
-        "(rmsnorm, swiglu, rope, no bias) nor GPT2LMHeadModel (layernorm, gelu, learned, "
-        "bias, tied)"
+        f"bias={cfg.bias} tie_embeddings={cfg.tie_embeddings} "
+        f"sliding_window={cfg.sliding_window} is neither Llama-like (rmsnorm, swiglu, rope, "
+        "no bias; a sliding window in family mistral only) nor GPT2LMHeadModel (layernorm, "
+        "gelu, learned, bias, tied)"
     )
 
 
@@ -194,7 +227,7 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
     """config.json for `cfg` (the inverse of `from_hf_config`); byte-level: no special tokens."""
     kind = family(cfg)
     common = {
-        "architectures": [ARCHITECTURES[kind]],
+        "architectures": [ARCHITECTURES.get(kind)],  # Gemma's: gemma_fields
         "model_type": kind,
         "vocab_size": cfg.vocab_size,
         "initializer_range": cfg.init_std,
@@ -204,6 +237,8 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
         "pad_token_id": None,  # Phi-3's default (32000) would be out of a smaller vocabulary
         "torch_dtype": "float32",
     }
+    if cfg.gemma:
+        return {**common, **gemma_fields(cfg)}
     if kind == GPT2:
         return {
             **common,
@@ -216,8 +251,10 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
             "activation_function": "gelu_new",
             **{f"{site}_pdrop": cfg.dropout for site in ("resid", "embd", "attn")},
         }
+    window = {"sliding_window": cfg.sliding_window} if kind == MISTRAL else {}
     return {
         **common,
+        **window,
         **dict.fromkeys(SWITCHES.get(kind, ()), False),
         **({"use_sliding_window": False} if kind in (QWEN2, QWEN3) else {}),
         "head_dim": cfg.head_dim,

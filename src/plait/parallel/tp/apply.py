@@ -154,7 +154,9 @@ def _apply_model_level(model: Transformer, ctx: TPContext) -> None:
     arch: ModelConfig = model.cfg
     embed = model.embed
     pos = embed.pos if arch.pos == "learned" else None
-    model.embed = ParallelEmbedding(embed.tok, pos, embed.drop, ctx.comm, ctx.sequence_parallel)
+    model.embed = ParallelEmbedding(
+        embed.tok, pos, embed.drop, ctx.comm, ctx.sequence_parallel, embed.scaled
+    )
     model.head = ColumnParallelLinear.from_linear(
         model.head,
         ctx.comm,
