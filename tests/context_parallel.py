@@ -11,6 +11,8 @@ from plait.train import Trainer
 from reference import assert_matches_reference, small_config
 from whole_params import whole_params
 
+CP_TAGS = ("cp_kv", "cp_kv_grad", "cp_ring_kv", "cp_ring_back", "cp_ring_home")
+"""What the exchange's calls are tagged with in the comm layer's counts."""
 PARAM_ATOL = 5e-5  # as exact_loss.py: Adam turns rounding-order differences into ~1e-6
 
 
@@ -34,7 +36,10 @@ def cp_parity(
     trainer = Trainer(cfg, mesh, corpus)
     results = [trainer.train_step() for _ in range(steps)]
     stats = trainer.comm.stats
-    traffic = {op: stats.total(op=op, axis="cp")[1] for op in ("all_gather", "reduce_scatter")}
+    traffic = {  # what this rank sent or gathered: the ring's receives left out
+        tag: stats.total(tag=tag, axis="cp")[1] - stats.total("recv", tag, "cp")[1]
+        for tag in CP_TAGS
+    }
     val = trainer.evaluate()
     params = whole_params(trainer)
     trainer.close()

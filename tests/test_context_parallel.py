@@ -1,11 +1,55 @@
-"""Context parallelism (--cp) is exact: cp2 equals one process on packed rows whose
-documents straddle the cut, and its exchange moves the bytes of the formula."""
+"""Context parallelism (--cp) is exact: cp2 equals one process (loss and gradient norm every
+step, parameters after the run, validation loss; fp32, rtol 1e-5) on packed rows whose
+documents straddle the cut (tests/packed_rows.py: documents of 2..16 tokens in rows of 32,
+each rank holding 16), with either exchange, with LoRA and with ZeRO-3; and the comm layer
+counts the exchange's elements of the formula."""
 
 from __future__ import annotations
 
 from context_parallel import cp_parity
 
 
-def test_cp2_equals_one_process(world2):
+def _kv_elements(preset: str) -> int:
+    """b·s·kv·hd of one layer's keys at small_config's micro-batch 2 and rows of 32."""
+    kv, hd = {"tiny-gpt": (4, 16), "tiny-llama": (2, 16)}[preset]
+    return 2 * 32 * kv * hd
+
+
+def test_cp2_allgather_equals_one_process_and_moves_the_formulas_bytes(world2):
+    """allgather: per layer 2·b·s·kv·hd elements gathered forward (of which (cp−1)/cp from
+    the other rank) and as many reduce-scattered backward, two layers, one micro-batch."""
     out = world2.run(cp_parity)
+    assert out[0]["losses"] == out[1]["losses"]
+    layers, kv = 2, _kv_elements("tiny-gpt")
+    for rank in out:
+        traffic = rank["traffic"]
+        assert traffic["cp_kv"] == layers * 2 * kv
+        assert traffic["cp_kv_grad"] == layers * 2 * kv
+        assert traffic["cp_ring_kv"] == 0
+
+
+def test_cp2_ring_equals_one_process_with_gqa(world2):
+    """The ring (log-sum-exp merge, dK and dV passed back) on LLaMA with grouped-query
+    attention, K and V passed with their 2 kv heads (not the 4 query heads): forward
+    (cp−1) blocks of 2·b·(s/cp)·kv·hd a layer, backward the blocks with their dK and dV,
+    then the dK and dV home."""
+    out = world2.run(cp_parity, exchange="ring", preset="tiny-llama", steps=4)
+    assert out[0]["losses"] == out[1]["losses"]
+    layers, block = 2, _kv_elements("tiny-llama") // 2  # this rank's s/cp tokens
+    for rank in out:
+        traffic = rank["traffic"]
+        assert traffic["cp_ring_kv"] == layers * 2 * block  # sends: cp - 1 = 1 block of K, V
+        assert traffic["cp_ring_back"] == layers * 4 * block
+        assert traffic["cp_ring_home"] == layers * 2 * block
+        assert traffic["cp_kv"] == 0
+
+
+def test_cp2_with_lora(world2):
+    out = world2.run(cp_parity, lora=4, steps=4)
+    assert out[0]["losses"] == out[1]["losses"]
+
+
+def test_cp2_with_zero3_and_accumulation(world2):
+    """ZeRO-3 shards over dp x cp (here the two cp ranks), two micro-batches a step."""
+    out = world2.run(cp_parity, zero=3, accum=2, micro=1, steps=4, preset="tiny-llama")
     assert out[0]["losses"] == out[1]["losses"]

@@ -20,6 +20,7 @@ from plait.comm import Comm
 from plait.models.packing import Packing
 from plait.parallel.cp.cut import cut
 from plait.parallel.cp.exchange import gather_kv
+from plait.parallel.cp.ring import ring_attention
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,12 @@ class ContextPacking(Packing):
         return rows.gather(1, self.index)
 
     def keys_values(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Every rank's keys and values of the layer, (b, kv, s, hd), rank after rank."""
+        """allgather: every rank's keys and values of the layer, (b, kv, s, hd), rank after
+        rank. ring: this rank's, whose head count `attend` needs (GQA repeats them before
+        attention; the ring passes them unrepeated), kept for it."""
+        if self.exchange == "ring":
+            self._made["kv_heads"] = k.shape[1]
+            return k, v
         return gather_kv(k, v, self.comm)
 
     @property
@@ -77,5 +83,17 @@ class ContextPacking(Packing):
         return self._made["mask"]
 
     def bound(self, q: Tensor, explicit: bool) -> Tensor | Packing:
-        """The additive mask over the gathered keys (`additive`, shared by every layer)."""
-        return self.additive(q.dtype)
+        """allgather: the additive mask over the gathered keys (`additive`, shared by every
+        layer); ring: this Packing, whose `attend` runs the ring."""
+        return self if self.exchange == "ring" else self.additive(q.dtype)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """The ring (parallel/cp/ring.py) over k and v as the layer repeated them for GQA:
+        one of each group of copies is passed, the ring repeats what it receives."""
+        rep = k.shape[1] // self._made["kv_heads"]
+        return ring_attention(q, k[:, ::rep], v[:, ::rep], self.sees, self.comm)
+
+    def sees(self, j: int) -> Tensor:
+        """This rank's rows of the rule against cp rank j's tokens, (b, 1, L, L)."""
+        length = self.index.shape[1]
+        return self.mask[..., j * length : (j + 1) * length]
