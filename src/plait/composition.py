@@ -232,8 +232,7 @@ def check_context_parallel(
             f"--cp {cp} does not combine with --schedule 2bw: its weight versions reduce "
             "gradients over dp alone; give a synchronous schedule (1f1b, gpipe, ...)"
         )
-    refused = {"--dp-mode naive": dp_mode == "naive", f"--pp {pp}": pp > 1,
-               f"--dropout {dropout}": dropout > 0}  # fmt: skip
+    refused = {"--dp-mode naive": dp_mode == "naive", f"--dropout {dropout}": dropout > 0}
     for flag, hit in refused.items():
         if hit:
             raise ConfigError(f"--cp {cp} does not combine with {flag} yet; give --cp 1")
