@@ -2,7 +2,8 @@
 and values; one concern per module, import from the module.
 
 cut       which of a row's tokens each rank holds (pure: head-tail pieces per document)
-exchange  the autograd Functions that move keys and values: all-gather, and the ring
+exchange  the all-gather of each layer's keys and values, their gradients reduce-scattered
+ring      ring attention: keys and values passed rank to rank, merged by log-sum-exp
 packing   ContextPacking: the Packing a rank's model attends with (its tokens' places,
           positions and documents, and how it reaches the others' keys)
 
