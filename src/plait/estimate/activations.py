@@ -27,6 +27,9 @@ itself, b·s²·e, is one tensor for all the layers of a chunk (`mask_bytes`); b
 mask, and per-document no log-sum-exp either (its backward recomputes each document's
 forward); varlen saves what the fused kernel does, its offsets' (documents + 1)·4 bytes and a
 16-byte RNG state per layer left out (data-dependent, and negligible).
+Context parallelism (`Shape.cp`): s is the rank's s/cp tokens, positions are per token, and
+attention adds `context_bytes` (allgather: the gathered K and V, and a (b, 1, s, s·cp) mask
+per chunk; ring: its fp32 output).
 Selective recomputation keeps q, k, v and drops the core's own tensors; full keeps the
 block input Hr·e only. The embedding, final norm, head and loss add their own (`extras`).
 Plait saves the all-gathered Linear inputs under SP where Megatron re-gathers them, and its
@@ -53,6 +56,8 @@ class Shape:
     e: int  # bytes of the compute dtype
     packed: bool = False  # packed instruction rows: a block-causal mask, per-token positions
     attention: str = "mask"  # packed rows' path: mask, per-document or varlen
+    cp: int = 1  # context-parallel ranks: s is then the rank's s/cp tokens of each row
+    exchange: str = "allgather"  # context parallelism's exchange (allgather or ring)
 
     def res(self, cfg: ModelConfig) -> int:
         """Hr: residual-stream elements (sequence-sharded under SP)."""
@@ -101,7 +106,22 @@ def mask_bytes(cfg: ModelConfig, x: Shape, recompute: str) -> int:
         return 0
     if cfg.dropout > 0.0 and recompute != "selective":
         return 0
+    if x.cp > 1:  # the rank's rows of the rule against the whole row; the ring saves none
+        return x.b * x.s * x.s * x.cp * x.e if x.exchange == "allgather" else 0
     return x.b * x.s * x.s * x.e
+
+
+def context_bytes(cfg: ModelConfig, x: Shape, recompute: str) -> int:
+    """What a context-parallel rank's attention saves beyond its own tokens' q, k, v
+    (parallel/cp): allgather's attention saves the whole row's gathered K and V, cp times
+    its own (2·(cp−1)·Hc·e more); the ring keeps its fp32 output for its backward (Hc·4),
+    a copy beside the projection's input, which recomputation of the core drops."""
+    if x.cp == 1 or recompute == "full":
+        return 0
+    col = x.b * x.s * cfg.d_model // x.t
+    if x.exchange == "allgather":
+        return 2 * (x.cp - 1) * col * x.e
+    return 0 if recompute == "selective" else col * 4
 
 
 def layer_bytes(cfg: ModelConfig, x: Shape, recompute: str) -> int:
@@ -112,7 +132,7 @@ def layer_bytes(cfg: ModelConfig, x: Shape, recompute: str) -> int:
     col = full // x.t
     mlp = x.b * x.s * cfg.ffn_dim // x.t
     total = 2 * norm_bytes(cfg, x) + 2 * full * x.e + 3 * col * x.e + col * x.e
-    total += core_bytes(cfg, x, recompute) + rope_bytes(cfg, x)
+    total += core_bytes(cfg, x, recompute) + rope_bytes(cfg, x) + context_bytes(cfg, x, recompute)
     total += (4 if cfg.mlp == "swiglu" else 2) * mlp * x.e
     if cfg.dropout > 0.0:
         total += 2 * x.res(cfg)

@@ -13,6 +13,7 @@ may move.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,8 @@ from torch import Tensor
 
 from plait.comm import Comm
 from plait.config import Config
+from plait.estimate import activations as act
+from plait.estimate import estimate
 from plait.lessons import figures
 from plait.lessons.common import lesson_config
 from plait.lessons.measure import save_record
@@ -105,6 +108,7 @@ def measure_row(cfg: Config, mesh: Mesh) -> dict[str, Any]:
     for exchange in EXCHANGES:
         pack = ContextPacking.shard(seg, (1, SEQ), comm, exchange)
         run = _pass(model, pack.take(tokens), pack.take(targets), pack, denom, exchange)
+        run["targets"] = int((pack.take(targets) != -100).sum())
         run["moved"] = _moved(model, pack.take(tokens), pack.take(changed), pack)
         out[exchange] = run
     return save_record(cfg, mesh, [], **out)
@@ -122,6 +126,18 @@ def expected_bytes(cfg: Config) -> dict[str, list[int]]:
         "allgather": [m.n_layers * layer, m.n_layers * layer],
         "ring": [m.n_layers * block * (CP - 1), m.n_layers * block * (2 * (CP - 1) + 1)],
     }
+
+
+def expected_saved(cfg: Config, exchange: str, targets: int) -> int:
+    """The estimator's saved activations of a cp rank (every place a target, as it prices
+    rows), less the target rows' term of the places this rank holds without a target."""
+    par = dataclasses.replace(cfg.parallel, cp_exchange=exchange)
+    line = estimate(dataclasses.replace(cfg, parallel=par)).ranks[0].line("activations").device
+    return line - act.target_rows_bytes(cfg.model, _shape(cfg), SEQ // CP - targets)
+
+
+def _shape(cfg: Config) -> act.Shape:
+    return act.Shape(1, SEQ // CP, 1, False, 4)
 
 
 def section(runs: dict[str, Run], out: Path) -> Section:
@@ -143,6 +159,11 @@ def section(runs: dict[str, Run], out: Path) -> Section:
         sec.rows.append(Row(f"probe, cp 2 {exchange}: places moved over both ranks",
                             "document 1's length (TRL without the mask: the row's 512)",
                             document, moved, "places", True))  # fmt: skip
+    for exchange in EXCHANGES:
+        sec.rows.append(Row(f"{exchange}: saved activations, rank 0", "plait estimate --cp 2, "
+                            "the rank's target rows", expected_saved(run.cfg, exchange,
+                            recs[0][exchange]["targets"]), recs[0][exchange]["saved"],
+                            exact=True))  # fmt: skip
     one = recs[0]["cp1"]
     for exchange in EXCHANGES:
         per_rank = max(r[exchange]["saved"] for r in recs)
