@@ -53,9 +53,11 @@ def test_cp2_with_lora(world2):
     assert out[0]["losses"] == out[1]["losses"]
 
 
-def test_cp2_with_zero3_and_accumulation(world2):
-    """ZeRO-3 shards over dp x cp (here the two cp ranks), two micro-batches a step."""
-    out = world2.run(cp_parity, zero=3, accum=2, micro=1, steps=4, preset="tiny-llama")
+def test_cp2_with_zero3_accumulation_and_recompute(world2):
+    """ZeRO-3 shards over dp x cp (here the two cp ranks), two micro-batches a step, each
+    block recomputed in backward (its exchange with it)."""
+    out = world2.run(cp_parity, zero=3, accum=2, micro=1, steps=4, preset="tiny-llama",
+                     recompute="full")  # fmt: skip
     assert out[0]["losses"] == out[1]["losses"]
 
 

@@ -1,6 +1,6 @@
 """Context parallelism composed, in a world of 4 (tests/context_parallel.py): cp2 x tp2 with
-sequence parallelism (each cp rank's 16 tokens split again over tp), dp2 x cp2 with
-ZeRO-2 sharded over the four ranks of dp x cp, and cp2 x pp2 in 1F1B (each stage's activations
+sequence parallelism (each cp rank's 16 tokens split again over tp; the all-gather of each
+rank's heads), dp2 x cp2 with ZeRO-2 sharded over the four ranks of dp x cp (the ring), and cp2 x pp2 in 1F1B (each stage's activations
 the rank's s/cp tokens), on packed rows, equal one process."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 from context_parallel import cp_parity
 
 CASES = {
-    "cp2-tp2-sp-ring": dict(tp=2, sequence_parallel=True, preset="tiny-llama", exchange="ring"),
-    "dp2-cp2-zero2": dict(dp=2, zero=2, micro=1, accum=2),
+    "cp2-tp2-sp": dict(tp=2, sequence_parallel=True, preset="tiny-llama"),
+    "dp2-cp2-zero2-ring": dict(dp=2, zero=2, micro=1, accum=2, exchange="ring"),
     "cp2-pp2-1f1b-zero1": dict(pp=2, schedule="1f1b", micro=1, accum=4, zero=1),
 }
 
