@@ -1,7 +1,8 @@
 """Context parallelism composed, in a world of 4 (tests/context_parallel.py): cp2 x tp2 with
 sequence parallelism (each cp rank's 16 tokens split again over tp; the all-gather of each
-rank's heads), dp2 x cp2 with ZeRO-2 sharded over the four ranks of dp x cp (the ring), and cp2 x pp2 in 1F1B (each stage's activations
-the rank's s/cp tokens), on packed rows, equal one process."""
+rank's heads), dp2 x cp2 with ZeRO-2 sharded over the four ranks of dp x cp (the ring), and
+cp2 x pp2 in 1F1B (each stage's activations the rank's s/cp tokens), on packed rows, equal one
+process."""
 
 from __future__ import annotations
 
