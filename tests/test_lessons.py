@@ -66,6 +66,7 @@ def sections(world2, tmp_path_factory) -> Callable[[str], Section]:
         "finetune",
         "lora",
         "light-loss",
+        "context-parallel",
     ],
 )
 def test_each_lesson_reports_the_formulas_exactly(sections, name):

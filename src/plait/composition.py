@@ -201,3 +201,38 @@ def check_packed_attention(mode: str, device: str, precision: str, dropout: floa
             "needs the whole (b, a, s, s) probabilities of the mask path; give auto, mask or "
             "--dropout 0"
         )
+
+
+CP_EXCHANGES = ("allgather", "ring")
+
+
+def check_context_parallel(
+    cp: int, exchange: str, seq_len: int, tp: int, sequence_parallel: bool, pp: int,
+    schedule: str, dp_mode: str, dropout: float,
+) -> None:  # fmt: skip
+    """Context parallelism (parallel/cp) holds seq_len / cp tokens of every row per rank, so
+    cp divides the row length, and under sequence parallelism tp divides each rank's share;
+    the exchange is one that exists; the layouts it does not reach are refused by name."""
+    if exchange not in CP_EXCHANGES:
+        raise ConfigError(f"cp_exchange must be one of {', '.join(CP_EXCHANGES)}; got {exchange!r}")
+    if cp == 1:
+        return
+    if seq_len % cp:
+        raise ConfigError(
+            f"--cp {cp} does not divide the row length --seq-len {seq_len}: every "
+            "context-parallel rank holds seq_len / cp tokens of each row"
+        )
+    if sequence_parallel and (seq_len // cp) % tp:
+        raise ConfigError(
+            f"--cp {cp} leaves {seq_len // cp} tokens of each row per rank (--seq-len "
+            f"{seq_len}), which sequence parallelism cannot split over tp={tp}"
+        )
+    if pp > 1 and schedule == "2bw":
+        raise ConfigError(
+            f"--cp {cp} does not combine with --schedule 2bw: its weight versions reduce "
+            "gradients over dp alone; give a synchronous schedule (1f1b, gpipe, ...)"
+        )
+    refused = {"--dp-mode naive": dp_mode == "naive", f"--dropout {dropout}": dropout > 0}
+    for flag, hit in refused.items():
+        if hit:
+            raise ConfigError(f"--cp {cp} does not combine with {flag} yet; give --cp 1")

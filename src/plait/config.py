@@ -17,6 +17,7 @@ from typing import Any
 
 from plait.composition import (
     check_activation_offload,
+    check_context_parallel,
     check_dp_mode,
     check_packed_attention,
     check_partition_activations,
@@ -58,6 +59,21 @@ class ParallelConfig:
     tp: int = field(
         default=1,
         metadata={"domain": at_least(1), "help": "tensor-parallel ranks (Megatron style)"},
+    )
+    cp: int = field(
+        default=1,
+        metadata={
+            "domain": at_least(1),
+            "help": "context-parallel ranks: each packed document cut into 2 x cp pieces, "
+            "rank r holding pieces r and 2cp-1-r; attention exchanges keys and values",
+        },
+    )
+    cp_exchange: str = field(
+        default="allgather",
+        metadata={
+            "help": "context parallel: allgather (each layer's keys and values gathered) or "
+            "ring (passed rank to rank, merged by log-sum-exp)"
+        },
     )
     sequence_parallel: bool = field(
         default=False, metadata={"help": "tensor parallel: shard norms/dropout by sequence"}
@@ -159,7 +175,7 @@ class ParallelConfig:
 
     @property
     def layout(self) -> Layout:
-        return Layout(dp=self.dp, pp=self.pp, tp=self.tp)
+        return Layout(dp=self.dp, pp=self.pp, tp=self.tp, cp=self.cp)
 
     @property
     def two_bw(self) -> bool:
@@ -563,6 +579,8 @@ def validate_config(cfg: Config, check_data: bool = True) -> None:
     check_tensor_parallel(cfg.model, par.tp, par.sequence_parallel, t.seq_len)
     check_partition_activations(par.partition_activations, par.tp, par.recompute,
                                 par.sequence_parallel, par.two_bw)  # fmt: skip
+    check_context_parallel(par.cp, par.cp_exchange, t.seq_len, par.tp, par.sequence_parallel,
+                           par.pp, par.schedule, par.dp_mode, cfg.model.dropout)  # fmt: skip
     check_dp_mode(par.dp_mode, par.tp, par.pp, par.zero, par.precision, par.offload)
     check_zero(
         par.zero,

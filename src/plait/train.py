@@ -24,6 +24,7 @@ from plait.checkpoint import io as ckpt_io
 from plait.checkpoint import store
 from plait.comm import Comm
 from plait.config import Config
+from plait.context_batches import ContextBatches
 from plait.data import baseline_sample, load_stream, split_windows, unigram_entropy
 from plait.data.batches import Corpus, StepBatches
 from plait.data.examples import example_corpus, is_examples_dir
@@ -187,6 +188,7 @@ def _zero_engine(
         base_dtype=parse_base_dtype(par.base_dtype, par.precision, cfg.model.lora is not None),
         plans=pipeline.plans if pipeline else None,
         reshard_after_forward=par.reshard_after_forward,
+        axis=comm.mesh.replicas_axis,  # dp, or dp x cp: the ranks holding other tokens
         nf4=nf4_source(cfg.model, cfg.train.seed, cfg.train.init_from)
         if par.base_dtype == "nf4"
         else None,
@@ -222,6 +224,8 @@ class Trainer:
             mesh.device,
             t.loss_average,
         )
+        if mesh.size("cp") > 1:  # this rank's tokens of its replica's rows
+            self.batches = ContextBatches(self.batches, self.comm, par.cp_exchange)
         self._model = model
         self.stream: TwoBWStream | None = None  # the 2BW runner, when the schedule is 2bw
         self.engine, runner = self._engine_and_runner(model)

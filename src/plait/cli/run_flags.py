@@ -151,7 +151,8 @@ def resolve_auto_dp(parallel: dict[str, Any], launch: Launched | None) -> None:
     tp, pp = parallel.get("tp", ParallelConfig.tp), parallel.get("pp", ParallelConfig.pp)
     if not all(type(v) is int and v >= 1 for v in (tp, pp)):
         raise ConfigError(f"--dp auto needs whole tp and pp >= 1; got tp {tp!r}, pp {pp!r}")
-    parallel["dp"] = auto_dp(launch, tp, pp)
+    cp = parallel.get("cp", ParallelConfig.cp)  # a replica's context-parallel ranks
+    parallel["dp"] = auto_dp(launch, tp, pp, cp if type(cp) is int and cp >= 1 else 1)
 
 
 def check_auto_batch(cfg: Config, launch: Launched) -> None:

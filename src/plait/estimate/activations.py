@@ -34,6 +34,9 @@ itself, b·s²·e, is one tensor for all the layers of a chunk (`mask_bytes`); b
 mask, and per-document no log-sum-exp either (its backward recomputes each document's
 forward); varlen saves what the fused kernel does, its offsets' (documents + 1)·4 bytes and a
 16-byte RNG state per layer left out (data-dependent, and negligible).
+Context parallelism (`Shape.cp`): s is the rank's s/cp tokens, positions are per token, and
+attention adds `context_bytes` (allgather: the gathered K and V, and a (b, 1, s, s·cp) mask
+per chunk; ring: its fp32 output).
 Selective recomputation keeps q, k, v and drops the core's own tensors; full keeps the
 block input Hr·e only. The embedding, final norm, head and loss add their own (`extras`).
 Plait saves the all-gathered Linear inputs under SP where Megatron re-gathers them, and its
@@ -61,6 +64,8 @@ class MicroShape:
     e: int  # bytes of the compute dtype
     packed: bool = False  # packed instruction rows: a block-causal mask, per-token positions
     attention: str = "mask"  # packed rows' path: mask, per-document or varlen
+    cp: int = 1  # context-parallel ranks: s is then the rank's s/cp tokens of each row
+    exchange: str = "allgather"  # context parallelism's exchange (allgather or ring)
 
     def res(self, model: ModelConfig) -> int:
         """Hr: residual-stream elements (sequence-sharded under SP)."""
@@ -133,7 +138,22 @@ def mask_bytes(model: ModelConfig, x: MicroShape, recompute: str) -> int:
         return 0
     if model.dropout > 0.0 and recompute != "selective":
         return 0
+    if x.cp > 1:  # the rank's rows of the rule against the whole row; the ring saves none
+        return x.b * x.s * x.s * x.cp * x.e if x.exchange == "allgather" else 0
     return x.b * x.s * x.s * x.e
+
+
+def context_bytes(model: ModelConfig, x: MicroShape, recompute: str) -> int:
+    """What a context-parallel rank's attention saves beyond its own tokens' q, k, v
+    (parallel/cp): allgather's attention saves the whole row's gathered K and V, cp times
+    its own (2·(cp−1)·Hc·e more); the ring keeps its fp32 output for its backward (Hc·4),
+    a copy beside the projection's input, which recomputation of the core drops."""
+    if x.cp == 1 or recompute == "full":
+        return 0
+    col = x.b * x.s * model.d_model // x.t
+    if x.exchange == "allgather":
+        return 2 * (x.cp - 1) * col * x.e
+    return 0 if recompute == "selective" else col * 4
 
 
 def layer_bytes(model: ModelConfig, x: MicroShape, recompute: str) -> int:
@@ -145,6 +165,7 @@ def layer_bytes(model: ModelConfig, x: MicroShape, recompute: str) -> int:
     mlp = x.b * x.s * model.ffn_dim // x.t
     total = block_norms(model) * norm_bytes(model, x) + 2 * full * x.e + 3 * col * x.e + col * x.e
     total += core_bytes(model, x, recompute) + rope_bytes(model, x) + head_norm_bytes(model, x)
+    total += context_bytes(model, x, recompute)
     total += (2 if model.mlp == "gelu" else 4) * mlp * x.e
     if model.dropout > 0.0:
         total += 2 * x.res(model)

@@ -101,6 +101,9 @@ def _shape(cfg: Config) -> act.MicroShape:
     par, t = cfg.parallel, cfg.train
     e = ElementBytes.of(par.precision, par.reduce_dtype).param
     packed = is_examples_dir(cfg.data.path)
+    if par.cp > 1:  # a rank's s/cp tokens, positions per token, attention by its exchange
+        return act.MicroShape(t.micro_batch, t.seq_len // par.cp, par.tp, par.sequence_parallel, e,
+                         True, "mask", par.cp, par.cp_exchange)  # fmt: skip
     return act.MicroShape(t.micro_batch, t.seq_len, par.tp, par.sequence_parallel, e, packed,
                      packed_path(cfg))  # fmt: skip
 
@@ -288,6 +291,8 @@ def _activation_line(
         what += "; the blocks' on the host (--offload-activations cpu), the ends' on the device"
     if cfg.parallel.partition_activations:  # estimate/partitioned.py
         what += f"; less (1 - 1/{x.t}) of each block input (--partition-activations)"
+    if x.cp > 1:  # context parallelism (estimate/activations.py: context_bytes)
+        what += f"; cp {x.cp} ({x.exchange}): {x.s:,} tokens a row per rank"
     if act.mask_bytes(cfg.model, x, mode):  # instruction data (estimate/activations.py)
         what += f"; packed rows: one {act.mask_bytes(cfg.model, x, mode):,} B mask per chunk"
     elif x.packed and x.attention != "mask":

@@ -21,6 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from plait.errors import ConfigError
 from plait.launch import launch
 from plait.lessons import (
+    context_parallel,
     dp,
     finetune,
     light_loss,
@@ -44,7 +45,7 @@ MIN_PROCS, MAX_PROCS = 2, 4
 def registry() -> dict[str, ModuleType]:
     """Lesson name -> module, in the course's order."""
     course = (dp, pipeline, tp, zero, precision, recompute, offload, offload_activations,
-              partition_activations, finetune, lora, light_loss)  # fmt: skip
+              partition_activations, finetune, lora, light_loss, context_parallel)  # fmt: skip
     return {m.NAME: m for m in course}
 
 

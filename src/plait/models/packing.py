@@ -50,10 +50,11 @@ class Packing:
     _made: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
-    def of(cls, segments: Tensor | None, mode: str = "auto") -> Packing | None:
-        """From segment ids (b, s); None stays None (plain causal rows)."""
-        if segments is None:
-            return None
+    def of(cls, segments: Tensor | Packing | None, mode: str = "auto") -> Packing | None:
+        """From segment ids (b, s); None stays None (plain causal rows), and a Packing made
+        already (a context-parallel rank's, parallel/cp) is taken as it is."""
+        if segments is None or isinstance(segments, Packing):
+            return segments
         if segments.dim() != 2:
             raise ValueError(f"segments must be (batch, seq), got shape {tuple(segments.shape)}")
         if mode not in MODES:
@@ -91,6 +92,11 @@ class Packing:
             out = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
             self._made[(dtype, window)] = out.masked_fill_(mask.logical_not(), float("-inf"))
         return self._made[(dtype, window)]
+
+    def keys_values(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """The keys and values the layer's queries meet: its own; a context-parallel rank's
+        Packing (parallel/cp/packing.py) returns every rank's."""
+        return k, v
 
     def bound(self, q: Tensor, explicit: bool, window: int | None = None) -> Tensor | Packing:
         """What bounds attention over `q` (b, a, s, hd): the additive mask on the mask path

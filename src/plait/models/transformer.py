@@ -92,6 +92,8 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.extend(self.layer, k, v)  # (b, kv, start + s, hd)
+        elif pack is not None:  # context parallel: every rank's keys (parallel/cp)
+            k, v = pack.keys_values(k, v)  # (b, kv, s or the row's, hd)
         rep = q.shape[1] // k.shape[1]
         if rep > 1:  # kv head j serves query heads j*rep .. j*rep + rep-1 (LLaMA's repeat_kv)
             k = k.repeat_interleave(rep, dim=1)  # (b, a, s, hd)

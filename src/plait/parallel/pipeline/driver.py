@@ -49,7 +49,8 @@ class PipelineDriver:
         self.schedule = build_schedule(par.schedule, self.p, self.m, par.virtual_stages)
         sizes = par.stage_layer_counts()
         self.plans = rank_plans(arch.n_layers, self.p, par.virtual_stages, self.rank, sizes)
-        seq = seq_len // (par.tp if par.sequence_parallel else 1)  # sequence-parallel shards
+        # A context-parallel rank's tokens of each row, then its sequence-parallel shard.
+        seq = seq_len // par.cp // (par.tp if par.sequence_parallel else 1)
         self.activation_shape = (micro_batch, seq, arch.d_model)
         self.runtime: PipelineRuntime | None = None
         self.activation_dtype = torch.float32
