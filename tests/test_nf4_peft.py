@@ -30,25 +30,26 @@ from hf_models import llama_config, save  # noqa: E402
 from plait.checkpoint import inspect, store  # noqa: E402
 from plait.cli import build_parser, config_from_args, main  # noqa: E402
 from plait.data import GlobalBatchSampler  # noqa: E402
-from plait.memory_tracker import MemoryTracker  # noqa: E402
 from plait.mesh import build_mesh  # noqa: E402
-from plait.models.architecture import ModelConfig  # noqa: E402
-from plait.models.contract import contract_of  # noqa: E402
 from plait.models.declare import is_adapter  # noqa: E402
-from plait.models.hf.load import hf_source, load_config  # noqa: E402
 from plait.models.hf.peft import adapter_tensors  # noqa: E402
-from plait.models.init import with_adapters  # noqa: E402
 from plait.models.nf4.source import nf4_source  # noqa: E402
 from plait.models.transformer import Transformer  # noqa: E402
 from plait.optim import build_optimizer, lr_at, set_lr  # noqa: E402
-from plait.parallel.zero.nf4_base import hold_nf4, nf4_targets  # noqa: E402
+from plait.parallel.zero.nf4_base import nf4_targets  # noqa: E402
 from plait.train import Trainer, load_corpus  # noqa: E402
+from qlora_models import (  # noqa: E402
+    CPU,
+    peft_qlora,
+    peft_tensors,
+    plait_qlora,
+    qlora_config,
+    random_adapters,
+    save_4bit,
+)
 
 RTOL = 1e-5
-RANK, ALPHA = 4, 16.0
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 TOKENS = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(5))
-CPU = torch.device("cpu")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -63,60 +64,9 @@ def one_thread():
 @pytest.fixture(scope="module")
 def folder4(tmp_path_factory) -> Path:
     """A Llama saved 4-bit by transformers (NF4, double quantization, fp32 compute)."""
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
     root = tmp_path_factory.mktemp("qlora")
     full = save(llama_config(intermediate_size=128), root / "fp32")
-    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                               bnb_4bit_use_double_quant=True,
-                               bnb_4bit_compute_dtype=torch.float32)  # fmt: skip
-    model = AutoModelForCausalLM.from_pretrained(full, quantization_config=quant,
-                                                 dtype=torch.float32)  # fmt: skip
-    model.save_pretrained(root / "nf4")
-    return root / "nf4"
-
-
-def peft_qlora(folder: Path):
-    """PEFT's QLoRA on the 4-bit folder: Linear4bit bases, adapters on every Linear."""
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    base = peft.prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
-    config = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=TARGETS,
-                             task_type="CAUSAL_LM")  # fmt: skip
-    return peft.get_peft_model(base, config)
-
-
-def qlora_config(folder: Path) -> ModelConfig:
-    cfg = load_config(folder)
-    cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets = RANK, ALPHA, "all"
-    cfg.validate()
-    return cfg
-
-
-def plait_qlora(folder: Path, cfg: ModelConfig, adapters: dict[str, torch.Tensor]):
-    """plait's model over the folder's NF4 weights (held as the engine holds them)."""
-    model = Transformer(cfg)
-    source = with_adapters(hf_source(folder, cfg), cfg, 0, lambda name, s, sh: adapters[name])
-    quantized = {entry.name for entry, _ in nf4_targets(model)}
-    with torch.no_grad():
-        for entry, p in contract_of(model).bind(model):
-            if entry.name not in quantized:
-                p.copy_(source(entry.name, tuple(p.shape), None))
-    held = hold_nf4(model, nf4_source(cfg, 0, str(folder)), CPU, MemoryTracker(CPU))
-    return model, held
-
-
-def random_adapters(cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(11)
-    with torch.device("meta"):
-        shapes = {n: p.shape for n, p in Transformer(cfg).named_parameters() if is_adapter(n)}
-    return {n: torch.randn(s, generator=gen) * 0.1 for n, s in shapes.items()}
-
-
-def peft_tensors(model, what) -> dict[str, torch.Tensor]:
-    return {n.replace(".default", ""): what(p) for n, p in model.named_parameters()
-            if p.requires_grad}  # fmt: skip
+    return save_4bit(full, root / "nf4", torch.float32)
 
 
 def loss_of(logits: torch.Tensor) -> torch.Tensor:

@@ -47,10 +47,15 @@ def local_slice(whole: NF4Tensor, shard: ShardSpec | None) -> NF4Tensor:
 
 @torch.no_grad()
 def hold_nf4(
-    model: nn.Module, source: NF4Source, device: torch.device, tracker: MemoryTracker
+    model: nn.Module,
+    source: NF4Source,
+    device: torch.device,
+    tracker: MemoryTracker,
+    compute: torch.dtype | None = None,
 ) -> dict[str, HeldNF4]:
     """Quantize (or read) each block Linear weight, keep this rank's slice on `device`, route
-    its layer's product through it and release the parameter's storage; name -> held."""
+    its layer's product through it (in `compute`, None: its input's dtype) and release the
+    parameter's storage; name -> held."""
     held: dict[str, HeldNF4] = {}
     for entry, param in nf4_targets(model):
         whole = source(entry.name, tuple(entry.decl.shape))
@@ -59,7 +64,7 @@ def hold_nf4(
                              f"the model declares {entry.decl.shape}")  # fmt: skip
         part = local_slice(whole, entry.decl.shard)
         part = part.with_tensors(tuple(t.to(device, copy=True) for t in part.tensors()))
-        held[entry.name] = HeldNF4(part)
+        held[entry.name] = HeldNF4(part, compute)
         compute_over_nf4(model.get_submodule(entry.name.rpartition(".")[0]), held[entry.name])
         release_storage(param)
         tracker.track(f"nf4:{entry.name}", "parameters", part.nbytes)
