@@ -14,6 +14,7 @@ the same 20 steps of PEFT's model, loss by loss.
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -127,25 +128,34 @@ def test_plait_quantizes_the_folder_as_transformers_does(folder4) -> None:
     assert differ <= total // 20, (differ, total)  # near-ties only
 
 
-def test_a_qlora_checkpoint_exports_to_peft_on_the_4bit_model(folder4, tmp_path) -> None:
+@pytest.fixture(scope="module")
+def qlora_run(folder4, tmp_path_factory) -> Path:
+    """Two steps of `plait train --base-dtype nf4` on the 4-bit folder: its run folder."""
+    root = tmp_path_factory.mktemp("qlora-run")
+    corpus = root / "corpus.txt"
+    corpus.write_text("Adapters trained over four bits, and out to PEFT. " * 40)
+    run = root / "run"
+    assert main(["train", "--init-from", str(folder4), "--data", str(corpus), "--lora-rank",
+                 "4", "--lora-alpha", "16", "--lora-targets", "all", "--base-dtype", "nf4",
+                 "--steps", "2", "--lr", "1e-2", "--seq-len", "16", "--global-batch", "2",
+                 "--micro-batch", "1", "--eval-batches", "1", "--no-progress", "--device",
+                 "cpu", "--out", str(run)]) == 0  # fmt: skip
+    return run
+
+
+def test_a_qlora_checkpoint_exports_to_peft_on_the_4bit_model(folder4, qlora_run, tmp_path) -> None:
     """A QLoRA run's checkpoint names its base and its quantization; `plait export --format
     peft` loads in PEFT on transformers' 4-bit model with the logits plait computes for the
     checkpoint (its base read back dequantized, as the run computed with it), which are
     also those of plait's NF4 model with the checkpoint's adapters."""
     from transformers import AutoModelForCausalLM
 
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text("Adapters trained over four bits, and out to PEFT. " * 40)
-    run = tmp_path / "run"
-    assert main(["train", "--init-from", str(folder4), "--data", str(corpus), "--lora-rank",
-                 "4", "--lora-alpha", "16", "--lora-targets", "all", "--base-dtype", "nf4",
-                 "--steps", "2", "--lr", "1e-2", "--seq-len", "16", "--global-batch", "2",
-                 "--micro-batch", "1", "--eval-batches", "1", "--no-progress", "--device",
-                 "cpu", "--out", str(run)]) == 0  # fmt: skip
-    checkpoint = store.complete(run)
+    checkpoint = store.complete(qlora_run)
     assert store.read_trainer(checkpoint)["base"]["quantization"] == "nf4"
     out = tmp_path / "peft"
-    assert main(["export", "--checkpoint", str(run), "--format", "peft", "--out", str(out)]) == 0
+    assert (
+        main(["export", "--checkpoint", str(qlora_run), "--format", "peft", "--out", str(out)]) == 0
+    )
     base = AutoModelForCausalLM.from_pretrained(folder4, dtype=torch.float32)
     # In train mode, as in training (no dropout here): in eval mode on a CPU with AVX512-BF16
     # bitsandbytes repacks the weights for its own inference kernel, another arithmetic.
@@ -157,6 +167,30 @@ def test_a_qlora_checkpoint_exports_to_peft_on_the_4bit_model(folder4, tmp_path)
         cfg = inspect.model_config(checkpoint)
         nf4_model, _ = plait_qlora(folder4, cfg, inspect.read_masters(checkpoint))
         torch.testing.assert_close(nf4_model(TOKENS), ours, rtol=RTOL, atol=1e-6)
+
+
+def test_a_merged_qlora_export_is_a_plain_fp32_model(folder4, qlora_run, tmp_path) -> None:
+    """`plait export --format hf --merge` of a QLoRA run merges the adapters into the
+    dequantized base in fp32 (W = dequantize(NF4) + s·B·A) and writes a plain, unquantized
+    fp32 folder: transformers loads it without bitsandbytes and gives the logits of plait's
+    NF4 model with the run's adapters."""
+    from transformers import AutoModelForCausalLM
+
+    checkpoint = store.complete(qlora_run)
+    out = tmp_path / "merged"
+    assert main(["export", "--checkpoint", str(qlora_run), "--format", "hf", "--merge",
+                 "--out", str(out)]) == 0  # fmt: skip
+    hf = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in hf and not any("lora" in k for k in hf)
+    merged = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert {p.dtype for p in merged.parameters()} == {torch.float32}
+    cfg = inspect.model_config(checkpoint)
+    nf4_model, _ = plait_qlora(folder4, cfg, inspect.read_masters(checkpoint))
+    with torch.no_grad():
+        want, got = nf4_model(TOKENS), merged(input_ids=TOKENS).logits
+        before = AutoModelForCausalLM.from_pretrained(folder4).train()(input_ids=TOKENS).logits
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=1e-5)
+    assert (want - before).abs().max() > 1e-2  # the adapters trained: merging is seen
 
 
 def test_twenty_steps_are_peft_qlora(folder4, tmp_path) -> None:
