@@ -218,11 +218,11 @@ def _zero_ops(
 def _base_gathers(cfg: Config, plans: list[StagePlan], base: FrozenBase) -> tuple[int, int]:
     """(elements, calls) a stage-3 LoRA base all-gathers per step."""
     par, k = cfg.parallel, cfg.accumulation
+    groups, blocks = base.flat_groups()  # an NF4 block: its fp group and its packed bytes
     if not _pipelined_zero(cfg):
-        return base.gathered_per_step(k), 2 * k * len(base.units)
+        return base.gathered_per_step(k), 2 * k * len(groups)
     split = par.schedule == "zb-h1"
-    blocks = base.unit_blocks()
-    ops = pipeline_zero_traffic(3, list(base.units), blocks, plans, split, k,
+    ops = pipeline_zero_traffic(3, groups, blocks, plans, split, k,
                                 par.reshard_after_forward)  # fmt: skip
     return ops["all_gather"]
 
