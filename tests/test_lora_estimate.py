@@ -55,6 +55,14 @@ LAYOUTS = [
          model=ALL),
     Case("qlora pp2 zero3", "small-llama", parallel={"pp": 2, "zero": 3, "base_dtype": "nf4",
                                                      "schedule": "1f1b"}, model=ALL, accum=4),
+    # the weight dequantized for a product at the peak: under full recomputation, and with
+    # the down projection no target (its input not saved); bf16 products beside fp32 ones
+    Case("qlora dp2 recompute full", "small-llama", parallel={"dp": 2, "base_dtype": "nf4",
+                                                              "recompute": "full"}, model=ALL),
+    Case("qlora dp2 zero3 attn", "small-llama", parallel={"dp": 2, "zero": 3,
+         "base_dtype": "nf4"}, model={"lora_rank": 4, "lora_targets": "attn"}),
+    Case("qlora dp2 bf16 upcast", "small-llama", parallel={"dp": 2, "zero": 1, "base_dtype": "nf4",
+         "precision": "bf16", "base_upcast": True, "recompute": "full"}, model=ALL),
     # then docs/memory.md's LoRA rows (tests/memory_table.py): ZeRO-3 in fp32 and bf16, and
     # with full recomputation (its peak: a forward's block done)
 ] + [c for c in TABLE if is_lora(c)]  # fmt: skip

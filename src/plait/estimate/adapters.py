@@ -96,6 +96,16 @@ def lora_layer_bytes(cfg: ModelConfig, x: Shape, recompute: str, grad_in: bool) 
     return total + _u_bytes(cfg, spec, mine, x)
 
 
+def down_input_bytes(cfg: ModelConfig, x: Shape) -> int:
+    """The MLP down projection's input its adapter's A saves (F·e; 0 when it is no
+    target): freed by the first nodes of a block's backward, before the frozen product's
+    input gradient runs (`estimate/peak.py` sets an NF4 base's dequantized weight against it)."""
+    spec = cfg.lora
+    if spec is None or not set(spec.leaves) & set(block_table(cfg).style("row", "mlp")):
+        return 0
+    return x.b * x.s * cfg.ffn_dim // x.t * x.e
+
+
 def _mlp_bytes(cfg: ModelConfig, mine: list[str], f: int, x: Shape, grad: bool) -> int:
     """The MLP's own saved tensors between its projections (F = f elements each): SwiGLU's
     gate output (for silu), silu(gate) and up (for the product) when each needs a gradient;

@@ -61,6 +61,19 @@ def nf4_weights(params: list[ParamSpec], model: ModelConfig) -> tuple[int, int]:
     return numel, held
 
 
+def dequantized_bytes(params: list[ParamSpec], cfg: Config) -> int:
+    """An NF4 base's weight dequantized for its product (models/nf4/linear.py): one at a
+    time, the largest of this rank's slices, in the products' dtype (the precision's, 16-bit
+    under `--base-upcast`); alive within a block's forward or backward only (estimate/peak.py).
+    0 for any other base."""
+    if cfg.parallel.base_dtype != "nf4":
+        return 0
+    whole = _quantized(cfg.model)
+    sizes = [p.numel for p in params if p.block is not None and not p.trainable
+             and p.name.split(".", 2)[-1] in whole]  # fmt: skip
+    return max(sizes, default=0) * DTYPE_BYTES[cfg.parallel.precision]
+
+
 def base_total_bytes(cfg: Config, prec: Precision, psi: int) -> int:
     """A single process's whole frozen base of `psi` elements, in `--base-dtype`."""
     e = base_bytes(cfg.parallel.base_dtype, prec)

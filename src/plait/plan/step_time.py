@@ -324,7 +324,7 @@ def _offload_seconds(cfg: Config, hw: Hardware, shard: int) -> float:
     par = cfg.parallel
     if par.offload == "none":
         return 0.0
-    prec = Precision.of(par.precision, par.reduce_dtype)
+    prec = Precision.of_run(par)
     seconds = shard * (prec.reduce + prec.param) / hw.host_bandwidth
     if par.offload == "nvme":
         seconds += 2 * (1 + ADAM_STATES) * FP32 * shard / hw.disk_bandwidth

@@ -93,7 +93,7 @@ def tp_seconds(
     par = cfg.parallel
     if par.tp == 1:
         return 0.0, 0.0
-    e = Precision.of(par.precision, par.reduce_dtype).param
+    e = Precision.of_run(par).param
     fwd, bwd = tp_tables(cfg, plan, recompute_full)
 
     def seconds(table: dict) -> float:
@@ -144,7 +144,7 @@ def dp_traffic(
     frozen base: each unit all-gathered twice per micro-batch at the base dtype, priced
     as the trainable gathers are (`estimate/frozen_base.py`); `memo` keeps the groups by cut."""
     par = cfg.parallel
-    prec = Precision.of(par.precision, par.reduce_dtype)
+    prec = Precision.of_run(par)
     memo = {} if memo is None else memo
     key = (par.tp, par.zero, par.bucket_mb, par.dp, tuple((p.stage, p.layers) for p in plans))
     if key not in memo:
@@ -189,7 +189,7 @@ def base_elements(cfg: Config, plans: list[StagePlan]) -> tuple[int, int]:
     """(elements, calls) a LoRA run's frozen base all-gathers per step under ZeRO-3."""
     par = cfg.parallel
     params = rank_params(tp_contract(cfg.model, par.tp), plans)
-    prec = Precision.of(par.precision, par.reduce_dtype)
+    prec = Precision.of_run(par)
     return _base_gathers(cfg, plans, frozen_base(params, cfg, prec))
 
 
@@ -247,7 +247,7 @@ def step_collectives(
     Under ZeRO >= 1 a rank sums only the pieces in its shard; the elements are then the
     whole pieces' / dp (exact for the calls, the latency; near for the bytes)."""
     par, m = cfg.parallel, cfg.model
-    prec = Precision.of(par.precision, par.reduce_dtype)
+    prec = Precision.of_run(par)
     shard = par.dp if par.zero >= 1 else 1
     out: dict[tuple[str, str], tuple[int, int, int]] = {}
     if par.dp > 1:

@@ -22,6 +22,7 @@ parameters do: its values live in the NF4 bytes only.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,7 @@ class HeldNF4:
 
     weight: NF4Tensor
     compute: torch.dtype | None = None  # the products' dtype; None: the input's
+    meter: Callable[[Tensor | None], None] | None = None  # told of the dequantized weight
 
 
 class NF4Linear(torch.autograd.Function):
@@ -47,14 +49,26 @@ class NF4Linear(torch.autograd.Function):
     def forward(ctx, x: Tensor, bias: Tensor | None, held: HeldNF4) -> Tensor:
         ctx.held = held  # the packed bytes, by reference: nothing copied, nothing saved
         w = dequantize(held.weight, x.dtype)  # (out, in), for this product only
-        return F.linear(x, w, bias)
+        return _metered(held, w, lambda: F.linear(x, w, bias))
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, None, None]:
         if not ctx.needs_input_grad[0]:
             return None, None, None
         w = dequantize(ctx.held.weight).to(grad.dtype)  # as MatMul4Bit: its dtype, then dy's
-        return torch.matmul(grad, w), None, None
+        return _metered(ctx.held, w, lambda: torch.matmul(grad, w)), None, None
+
+
+def _metered(held: HeldNF4, weight: Tensor, product: Callable[[], Tensor]) -> Tensor:
+    """`product()`, with `held.meter` told of the dequantized `weight` while it runs (the
+    memory tracker counts it: a transient, one weight at a time)."""
+    if held.meter is None:
+        return product()
+    held.meter(weight)
+    try:
+        return product()
+    finally:
+        held.meter(None)
 
 
 class _Route(TorchFunctionMode):
