@@ -30,6 +30,7 @@ from plait.lessons import (
     partition_activations,
     pipeline,
     precision,
+    qlora,
     recompute,
     tp,
     zero,
@@ -44,7 +45,7 @@ MIN_PROCS, MAX_PROCS = 2, 4
 def registry() -> dict[str, ModuleType]:
     """Lesson name -> module, in the course's order."""
     course = (dp, pipeline, tp, zero, precision, recompute, offload, offload_activations,
-              partition_activations, finetune, lora, light_loss)  # fmt: skip
+              partition_activations, finetune, lora, qlora, light_loss)  # fmt: skip
     return {m.NAME: m for m in course}
 
 
