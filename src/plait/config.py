@@ -35,7 +35,7 @@ from plait.data.split import whole_stream
 from plait.device import cuda_available, device_kind
 from plait.domain import Domain, OrAuto, above, at_least, check_fields, fraction
 from plait.errors import ConfigError
-from plait.mixed_precision import parse_base_dtype, parse_precision
+from plait.mixed_precision import check_upcast, parse_base_dtype, parse_precision
 from plait.models.architecture import ModelConfig
 from plait.models.nf4.checks import check_nf4_run
 from plait.models.presets import get_preset
@@ -126,6 +126,14 @@ class ParallelConfig:
             "help": "how a LoRA run holds its frozen base: auto (the precision's parameter "
             "dtype), bf16, fp16, fp32, or nf4 (QLoRA: the blocks' Linear weights in 4-bit "
             "NormalFloat, the rest in the precision's dtype); adapters keep fp32 masters"
+        },
+    )
+    base_upcast: bool = field(
+        default=False,
+        metadata={
+            "help": "QLoRA as PEFT's prepare_model_for_kbit_training: the base's unquantized "
+            "weights (embeddings, head, norms), the activations and the adapters in fp32, "
+            "only the NF4 products in --precision's dtype (with --base-dtype nf4, bf16/fp16)"
         },
     )
     reshard_after_forward: str = field(
@@ -546,6 +554,8 @@ def _check_base_dtype(
             f"the base in the precision's dtype ({par.precision}): give --base-dtype auto"
         )
     check_nf4_run(par.base_dtype, par.tp, model, init_from)
+    if par.base_upcast:
+        check_upcast(par.base_dtype, par.precision, par.reduce_dtype)
 
 
 def validate_config(cfg: Config, check_data: bool = True) -> None:

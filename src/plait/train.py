@@ -174,18 +174,21 @@ def _zero_engine(
 ) -> ZeroEngine:
     par = cfg.parallel
     streamed = _streams_init(cfg)
+    precision = parse_precision(par.precision, par.reduce_dtype, par.base_upcast)
     return ZeroEngine(
         model,
         comm,
         AdamW.from_train(cfg.train),
         stage=par.zero,
-        precision=parse_precision(par.precision, par.reduce_dtype),
+        precision=precision,
         offload=par.offload,
         offload_dir=par.offload_dir,
         bucket_mb=par.bucket_mb,
         isolate=tied_embedding_params(model) if pipeline else [],
         initial_value=source_values(model, first_weights(cfg)) if streamed else None,
-        base_dtype=parse_base_dtype(par.base_dtype, par.precision, cfg.model.lora is not None),
+        base_dtype=precision.param_dtype
+        if par.base_upcast
+        else parse_base_dtype(par.base_dtype, par.precision, cfg.model.lora is not None),
         plans=pipeline.plans if pipeline else None,
         reshard_after_forward=par.reshard_after_forward,
         axis=comm.mesh.replicas_axis,  # dp, or dp x cp: the ranks holding other tokens

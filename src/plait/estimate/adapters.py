@@ -98,6 +98,16 @@ def lora_layer_bytes(model: ModelConfig, x: MicroShape, recompute: str, grad_in:
     return total + _u_bytes(model, spec, mine, x)
 
 
+def down_input_bytes(model: ModelConfig, x: MicroShape) -> int:
+    """The MLP down projection's input its adapter's A saves (F·e; 0 when it is no
+    target): freed by the first nodes of a block's backward, before the frozen product's
+    input gradient runs (`estimate/peak.py` sets an NF4 base's dequantized weight against it)."""
+    spec = model.lora
+    if spec is None or not set(spec.leaves) & set(block_table(model).style("row", "mlp")):
+        return 0
+    return x.b * x.s * model.ffn_dim // x.t * x.e
+
+
 def _mlp_bytes(model: ModelConfig, mine: list[str], f: int, x: MicroShape, grad: bool) -> int:
     """The MLP's own saved tensors between its projections (F = f elements each): SwiGLU's
     gate output (for silu), silu(gate) and up (for the product) when each needs a gradient;

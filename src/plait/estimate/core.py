@@ -18,7 +18,7 @@ from plait.data.examples import is_examples_dir
 from plait.device import device_kind
 from plait.errors import ConfigError
 from plait.estimate import activations as act
-from plait.estimate.adapters import lora_head_bytes, lora_layer_bytes
+from plait.estimate.adapters import down_input_bytes, lora_head_bytes, lora_layer_bytes
 from plait.estimate.buffers import (
     buffer_lines,
     frozen_units,
@@ -31,7 +31,13 @@ from plait.estimate.formulas import (
     sixteen_bit_finetune_bytes,
     zero_model_state_bytes,
 )
-from plait.estimate.frozen_base import FrozenBase, base_total_bytes, frozen_base, frozen_line
+from plait.estimate.frozen_base import (
+    FrozenBase,
+    base_total_bytes,
+    dequantized_bytes,
+    frozen_base,
+    frozen_line,
+)
 from plait.estimate.lines import LESSON_ORDER, PLACES, Estimate, Line, RankEstimate
 from plait.estimate.model_facts import ModelFacts, facts_for
 from plait.estimate.model_states import (
@@ -99,7 +105,7 @@ def _shape(cfg: Config) -> act.MicroShape:
     """The micro-batch's symbols; packed when the run reads instruction data (an examples
     folder: packed or padded, its rows carry segments), attended as `packed_path` says."""
     par, t = cfg.parallel, cfg.train
-    e = ElementBytes.of(par.precision, par.reduce_dtype).param
+    e = ElementBytes.of_run(par).param
     packed = is_examples_dir(cfg.data.path)
     if par.cp > 1:  # a rank's s/cp tokens, positions per token, attention by its exchange
         return act.MicroShape(t.micro_batch, t.seq_len // par.cp, par.tp, par.sequence_parallel, e,
@@ -112,7 +118,7 @@ def packed_path(cfg: Config) -> str:
     """The path packed rows' attention takes in training (models/packed_attention.py): the
     mode, `auto` resolved on the run's device and compute dtype, the mask under dropout."""
     par = cfg.parallel
-    dtype = parse_precision(par.precision, par.reduce_dtype).param_dtype
+    dtype = parse_precision(par.precision, par.reduce_dtype, par.base_upcast).param_dtype
     device = device_kind(cfg.train.device)
     return attention_path(par.packed_attention, device, dtype, cfg.model.dropout > 0)
 
@@ -181,7 +187,7 @@ def _rank(
     stream: Stream | None = None,
 ) -> RankEstimate:
     par = cfg.parallel
-    prec = ElementBytes.of(par.precision, par.reduce_dtype)
+    prec = ElementBytes.of_run(par)
     params = facts.rank_params(par.tp, plans)
     units = facts.group_units(par.tp, plans, par.zero, par.bucket_mb)
     states = model_states(params, par.zero, par.dp, prec, par.offload, par.bucket_mb, units)
@@ -240,8 +246,19 @@ def _walk(
         frozen=frozen_units(cfg, base, labels),
         receive=receive_buffers(cfg, plans, schedule, r, prec),
         pipeline_zero=pipeline_buffers(cfg, states, prec, plans, schedule, r, base),
+        dequantized=_dequantized(cfg, params),
         **zero_units(cfg, params, labels, states.groups, prec),
     )
+
+
+def _dequantized(cfg: Config, params: list) -> int:
+    """An NF4 base's weight dequantized as a block's backward starts, beyond the activations
+    then: the down projection's, less its input that the adapter's nodes free just before
+    (without full recomputation)."""
+    dequantized = dequantized_bytes(params, cfg)
+    if not dequantized or cfg.parallel.recompute == "full":
+        return dequantized
+    return max(dequantized - down_input_bytes(cfg.model, _shape(cfg)), 0)
 
 
 def _two_bw_states(states: States) -> int:
@@ -304,7 +321,7 @@ def _reference(cfg: Config, facts: ModelFacts) -> dict[str, float]:
     """Single-GPU and ZeRO closed forms for this model at this dp (no tp, no pp); under
     LoRA Ψ is the base's, Φ the adapters', and one GPU holds base·Ψ + (p+g+k)Φ."""
     m, par = cfg.model, cfg.parallel
-    prec = ElementBytes.of(par.precision, par.reduce_dtype)
+    prec = ElementBytes.of_run(par)
     psi = facts.total_parameters(None if m.lora is None else False)
     optim = ADAM_STATES * FP32 + (FP32 if prec.param != FP32 else 0)
     zero = {

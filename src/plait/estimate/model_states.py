@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from plait.config import ParallelConfig
 from plait.estimate.rank_params import ParamSpec
 from plait.parallel.zero.layout import NVME_SUB_GROUP_MB, bucket_runs, nvme_sub_group, padded_size
 
@@ -39,6 +40,14 @@ class ElementBytes:
     @classmethod
     def of(cls, name: str, reduce_dtype: str | None) -> ElementBytes:
         return cls(name, DTYPE_BYTES[name], DTYPE_BYTES[reduce_dtype or name])
+
+    @classmethod
+    def of_run(cls, par: ParallelConfig) -> ElementBytes:
+        """A run's: `--base-upcast` computes, holds and reduces in fp32 (only an NF4 base's
+        products in the 16-bit dtype: `estimate/frozen_base.dequantized_bytes`)."""
+        if par.base_upcast:
+            return cls(par.precision, 4, 4)
+        return cls.of(par.precision, par.reduce_dtype)
 
 
 @dataclass

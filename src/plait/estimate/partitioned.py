@@ -57,7 +57,7 @@ def gathers_per_step(cfg: Config, pp_rank: int = 0) -> tuple[int, int]:
     """(calls, logical bytes) of the partitioning's all-gathers on one rank of pipeline
     rank `pp_rank` in one optimizer step: one per partitioned block per micro-batch."""
     par, t = cfg.parallel, cfg.train
-    e = ElementBytes.of(par.precision, par.reduce_dtype).param
+    e = ElementBytes.of_run(par).param
     x = act.MicroShape(t.micro_batch, t.seq_len, par.tp, par.sequence_parallel, e)
     whole = input_bytes(cfg, x)
     if whole == 0:

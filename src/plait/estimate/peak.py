@@ -22,8 +22,10 @@ The moments one micro-batch passes through on this rank:
   group order, at most MAX_INFLIGHT_BUCKETS in flight: zero/reducer.py), ZeRO-3 holds the
   root for the whole backward and the unit at k and the prefetched one at k + 1
   (zero/flat_params.py), a frozen base its units at k and k + 1, the root only until the
-  last block's backward starts (zero/frozen.py). The position's first nodes have freed what
-  they saved by then (`Walk.early`: the loss's saves; a block's MLP down-projection input).
+  last block's backward starts (zero/frozen.py), and an NF4 base's largest weight
+  dequantized for a product (models/nf4/linear.py). The
+  position's first nodes have freed what they saved by then (`Walk.early`: the loss's
+  saves; a block's MLP down-projection input).
 
 Each term is one function `term(walk, at) -> bytes` (`At`: the phase and position) in
 TERMS: a new kind of memory that comes and goes (a buffer of a new feature) is one function
@@ -76,6 +78,7 @@ class Walk:
     frozen: tuple[Unit, ...] = ()  # a LoRA base's units under ZeRO-3
     receive: int = 0  # pipeline receive buffers (alive through the step)
     pipeline_zero: tuple[int, int] = (0, 0)  # ZeRO-2/3 under a pipeline: at the peak, own
+    dequantized: int = 0  # an NF4 base: the weight dequantized for one Linear's product
 
     @cached_property
     def freed_before(self) -> tuple[int, ...]:
@@ -176,6 +179,16 @@ def pipeline_zero(w: Walk, at: At) -> int:
     return w.pipeline_zero[1] if at.phase == "buffers" else 0
 
 
+def dequantized(w: Walk, at: At) -> int:
+    """An NF4 base's weight dequantized for a product, the largest one, as a block's
+    backward starts (its MLP's down projection's input gradient is the first product). In
+    the forward a product's weight is gone before the block's later saves are made (the
+    adapters' inputs and what follows), which at least match it: not counted there."""
+    if at.phase != "backward" or not w.labels[at.k].startswith("block"):
+        return 0
+    return w.dequantized
+
+
 TERMS: tuple[tuple[str, Callable[[Walk, At], int]], ...] = (
     ("activations", activations),
     ("buckets", buckets),
@@ -183,6 +196,7 @@ TERMS: tuple[tuple[str, Callable[[Walk, At], int]], ...] = (
     ("frozen_gathered", frozen),
     ("receive_buffers", receive),
     ("pipeline_zero", pipeline_zero),
+    ("nf4_dequantized", dequantized),
 )
 BUFFERS = ("buckets", "gathered", "frozen_gathered", "pipeline_zero")  # the comm_buffers line
 

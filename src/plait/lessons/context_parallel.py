@@ -136,8 +136,8 @@ def expected_saved(cfg: Config, exchange: str, targets: int) -> int:
     return line - act.target_rows_bytes(cfg.model, _shape(cfg), SEQ // CP - targets)
 
 
-def _shape(cfg: Config) -> act.Shape:
-    return act.Shape(1, SEQ // CP, 1, False, 4)
+def _shape(cfg: Config) -> act.MicroShape:
+    return act.MicroShape(1, SEQ // CP, 1, False, 4)
 
 
 def section(runs: dict[str, Run], out: Path) -> Section:

@@ -31,6 +31,7 @@ from plait.lessons import (
     partition_activations,
     pipeline,
     precision,
+    qlora,
     recompute,
     tp,
     zero,
@@ -45,7 +46,8 @@ MIN_PROCS, MAX_PROCS = 2, 4
 def registry() -> dict[str, ModuleType]:
     """Lesson name -> module, in the course's order."""
     course = (dp, pipeline, tp, zero, precision, recompute, offload, offload_activations,
-              partition_activations, finetune, lora, light_loss, context_parallel)  # fmt: skip
+              partition_activations, finetune, lora, qlora, light_loss,
+              context_parallel)  # fmt: skip
     return {m.NAME: m for m in course}
 
 

@@ -336,7 +336,7 @@ def _offload_seconds(cfg: Config, hw: Hardware, shard: int) -> float:
     par = cfg.parallel
     if par.offload == "none":
         return 0.0
-    prec = ElementBytes.of(par.precision, par.reduce_dtype)
+    prec = ElementBytes.of_run(par)
     seconds = shard * (prec.reduce + prec.param) / hw.host_bandwidth
     if par.offload == "nvme":
         seconds += 2 * (1 + ADAM_STATES) * FP32 * shard / hw.disk_bandwidth

@@ -94,7 +94,7 @@ def tp_seconds(
     par = cfg.parallel
     if par.tp == 1:
         return 0.0, 0.0
-    e = ElementBytes.of(par.precision, par.reduce_dtype).param
+    e = ElementBytes.of_run(par).param
     fwd, bwd = tp_tables(cfg, plan, recompute_full)
 
     def seconds(table: dict) -> float:
@@ -157,7 +157,8 @@ def dp_traffic(
     par = cfg.parallel
     key = (par.tp, par.zero, par.bucket_mb, par.dp, par.pp, par.two_bw, par.schedule,
            par.reshard_after_forward, cfg.accumulation, par.precision, par.reduce_dtype,
-           link.key, tuple((p.stage, p.layers) for p in plans), "traffic")  # fmt: skip
+           par.base_upcast, par.base_dtype, link.key, tuple((p.stage, p.layers) for p in plans),
+           "traffic")  # fmt: skip
     if key not in memo:
         memo[key] = _dp_traffic(cfg, link, plans, memo, facts)
     return memo[key]
@@ -168,8 +169,9 @@ def _dp_traffic(
 ) -> DpTraffic:
     """`dp_traffic` priced, its groups kept in `memo` by cut."""
     par = cfg.parallel
-    prec = ElementBytes.of(par.precision, par.reduce_dtype)
-    key = (par.tp, par.zero, par.bucket_mb, par.dp, tuple((p.stage, p.layers) for p in plans))
+    prec = ElementBytes.of_run(par)
+    key = (par.tp, par.zero, par.bucket_mb, par.dp, par.base_dtype, par.base_upcast,
+           tuple((p.stage, p.layers) for p in plans))  # fmt: skip
     if key not in memo:
         params = facts.rank_params(par.tp, plans)
         units = facts.group_units(par.tp, plans, par.zero, par.bucket_mb)
@@ -213,7 +215,7 @@ def base_elements(cfg: Config, plans: list[StagePlan]) -> tuple[int, int]:
     """(elements, calls) a LoRA run's frozen base all-gathers per step under ZeRO-3."""
     par = cfg.parallel
     params = rank_params(tp_contract(cfg.model, par.tp), plans)
-    prec = ElementBytes.of(par.precision, par.reduce_dtype)
+    prec = ElementBytes.of_run(par)
     return _base_gathers(cfg, plans, frozen_base(params, cfg, prec))
 
 
@@ -247,11 +249,11 @@ def _zero_ops(
 def _base_gathers(cfg: Config, plans: list[StagePlan], base: FrozenBase) -> tuple[int, int]:
     """(elements, calls) a stage-3 LoRA base all-gathers per step."""
     par, k = cfg.parallel, cfg.accumulation
+    groups, blocks = base.flat_groups()  # an NF4 block: its fp group and its packed bytes
     if not _pipelined_zero(cfg):
-        return base.gathered_per_step(k), 2 * k * len(base.units)
+        return base.gathered_per_step(k), 2 * k * len(groups)
     split = par.schedule == "zb-h1"
-    blocks = base.unit_blocks()
-    ops = pipeline_zero_traffic(3, list(base.units), blocks, plans, split, k,
+    ops = pipeline_zero_traffic(3, groups, blocks, plans, split, k,
                                 par.reshard_after_forward)  # fmt: skip
     return ops["all_gather"]
 
@@ -277,7 +279,7 @@ def step_collectives(
     whole pieces' / dp (exact for the calls, the latency; near for the bytes). `facts`: the
     model's, kept by a planner across layouts (`estimate/model_facts.py`)."""
     par, m = cfg.parallel, cfg.model
-    prec = ElementBytes.of(par.precision, par.reduce_dtype)
+    prec = ElementBytes.of_run(par)
     shard = par.dp if par.zero >= 1 else 1
     out: dict[tuple[str, str], tuple[int, int, int]] = {}
     if par.dp > 1:

@@ -172,7 +172,8 @@ class ZeroEngine:
         zero/nf4_shards.py), the rest in `base_dtype`. Sets `frozen`, `nf4_weights` and
         `nf4_gatherer`; returns the frozen base's gatherer (stage 3), else None."""
         model, comm, axis, stage = self.model, self.comm, self.axis, self.stage
-        self.nf4_weights = hold_nf4(model, nf4, self.device, self.memory) if nf4 else {}
+        products = self.precision.base_products  # --base-upcast: not the compute dtype
+        self.nf4_weights = hold_nf4(model, nf4, self.device, self.memory, products) if nf4 else {}
         self.nf4_gatherer = None
         if stage == 3 and self.nf4_weights:
             self.nf4_gatherer = shard_nf4(
