@@ -25,6 +25,7 @@ import copy
 import pytest
 import torch
 
+from plait.build.model import build_model
 from plait.config import Config
 from plait.errors import ConfigError
 from plait.memory_tracker import MemoryTracker
@@ -32,7 +33,7 @@ from plait.mesh import build_mesh
 from plait.mixed_precision import parse_base_dtype
 from plait.models.declare import is_adapter
 from plait.parallel.tp.sharding import full_tensor, param_shard_specs
-from plait.train import Trainer, build_model
+from plait.train import Trainer
 from reference import corpus_for, reference_run_named, small_config
 
 STEPS = 3
