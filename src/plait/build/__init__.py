@@ -5,6 +5,6 @@
 folder, a PEFT adapter, NF4), the model built on the meta device and parallelized before any
 memory is touched (`model.build_model`), then the optimizer engine and the runner of the
 micro-batches that the layout asks for (`rank.engine_and_runner`). It returns the parts
-(`rank.Rank`); the Trainer steps and evaluates them, `checkpoint/run_state.py` saves and loads
+(`rank.RankParts`); the Trainer steps and evaluates them, `checkpoint/run_state.py` saves and loads
 them. Import from the modules.
 """

@@ -44,7 +44,7 @@ from plait.step import Accumulate, Pipelined, Runner
 
 
 @dataclass
-class Rank:
+class RankParts:
     """One rank's built parts. `model` is the model as built (the engine's `current_model`
     is what to run: 2BW's newest version); `pipeline` is None without one; `stream` is the
     runner when it is 2BW's stream (it restarts from a loaded step), else None."""
@@ -60,7 +60,7 @@ class Rank:
     stream: TwoBWStream | None
 
 
-def build_rank(cfg: Config, mesh: Mesh, corpus: Corpus | None = None) -> Rank:
+def build_rank(cfg: Config, mesh: Mesh, corpus: Corpus | None = None) -> RankParts:
     """This rank's parts of the run `cfg` describes, built in the recipe's order (the module
     docstring); `corpus` replaces the one the configuration names (tests, `plait eval`)."""
     t, par = cfg.train, cfg.parallel
@@ -87,7 +87,7 @@ def build_rank(cfg: Config, mesh: Mesh, corpus: Corpus | None = None) -> Rank:
                           t.loss_average)  # fmt: skip
     engine, runner = engine_and_runner(cfg, model, comm, pipeline, batches, weights)
     stream = runner if isinstance(runner, TwoBWStream) else None
-    return Rank(comm, corpus, model, rules, batches, pipeline, engine, runner, stream)
+    return RankParts(comm, corpus, model, rules, batches, pipeline, engine, runner, stream)
 
 
 def engine_and_runner(

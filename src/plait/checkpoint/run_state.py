@@ -38,7 +38,7 @@ class Batches(Protocol):
 
 
 class Held(Protocol):
-    """What a checkpoint saves and loads of a built rank (build/rank.py's Rank)."""
+    """What a checkpoint saves and loads of a built rank (build/rank.py's RankParts)."""
 
     engine: OptimizerEngine
     model: nn.Module
