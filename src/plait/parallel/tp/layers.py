@@ -73,10 +73,9 @@ class ParallelLinear(nn.Module):
     B, each with this rank's shard or replicated), so the split of every parameter, an
     adapter's included, is the contract's and not re-derived here; and the adapter's scaling
     and dropout, taken from the Linear it replaces. Subclasses say how the input enters and
-    the output leaves (`forward`), and which of their options `extra_repr` shows."""
+    the output leaves (`forward`), and their own options for `extra_repr` (`options`)."""
 
     STYLE: ClassVar[Style]
-    OPTIONS: ClassVar[tuple[str, ...]] = ()  # the subclass's own options, for extra_repr
 
     def __init__(
         self,
@@ -164,8 +163,13 @@ class ParallelLinear(nn.Module):
         split = 0 if self.STYLE == "column" else 1  # the weight's dim this rank holds a slice of
         width = [f"out={self.out_features}", f"in={self.in_features}"]
         width[split] += f" (local {self.weight_spec.shape[split]})"
-        options = [f"{name}={getattr(self, name)}" for name in (*self.OPTIONS, "sequence_parallel")]
-        return ", ".join([width[1], width[0], f"bias={self.bias is not None}", *options])
+        options = {**self.options(), "sequence_parallel": self.sequence_parallel}
+        shown = [f"{name}={value}" for name, value in options.items()]
+        return ", ".join([width[1], width[0], f"bias={self.bias is not None}", *shown])
+
+    def options(self) -> dict[str, object]:
+        """The subclass's own options, as `extra_repr` shows them."""
+        return {}
 
 
 class ColumnParallelLinear(ParallelLinear):
@@ -180,7 +184,6 @@ class ColumnParallelLinear(ParallelLinear):
     """
 
     STYLE = "column"
-    OPTIONS = ("gather_output", "enter")
 
     def __init__(
         self,
@@ -200,6 +203,9 @@ class ColumnParallelLinear(ParallelLinear):
         super().__init__(in_features, out_features, comm, bias, pad, sequence_parallel, tag,
                          like, decls)  # fmt: skip
         self.gather_output, self.enter = gather_output, enter
+
+    def options(self) -> dict[str, object]:
+        return {"gather_output": self.gather_output, "enter": self.enter}
 
     def region_input(self, x: Tensor) -> Tensor:
         """The input as this layer's matmul reads it: entered into the region when `enter`
