@@ -46,6 +46,7 @@ from common import (
     threads_for,
 )
 from output import comparison_cells, describe_machine_md, markdown_table, phase_table, publish
+from plait.build.model import build_model
 from plait.comm import Comm
 from plait.config import TrainConfig
 from plait.estimate.formulas import zero_comm_elements, zero_model_state_bytes
@@ -53,7 +54,6 @@ from plait.mesh import build_mesh
 from plait.models.architecture import ModelConfig
 from plait.models.presets import get_preset
 from plait.topology import Layout
-from plait.train import build_model
 from zero_sides import (
     PHASES,
     DdpSide,

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from plait.build.corpus import load_corpus
 from plait.config import Config, build_config
 from plait.device import peak_allocated_bytes
 from plait.estimate import Estimate, RankEstimate
@@ -23,7 +24,7 @@ from plait.estimate.model_states import ElementBytes
 from plait.memory_tracker import MODEL_STATES, PLACES
 from plait.mesh import build_mesh
 from plait.models.loss import IGNORE
-from plait.train import Trainer, load_corpus
+from plait.train import Trainer
 from reference import corpus_for
 
 MB, SEQ = 2, 64

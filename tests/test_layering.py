@@ -43,7 +43,8 @@ COLLECTIVES = (
     "batch_isend_irecv",
     "monitored_barrier",
 )
-ABOVE_PARALLEL = ("plait.train", "plait.run", "plait.step", "plait.launch", "plait.cli")
+ABOVE_PARALLEL = ("plait.build", "plait.train", "plait.run", "plait.step", "plait.launch",
+                  "plait.cli")  # fmt: skip
 PURE = ("plait.topology", "plait.schedule", "plait.estimate", "plait.plan", "plait.config",
         "plait.launcher_env", "plait.slurm")  # fmt: skip
 PROCESS = ("torch.distributed", "plait.comm", "plait.mesh", "plait.launch")

@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from nf4_parity import assert_same_run, nf4_run
+from plait.build.model import build_model
 from plait.config import Config
 from plait.errors import ConfigError
 from plait.memory_tracker import MemoryTracker
@@ -34,7 +35,7 @@ from plait.mesh import build_mesh
 from plait.mixed_precision import parse_base_dtype
 from plait.models.declare import is_adapter
 from plait.parallel.tp.sharding import full_tensor, param_shard_specs
-from plait.train import Trainer, build_model
+from plait.train import Trainer
 from reference import corpus_for, reference_run_named, small_config
 
 STEPS = 3

@@ -28,6 +28,7 @@ pytest.importorskip("bitsandbytes")
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # a missing optional CPU kernel
 
 from hf_models import llama_config, save  # noqa: E402
+from plait.build.corpus import load_corpus  # noqa: E402
 from plait.checkpoint import inspect, store  # noqa: E402
 from plait.cli import build_parser, config_from_args, main  # noqa: E402
 from plait.data import GlobalBatchSampler  # noqa: E402
@@ -38,7 +39,7 @@ from plait.models.nf4.source import nf4_source  # noqa: E402
 from plait.models.transformer import Transformer  # noqa: E402
 from plait.optim import build_optimizer, lr_at, set_lr  # noqa: E402
 from plait.parallel.zero.nf4_base import nf4_targets  # noqa: E402
-from plait.train import Trainer, load_corpus  # noqa: E402
+from plait.train import Trainer  # noqa: E402
 from qlora_models import (  # noqa: E402
     CPU,
     peft_qlora,

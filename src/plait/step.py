@@ -10,7 +10,7 @@
 
 What differs between plain data parallelism, ZeRO 1-3 with mixed precision and offload, and
 PipeDream-2BW is only the optimizer engine (`parallel/optimizer_engine.py`) and the runner;
-`train.py` chooses them, this file runs them.
+`build/rank.py` chooses them, this file runs them.
 """
 
 from __future__ import annotations

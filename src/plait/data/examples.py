@@ -1,6 +1,6 @@
 """Rows of instruction examples for training: packed (or padded) from an examples folder.
 
-How train.py uses it (when the model consumes segments and IGNORE targets):
+How a run uses it (build/corpus.py; when the model consumes segments and IGNORE targets):
 
     if is_examples_dir(cfg.data.path):          # before workers: the launcher
         check_examples(cfg.data.path, cfg.train.seq_len, cfg.data.val_fraction,
@@ -65,6 +65,7 @@ class ExampleStore:
         self.lengths = np.asarray(meta["lengths"], dtype=np.int64)
         self.first_target = np.asarray(meta["first_target"], dtype=np.int64)
         self.targets = np.asarray(meta["targets"], dtype=np.int64)
+        self.prompts = np.asarray(meta.get("prompts", meta["first_target"]), dtype=np.int64)
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -73,6 +74,21 @@ class ExampleStore:
         """The first `used` tokens of example i and their target mask (int64 both)."""
         a = int(self.offsets[i])
         return self.tokens.read(a, a + used), self.mask.read(a, a + used)
+
+    def prompt(self, i: int) -> np.ndarray:
+        """Example i's prompt: its tokens before its first target (alpaca: Stanford's prompt
+        as the tokenizer encodes it; chat: the conversation up to its first assistant turn
+        with the generation prompt). Folders from before the index's "prompts" list: the
+        tokens before the first target."""
+        return self.example(i, int(self.prompts[i]))[0]
+
+
+def first_val_prompt(folder: str | Path, val_fraction: float) -> tuple[np.ndarray, int]:
+    """(tokens, pad id) of the first validation example's prompt (`packing.val_split`): a
+    fixed instruction, the same for every run on these examples (the summary's sample)."""
+    store = ExampleStore(folder)
+    first = int(val_split(len(store), val_fraction)[1][0])
+    return store.prompt(first), store.pad
 
 
 class ExampleRows:
@@ -128,7 +144,7 @@ class ExampleRows:
 
 @dataclass
 class ExampleCorpus:
-    """What train.py needs: training and validation Rows, the baseline, a report line."""
+    """What a run needs (build/corpus.py): training and validation Rows, baseline, report."""
 
     train: ExampleRows
     val: ExampleRows

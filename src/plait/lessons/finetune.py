@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from plait.build.model import build_model
 from plait.config import Config
 from plait.data.examples import ExampleStore
 from plait.data.packing import val_split
@@ -39,7 +40,7 @@ from plait.lessons.measure import save_record, step_row
 from plait.lessons.readings import losses, median_step_s
 from plait.lessons.section import Case, CaseRun, Row, Section
 from plait.mesh import Mesh
-from plait.train import Trainer, build_model
+from plait.train import Trainer
 
 NAME = "finetune"
 TITLE = "Instruction fine-tuning: token-weighted vs per-micro-batch loss, packing vs padding"

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from plait.build.model import build_model
 from plait.config import Config
 from plait.data.sampler import replica_share, split_micro
 from plait.estimate import activations as act
@@ -35,7 +36,6 @@ from plait.mesh import Mesh
 from plait.models.loss import IGNORE
 from plait.models.packing import Packing
 from plait.models.transformer import Transformer
-from plait.train import build_model
 
 NAME = "light-loss"
 TITLE = "The lighter loss: saved activations with target rows only vs the full logits"

@@ -170,7 +170,7 @@ class Block(nn.Module):
 
 
 def _table(rows: int, dim: int) -> nn.Embedding:
-    """An embedding table; built on the meta device (`train.build_model`, which fills every
+    """An embedding table; built on the meta device (`build/model.py build_model`, which fills every
     value after) it skips torch's random draw, whose first run on meta costs a second of
     imports. Elsewhere torch's own initialization stays (and its use of the global RNG)."""
     if torch.get_default_device().type == "meta":

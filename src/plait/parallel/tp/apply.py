@@ -16,7 +16,7 @@ Per block, with t = tp (Shoeybi et al., 2019, section 3; Korthikanti et al., 202
                enter -> w_gate, w_up column -> SiLU * -> w_down row -> g | SP reduce-scatter
     under SP:  norms and residual dropouts work on the (b, s/t, h) sequence shard
 
-Call it on the meta model before `to_empty` and `init_parameters` (train.build_model's
+Call it on the meta model before `to_empty` and `init_parameters` (build/model.py build_model's
 `parallelize` hook): shards are created where the replaced layers live and are filled by
 `init_parameters` with their slice of the single-process value. Called on a materialized
 model, each shard is cut from the existing full weights instead.

@@ -29,6 +29,7 @@ Files, each one concern:
   master_states.py  master weights and moments on device or host; nvme.py: in files
   state_dict.py     optimizer state per parameter, for layout-independent checkpoints
   engine.py         ZeroEngine: the optimizer-engine surface that `plait.step` drives
+  options.py        ZeroOptions: the engine's settings (stage, precision, offload...), one record
 The AdamW it steps is plait's one, `parallel/adamw.py`, shared with the engines that shard
 nothing (`parallel/whole_adamw.py`, which keeps their state in `master_states.py`'s format).
 """
