@@ -67,30 +67,34 @@ def test_logits_equal_transformers(models, family: str) -> None:
     torch.testing.assert_close(ours(tokens), theirs(tokens).logits, rtol=RTOL, atol=ATOL)
 
 
-@pytest.mark.parametrize("mode", ["mask", "per-document"])
 @pytest.mark.parametrize("family", FAMILIES)
 @torch.no_grad()
-def test_packed_rows_give_each_document_its_logits_and_loss(models, family, mode) -> None:
-    """Packed rows (prompts IGNORE, a padding run) under each CPU packed-attention mode:
-    every document's logits are transformers' on the document alone, and the masked loss
-    is the mean of transformers' per-token losses over the targets."""
+def test_packed_rows_give_each_document_its_logits_and_loss(models, family) -> None:
+    """Packed rows (prompts IGNORE, a padding run) under each CPU packed-attention mode
+    (the mask, per document): every document's logits are transformers' on the document
+    alone, and the masked loss is the mean of transformers' per-token losses over the
+    targets."""
     ours, theirs = models[family]
     rows = PackedRows(3, SEQ, VOCAB, seed=5)
-    ours.packed_attention = mode
-    try:
-        logits = ours(rows.tokens, segments=rows.segments)
-        loss = ours(rows.tokens, rows.targets, segments=rows.segments)
-    finally:
-        ours.packed_attention = "auto"
-    total, count = torch.zeros(()), 0
+    docs, total, count = [], torch.zeros(()), 0
     for r in range(len(rows)):
         for seg in rows.segments[r].unique():
             at = (rows.segments[r] == seg).nonzero().squeeze(1)
             ref = theirs(rows.tokens[r, at][None]).logits[0]  # (l, V)
-            torch.testing.assert_close(logits[r, at], ref, rtol=RTOL, atol=ATOL)
+            docs.append((r, at, ref))
             total += F.cross_entropy(ref, rows.targets[r, at], ignore_index=IGNORE, reduction="sum")
             count += int((rows.targets[r, at] != IGNORE).sum())
-    torch.testing.assert_close(loss, total / count, rtol=RTOL, atol=ATOL)
+    assert len(docs) > len(rows)  # rows of several documents
+    for mode in ("mask", "per-document"):
+        ours.packed_attention = mode
+        try:
+            logits = ours(rows.tokens, segments=rows.segments)
+            loss = ours(rows.tokens, rows.targets, segments=rows.segments)
+        finally:
+            ours.packed_attention = "auto"
+        for r, at, ref in docs:
+            torch.testing.assert_close(logits[r, at], ref, rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(loss, total / count, rtol=RTOL, atol=ATOL)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
