@@ -35,6 +35,7 @@ from plait.data.sampler import (
 from plait.errors import ConfigError
 from plait.models.dropout import sample_keys
 from plait.models.loss import IGNORE
+from plait.models.packing import Packing
 
 LOSS_AVERAGES = ("tokens", "micro-batch")
 """`tokens`: summed target losses / the global batch's target count (the default, exact);
@@ -54,7 +55,9 @@ class MicroBatch:
     tokens: Tensor  # (b, s)
     targets: Tensor  # (b, s), IGNORE where a token is no target
     keys: Tensor  # (b,) dropout keys
-    segments: Tensor | None = None  # (b, s) packed rows' example ids; None: plain causal
+    # (b, s) packed rows' example ids; None: plain causal; a context-parallel rank's
+    # ContextPacking (context_batches.py), which the model takes as it is (models/packing.py)
+    segments: Tensor | Packing | None = None
     denom: float | None = None  # the loss's divisor (models/loss.py); None: the mean
     # A whole micro-batch of naive DP under loss_average "micro-batch": each replica share's
     # divisor, in share order (the shares' divisors differ); None: `denom` for every row.
