@@ -7,11 +7,12 @@ import torch
 import torch.distributed as dist
 
 from packed_rows import packed_corpus
+from plait.build.model import build_model
 from plait.comm import Comm
 from plait.mesh import build_mesh
 from plait.parallel.cp.packing import ContextPacking
 from plait.topology import Layout
-from plait.train import Trainer, build_model
+from plait.train import Trainer
 from reference import assert_matches_reference, small_config
 from whole_params import whole_params
 

@@ -6,11 +6,14 @@ counts the exchange's elements of the formula."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from context_parallel import cp_parity, moved_places
 from plait.composition import check_context_parallel
 from plait.errors import ConfigError
+from plait.models.architecture import ModelConfig
 
 
 def _kv_elements(preset: str) -> int:
@@ -90,12 +93,17 @@ def test_probe_with_cp2(world2, exchange):
          r"parallelism cannot split over tp=4"),
         (dict(cp=2, pp=2, schedule="2bw"), r"--cp 2 does not combine with --schedule 2bw"),
         (dict(cp=2, dp_mode="naive"), r"--cp 2 does not combine with --dp-mode naive yet"),
-        (dict(cp=2, dropout=0.1), r"--cp 2 does not combine with --dropout 0.1 yet"),
+        (dict(cp=2, model=replace(ModelConfig(), dropout=0.1)),
+         r"--cp 2 does not combine with --dropout 0.1 yet"),
+        (dict(cp=2, model=replace(ModelConfig(), sliding_window=8)),
+         r"--cp 2 does not combine with --sliding-window 8 yet"),
+        (dict(cp=2, model=replace(ModelConfig(), attn_softcap=50.0)),
+         r"--cp 2 does not combine with --attn-softcap 50.0 yet"),
         (dict(exchange="zigzag"), r"cp_exchange must be one of allgather, ring; got 'zigzag'"),
     ],
 )  # fmt: skip
 def test_layouts_cp_cannot_run_are_refused_by_name(args, message):
     full = dict(cp=1, exchange="allgather", seq_len=32, tp=1, sequence_parallel=False, pp=1,
-                schedule="1f1b", dp_mode="ddp", dropout=0.0) | args  # fmt: skip
+                schedule="1f1b", dp_mode="ddp", model=ModelConfig()) | args  # fmt: skip
     with pytest.raises(ConfigError, match=message):
         check_context_parallel(**full)

@@ -28,13 +28,14 @@ pytest.importorskip("bitsandbytes")
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # a missing optional CPU kernel
 
 from hf_models import llama_config  # noqa: E402
+from plait.build.corpus import load_corpus  # noqa: E402
 from plait.cli import build_parser, config_from_args  # noqa: E402
 from plait.data import GlobalBatchSampler  # noqa: E402
 from plait.mesh import build_mesh  # noqa: E402
 from plait.models.declare import is_adapter  # noqa: E402
 from plait.models.hf.peft import adapter_tensors  # noqa: E402
 from plait.optim import build_optimizer, lr_at, set_lr  # noqa: E402
-from plait.train import Trainer, load_corpus  # noqa: E402
+from plait.train import Trainer  # noqa: E402
 from qlora_models import (  # noqa: E402
     CPU,
     peft_qlora,

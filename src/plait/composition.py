@@ -208,7 +208,7 @@ CP_EXCHANGES = ("allgather", "ring")
 
 def check_context_parallel(
     cp: int, exchange: str, seq_len: int, tp: int, sequence_parallel: bool, pp: int,
-    schedule: str, dp_mode: str, dropout: float,
+    schedule: str, dp_mode: str, model: ModelConfig,
 ) -> None:  # fmt: skip
     """Context parallelism (parallel/cp) holds seq_len / cp tokens of every row per rank, so
     cp divides the row length, and under sequence parallelism tp divides each rank's share;
@@ -232,7 +232,15 @@ def check_context_parallel(
             f"--cp {cp} does not combine with --schedule 2bw: its weight versions reduce "
             "gradients over dp alone; give a synchronous schedule (1f1b, gpipe, ...)"
         )
-    refused = {"--dp-mode naive": dp_mode == "naive", f"--dropout {dropout}": dropout > 0}
+    refused = {
+        "--dp-mode naive": dp_mode == "naive",
+        f"--dropout {model.dropout}": model.dropout > 0,
+        # the exchange's rule is the block-causal one: a window, a soft cap or another
+        # score scale (Mistral's, Gemma's) is not carried to the other ranks' keys yet
+        f"--sliding-window {model.sliding_window}": model.sliding_window is not None,
+        f"--attn-softcap {model.attn_softcap}": model.attn_softcap is not None,
+        f"--attn-scalar {model.attn_scalar}": model.attn_scalar is not None,
+    }
     for flag, hit in refused.items():
         if hit:
             raise ConfigError(f"--cp {cp} does not combine with {flag} yet; give --cp 1")

@@ -590,7 +590,7 @@ def validate_config(cfg: Config, check_data: bool = True) -> None:
     check_partition_activations(par.partition_activations, par.tp, par.recompute,
                                 par.sequence_parallel, par.two_bw)  # fmt: skip
     check_context_parallel(par.cp, par.cp_exchange, t.seq_len, par.tp, par.sequence_parallel,
-                           par.pp, par.schedule, par.dp_mode, cfg.model.dropout)  # fmt: skip
+                           par.pp, par.schedule, par.dp_mode, cfg.model)  # fmt: skip
     check_dp_mode(par.dp_mode, par.tp, par.pp, par.zero, par.precision, par.offload)
     check_zero(
         par.zero,

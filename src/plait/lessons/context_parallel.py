@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from plait.build.model import build_model
 from plait.comm import Comm
 from plait.config import Config
 from plait.estimate import activations as act
@@ -33,7 +34,6 @@ from plait.memory_tracker import MemoryTracker
 from plait.mesh import Mesh
 from plait.models.transformer import Transformer
 from plait.parallel.cp.packing import ContextPacking
-from plait.train import build_model
 
 NAME = "context-parallel"
 TITLE = "Context parallelism: one long packed row on one rank and over two"

@@ -73,23 +73,30 @@ class ContextPacking(Packing):
             return k, v
         return gather_kv(k, v, self.comm)
 
-    @property
-    def mask(self) -> Tensor:
-        """This rank's rows of the block-causal rule (b, 1, L, s), True = sees."""
-        if "mask" not in self._made:
+    def windowed(self, window: int | None) -> Tensor:
+        """This rank's rows of the block-causal rule (b, 1, L, s), True = sees (what `mask`
+        and `additive` read); no window (refused before a run, composition.py)."""
+        assert window is None, "context parallelism carries the block-causal rule only"
+        if ("mask", None) not in self._made:
             same = self.runs.unsqueeze(-1) == self.key_runs.unsqueeze(-2)  # (b, L, s)
             earlier = self.key_index.unsqueeze(-2) <= self.index.unsqueeze(-1)  # (b, L, s)
-            self._made["mask"] = (same & earlier).unsqueeze(1)
-        return self._made["mask"]
+            self._made[("mask", None)] = (same & earlier).unsqueeze(1)
+        return self._made[("mask", None)]
 
-    def bound(self, q: Tensor, explicit: bool) -> Tensor | Packing:
+    def bound(self, q: Tensor, explicit: bool, window: int | None = None) -> Tensor | Packing:
         """allgather: the additive mask over the gathered keys (`additive`, shared by every
-        layer); ring: this Packing, whose `attend` runs the ring."""
+        layer); ring: this Packing, whose `attend` runs the ring. A sliding `window` is
+        refused before a run starts (composition.check_context_parallel)."""
+        assert window is None, "context parallelism carries the block-causal rule only"
         return self if self.exchange == "ring" else self.additive(q.dtype)
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, window: int | None = None, scale: float | None = None
+    ) -> Tensor:
         """The ring (parallel/cp/ring.py) over k and v as the layer repeated them for GQA:
-        one of each group of copies is passed, the ring repeats what it receives."""
+        one of each group of copies is passed, the ring repeats what it receives. A window or
+        another score scale is refused before a run starts (composition.py)."""
+        assert window is None and scale is None, "the ring carries the plain causal rule only"
         rep = k.shape[1] // self._made["kv_heads"]
         return ring_attention(q, k[:, ::rep], v[:, ::rep], self.sees, self.comm)
 
