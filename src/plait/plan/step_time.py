@@ -47,7 +47,6 @@ from dataclasses import dataclass, field, fields, replace
 from plait.config import Config
 from plait.estimate.model_facts import ModelFacts, facts_for
 from plait.estimate.model_states import ADAM_STATES, ElementBytes
-from plait.estimate.rank_params import total_parameters
 from plait.models.architecture import ModelConfig
 from plait.models.transformer import head_forward_flops_per_token
 from plait.plan.activation_copies import copy_seconds
@@ -160,7 +159,8 @@ def chunk_cost(
     by a planner across layouts."""
     m, t, par = cfg.model, cfg.train, cfg.parallel
     tokens = t.micro_batch * t.seq_len
-    layer_flops = facts_for(m, facts).layer_flops(t.seq_len)
+    facts = facts_for(m, facts)
+    layer_flops = facts.layer_flops(t.seq_len)
     per_token = len(plan.layers) * layer_flops
     per_token += head_forward_flops_per_token(m) if plan.last else 0
     rate = hw.flop_rate * par.tp
@@ -178,17 +178,19 @@ def chunk_cost(
     split = par.schedule == "zb-h1"
     copy_f, copy_b = copy_seconds(cfg, hw, plan, flops)
     return ChunkCost(flops, extra, tp_f, tp_b, action=action, split=split,
-                     w_share=_weight_gradient_share(m, len(plan.layers), per_token),
+                     w_share=_weight_gradient_share(facts, len(plan.layers),
+                                                    per_token),
                      copy_f=copy_f, copy_b=copy_b)  # fmt: skip
 
 
-def _weight_gradient_share(model: ModelConfig, layers: int, per_token: int) -> float:
+def _weight_gradient_share(facts: ModelFacts, layers: int, per_token: int) -> float:
     """W's FLOPs over F's: 1 when every weight trains (a weight gradient costs what its
     forward did); under LoRA only the adapters' (2 FLOPs per adapter element per token),
     the frozen base's weight gradients are never computed."""
+    model = facts.model
     if model.lora is None or not per_token:
         return 1.0
-    return 2 * layers * total_parameters(model, trainable=True) / model.n_layers / per_token
+    return 2 * layers * facts.total_parameters(True) / model.n_layers / per_token
 
 
 def _sending(cost: ChunkCost, plan: StagePlan, busy: float) -> ChunkCost:
