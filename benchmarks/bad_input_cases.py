@@ -51,7 +51,8 @@ def wrong_values() -> list[Case]:
              ("--nan-policy", "ignore"), ("--recompute", "some"), ("--device", "tpu"),
              ("--zero", "4"), ("--seq-len", "4096"), ("--global-batch", "0"),
              ("--n-heads", "5"), ("--offload", "disk"), ("--dp-mode", "magic"),
-             ("--packed-attention", "varlen"), ("--packed-attention", "dense")]  # fmt: skip
+             ("--packed-attention", "varlen"), ("--packed-attention", "dense"),
+             ("--cp", "0"), ("--cp-exchange", "zigzag")]  # fmt: skip
     cases = [_train(v, *flags) for flags in train]
     cases += [_c(v, "estimate", *args) for args in (
         ["--model", "nope"], ["--dp", "0"], ["--device-memory", "-1"], ["--lr", "nan"],
@@ -278,7 +279,9 @@ def conflicting_flags() -> list[Case]:
         ["--pp", "2", "--stage-layers", "1,1,1"], ["--min-lr", "1", "--lr", "0.1"],
         ["--precision", "fp16", "--reduce-dtype", "bf16"], ["--resume", "{S}/run"],
         ["--tp", "2", "--n-heads", "3"], ["--virtual-stages", "2"],
-        ["--model", "tiny-llama", "--resume", "{S}/run"])]  # fmt: skip
+        ["--model", "tiny-llama", "--resume", "{S}/run"], ["--cp", "3"],
+        ["--cp", "2", "--pp", "2", "--schedule", "2bw"],
+        ["--cp", "2", "--tp", "4", "--sequence-parallel", "--seq-len", "36"])]  # fmt: skip
     cases += [
         _c(f, "train", *TINY, "--out", "{S}/run"),  # a run already there
         _c(
@@ -389,5 +392,7 @@ def signals() -> list[Case]:
 
 
 def all_cases() -> list[Case]:
+    from bad_input_families import family_cases  # it imports Case from here
+
     return (wrong_values() + wrong_paths() + wrong_types() + conflicting_flags() + one_source()
-            + damaged_checkpoints() + signals())  # fmt: skip
+            + damaged_checkpoints() + signals() + family_cases())  # fmt: skip

@@ -35,6 +35,7 @@ from pathlib import Path
 from unittest import mock
 
 from bad_input_cases import CLASSES, DAMAGES, TINY, Case, all_cases
+from bad_input_families import folders as family_folders
 
 __all__ = ["CLASSES", "TINY", "Case", "all_cases", "main", "run", "scratch"]
 
@@ -123,6 +124,7 @@ def _train_tiny(root: Path) -> None:
         ckpt = latest(root / "run")
         assert main(["export", "--checkpoint", str(ckpt), "--out", str(root / "hf-ok")]) == 0
     _models_of_other_kinds(root)
+    family_folders(root)
     for damage in DAMAGES:
         _damage(ckpt, root / "damaged" / damage, damage)
 

@@ -59,8 +59,9 @@ from common import (
     threads_for,
 )
 from output import describe_machine_md, markdown_table, phase_table, publish
+from plait.build.corpus import corpus_from_tokens
 from plait.data import load_tokens
-from plait.train import Trainer, corpus_from_tokens
+from plait.train import Trainer
 
 
 def shared_root(parent: str | None) -> Path:

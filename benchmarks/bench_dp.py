@@ -1,9 +1,9 @@
 """plait data parallelism vs torch DistributedDataParallel: same model, world, batches, AdamW.
 
 One process group, two replicas of the same model per rank (same seed, so the same initial
-weights): one driven by plait's data parallelism, the ZeRO engine at stage 0 (`ZeroEngine(...,
-stage=0)`: flat gradient buckets, the global norm of `plait.parallel.grads`, the engine's
-element-wise AdamW), one wrapped by `DistributedDataParallel` with torch's AdamW from
+weights): one driven by plait's data parallelism, the ZeRO engine at stage 0 (`ZeroEngine`
+with `ZeroOptions(stage=0)`: flat gradient buckets, the global norm of `plait.parallel.grads`,
+the engine's element-wise AdamW), one wrapped by `DistributedDataParallel` with torch's AdamW from
 `plait.optim.build_optimizer` (same groups and hyper-parameters). After warm-up, rounds
 alternate a block of K plait steps with a block of K DDP steps (the order flips every round).
 A step is timed on every rank and the per-step figure is the max over ranks, taken by an
@@ -51,6 +51,7 @@ from output import (
     ratio_line,
     time_cells,
 )
+from plait.build.model import build_model
 from plait.comm import Comm
 from plait.config import OptimConfig
 from plait.mesh import build_mesh
@@ -59,9 +60,9 @@ from plait.optim import build_optimizer
 from plait.parallel.adamw import AdamW
 from plait.parallel.grads import SplitGradRules, clip_coef
 from plait.parallel.zero.engine import ZeroEngine
+from plait.parallel.zero.options import ZeroOptions
 from plait.topology import Layout
 from plait.torch_private import ddp_logging_data
-from plait.train import build_model
 
 PHASES = ("forward", "backward", "finish", "clip", "optim", "zero")
 
@@ -91,7 +92,7 @@ class PlaitSide(Side):
         super().__init__("plait", PHASES)
         self.model, self.comm, self.clip, self.lr = model, comm, opts.clip, train_cfg.lr
         optimizer = AdamW.from_optim(train_cfg)
-        self.dp = ZeroEngine(model, comm, optimizer, stage=0, bucket_mb=opts.bucket_mb)
+        self.dp = ZeroEngine(model, comm, optimizer, ZeroOptions(stage=0, bucket_mb=opts.bucket_mb))
         self.rules = SplitGradRules.of(model, comm.mesh)
         self.step = 0
         self.grad_bytes: list[int] = []

@@ -32,11 +32,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, median
 from output import machine_line, markdown_table, publish
+from plait.build.model import build_model
 from plait.device import device_kind
 from plait.memory_tracker import MemoryTracker
 from plait.models.packing import Packing
 from plait.models.presets import get_preset
-from plait.train import build_model
 
 ISSUE_ROW = (512, 300, 700, 536)  # the 2,048-token row of issue 33's measurement
 

@@ -59,9 +59,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import plait
 from common import alternate, machine, spawn, threads_for
 from output import command_line, comparison_cells, machine_line, markdown_table, publish
+from plait.build.corpus import corpus_from_tokens
 from plait.data import load_tokens
 from plait.schedule.actions import TimedAction
-from plait.train import corpus_from_tokens
 from pp_config import SCHEDULES, fixed_micro, make_config
 from pp_measure import p2p_latency, pipeline_step, records_from_rows, schedule_result
 from pp_sides import (

@@ -41,6 +41,8 @@ from common import (
     usable_cores,
 )
 from output import TIME_COLUMNS, machine_line, markdown_table, publish, ratio_line, time_cells
+from plait.build.corpus import corpus_from_tokens
+from plait.build.model import build_model
 from plait.comm import Comm
 from plait.config import Config, OptimConfig, build_config
 from plait.data import GlobalBatchSampler, load_tokens, split_micro
@@ -50,7 +52,8 @@ from plait.optim import build_optimizer, lr_at, set_lr
 from plait.parallel.adamw import AdamW
 from plait.parallel.grads import SplitGradRules, clip_coef
 from plait.parallel.zero.engine import ZeroEngine
-from plait.train import Trainer, build_model, corpus_from_tokens
+from plait.parallel.zero.options import ZeroOptions
+from plait.train import Trainer
 
 
 class FnSide(Side):
@@ -91,7 +94,8 @@ def plain_step_fn(model, opt, clip: float, next_micro: Callable[[], list]) -> Ca
 
 def plait_dp_step_fn(model, opts, train_cfg, next_micro) -> tuple[Callable[[], float], object]:
     comm = Comm(single_process_mesh())
-    dp = ZeroEngine(model, comm, AdamW.from_optim(train_cfg), stage=0, bucket_mb=opts.bucket_mb)
+    options = ZeroOptions(stage=0, bucket_mb=opts.bucket_mb)
+    dp = ZeroEngine(model, comm, AdamW.from_optim(train_cfg), options)
     rules = SplitGradRules.of(model, comm.mesh)
     counter = [0]
 

@@ -75,6 +75,7 @@ from output import (
     ratio_line,
     time_cells,
 )
+from plait.build.model import build_model
 from plait.comm import Comm
 from plait.composition import check_tensor_parallel
 from plait.config import OptimConfig
@@ -82,7 +83,6 @@ from plait.mesh import build_mesh
 from plait.models.presets import get_preset
 from plait.parallel.tp.apply import apply_tensor_parallel
 from plait.topology import Layout
-from plait.train import build_model
 from tp_sides import (
     PHASES,
     DTensorSide,

@@ -14,7 +14,7 @@ every round, so slow drift of the machine hits both alike. A step is timed on ev
 its figure is the max over ranks (an all-reduce MAX outside the timed region, which also
 lines the ranks up). Then two untimed steps per side measure the logical bytes of every
 collective (`zero_sides.CollectiveCounter`) and the memory (torch's MemTracker on both sides;
-plait's own MemoryTracker as well). See benchmarks/results/zero_section.md.
+plait's own MemoryTracker as well). BENCHMARKS.md's ZeRO section has the figures.
 
     .venv/bin/python benchmarks/bench_zero.py --steps 30 --out benchmarks/results/zero_x.json
 """
@@ -46,6 +46,7 @@ from common import (
     threads_for,
 )
 from output import comparison_cells, describe_machine_md, markdown_table, phase_table, publish
+from plait.build.model import build_model
 from plait.comm import Comm
 from plait.config import OptimConfig
 from plait.estimate.formulas import zero_comm_elements, zero_model_state_bytes
@@ -53,7 +54,6 @@ from plait.mesh import build_mesh
 from plait.models.architecture import ModelConfig
 from plait.models.presets import get_preset
 from plait.topology import Layout
-from plait.train import build_model
 from zero_sides import (
     PHASES,
     DdpSide,
@@ -71,7 +71,7 @@ GRAD_KEYS = ("Gradient", "Sharded Grad", "Unsharded Grad")
 OPT_KEYS = ("Optstate", "OptState")
 
 
-def model_config(opts: argparse.Namespace) -> ModelConfig:
+def sized_preset(opts: argparse.Namespace) -> ModelConfig:
     """The preset, with any size flags given on the command line applied."""
     cfg = get_preset(opts.preset)
     sizes = {k: getattr(opts, k) for k in ("n_layers", "d_model", "n_heads")}
@@ -166,7 +166,7 @@ def theory(stage: int, psi: int, n: int) -> dict[str, Any]:
 
 def worker(rank: int, world: int, opts: argparse.Namespace) -> dict[str, Any]:
     """One rank: gloo timings alone, then every requested pair in turn (fresh models each)."""
-    cfg = model_config(opts)
+    cfg = sized_preset(opts)
     mesh = build_mesh(Layout(dp=world), torch.device("cpu"))
     env = {
         "opts": opts,

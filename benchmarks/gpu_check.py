@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from plait.build.model import build_model
 from plait.config import Config
 from plait.device import (
     cuda_available,
@@ -54,7 +55,7 @@ from plait.device import (
 from plait.estimate import estimate
 from plait.mesh import build_mesh
 from plait.models.presets import get_preset
-from plait.train import Trainer, build_model
+from plait.train import Trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_runs import (

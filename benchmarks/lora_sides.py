@@ -62,29 +62,21 @@ def base_folder(root: Path, opts: argparse.Namespace) -> Path:
     return folder
 
 
-def plait_config(opts: argparse.Namespace, folder: Path, dp: int, zero: int) -> Config:
+def plait_config(
+    opts: argparse.Namespace, folder: Path, dp: int, zero: int, base_dtype: str = "auto"
+) -> Config:
     overrides = {
-        "lora": {"rank": opts.rank, "alpha": opts.alpha, "targets": "all"},
+        "lora": {"rank": opts.rank, "alpha": opts.alpha, "targets": "all",
+                 "base_dtype": base_dtype},
         "parallel": {"dp": dp},
         "memory": {"zero": zero},
-        "train": {
-            "micro_batch": opts.micro_batch,
-            "global_batch": opts.global_batch,
-            "seq_len": opts.seq_len,
-            "seed": opts.seed,
-            "device": "cpu",
-            "steps": 100_000,
-        },
+        "train": {"micro_batch": opts.micro_batch, "global_batch": opts.global_batch,
+                  "seq_len": opts.seq_len, "seed": opts.seed, "device": "cpu", "steps": 100_000},
         "checkpoint": {"init_from": str(folder)},
-        "optim": {
-            "lr": opts.lr,
-            "min_lr": opts.lr,
-            "warmup_steps": 0,
-            "weight_decay": 0.0,
-            "grad_clip": 1.0,
-        },
+        "optim": {"lr": opts.lr, "min_lr": opts.lr, "warmup_steps": 0, "weight_decay": 0.0,
+                  "grad_clip": 1.0},
         "log": {"progress": False},
-    }
+    }  # fmt: skip
     from plait.models.hf.load import load_config
 
     cfg = build_config(f"hf:{folder}", overrides, load_config(folder))
@@ -151,12 +143,16 @@ class PeftSide(Side):
     same micro-batches, AdamW and clipping; DDP over the default group when `ddp`."""
 
     def __init__(self, name: str, folder: Path, like: Trainer, opts: argparse.Namespace,
-                 ddp: bool) -> None:  # fmt: skip
+                 ddp: bool, load: Any = None) -> None:  # fmt: skip
+        """`load(folder)`: the base model (default: transformers' fp32 model)."""
         from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
         from transformers import AutoModelForCausalLM
 
         super().__init__(name)
-        base = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32)
+        if load is None:
+            base = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32)
+        else:
+            base = load(folder)
         config = LoraConfig(r=opts.rank, lora_alpha=opts.alpha, target_modules=PEFT_TARGETS)
         self.model = get_peft_model(base, config)
         set_peft_model_state_dict(self.model, adapter_tensors(like.cfg.model, start_adapters(like)))

@@ -30,6 +30,7 @@ from torch.distributed.pipelining import (
 )
 
 import common
+from plait.build.model import build_model
 from plait.comm import Comm
 from plait.data import GlobalBatchSampler
 from plait.mesh import build_mesh
@@ -39,11 +40,12 @@ from plait.parallel.grads import tied_embedding_params
 from plait.parallel.pipeline.stage import prune_to_stages
 from plait.parallel.pipeline.walker import PipelineRuntime
 from plait.parallel.zero.engine import ZeroEngine
+from plait.parallel.zero.options import ZeroOptions
 from plait.schedule.actions import Action, Kind, TimedAction
 from plait.schedule.schedules import build_schedule
 from plait.schedule.stages import rank_plans
 from plait.topology import Layout
-from plait.train import Trainer, build_model
+from plait.train import Trainer
 from pp_config import chunks_for, make_config
 from pp_models import FixedModel, TorchStage, lm_loss
 
@@ -286,7 +288,7 @@ class PlaitFixedSide(Side):
         self.sched = build_schedule(schedule, world, opts.microbatches, v)
         mesh = build_mesh(Layout(pp=world), torch.device("cpu"))
         comm = Comm(mesh)
-        self.dp = ZeroEngine(self.model, comm, AdamW(), stage=0)  # reduces, never steps
+        self.dp = ZeroEngine(self.model, comm, AdamW(), ZeroOptions(stage=0))  # never steps
         shape = (opts.micro_batch, opts.seq_len, opts.d_model)
         self.runtime = PipelineRuntime(self.sched, rank, self.model, plans, comm, self.dp, shape)
         self.micro = micro

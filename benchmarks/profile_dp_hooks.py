@@ -29,15 +29,16 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, median, spawn
+from plait.build.model import build_model
 from plait.comm import Comm
 from plait.config import OptimConfig
 from plait.mesh import build_mesh
 from plait.models.presets import get_preset
 from plait.parallel.adamw import AdamW
 from plait.parallel.zero.engine import ZeroEngine
+from plait.parallel.zero.options import ZeroOptions
 from plait.parallel.zero.reducer import GradReducer
 from plait.topology import Layout
-from plait.train import build_model
 
 
 class TimedComm(Comm):
@@ -70,7 +71,7 @@ def timed_engine(model, comm: TimedComm, bucket_mb: float) -> ZeroEngine:
     """plait's data parallelism (ZeRO stage 0, fp32) with its reducer replaced by a
     `TimedReducer` made with the arguments `ZeroEngine.__init__` gives `GradReducer`."""
     optimizer = AdamW.from_optim(OptimConfig())  # built but never stepped here
-    engine = ZeroEngine(model, comm, optimizer, stage=0, bucket_mb=bucket_mb)
+    engine = ZeroEngine(model, comm, optimizer, ZeroOptions(stage=0, bucket_mb=bucket_mb))
     engine.grads.remove_hooks()
     engine.grads = TimedReducer(
         engine.groups,

@@ -33,12 +33,12 @@ from torch.distributed.tensor.parallel import (
 
 import common
 from common import logical_bytes, tally
+from plait.build.model import build_model
 from plait.comm import Comm
 from plait.config import OptimConfig
 from plait.models.architecture import ModelConfig
 from plait.optim import build_optimizer
 from plait.parallel.grads import SplitGradRules, clip_coef, param_grads
-from plait.train import build_model
 
 PHASES = ("forward", "backward", "sync", "clip", "optim", "zero")
 

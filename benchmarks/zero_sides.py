@@ -49,6 +49,7 @@ from plait.optim import build_optimizer
 from plait.parallel.adamw import AdamW
 from plait.parallel.grads import SplitGradRules, clip_coef
 from plait.parallel.zero.engine import ZeroEngine
+from plait.parallel.zero.options import ZeroOptions
 
 PHASES = ("forward", "backward", "finish", "clip", "step", "zero")
 Probe = Callable[[], None] | None
@@ -75,9 +76,8 @@ class PlaitSide(Side):
     def __init__(self, stage: int, model: nn.Module, comm: Comm, opts: Any, cfg: OptimConfig):
         super().__init__(model, opts, cfg)
         self.name, self.comm = f"plait ZeRO-{stage}", comm
-        self.engine = ZeroEngine(
-            model, comm, AdamW.from_optim(cfg), stage=stage, bucket_mb=opts.bucket_mb
-        )
+        options = ZeroOptions(stage=stage, bucket_mb=opts.bucket_mb)
+        self.engine = ZeroEngine(model, comm, AdamW.from_optim(cfg), options)
         self.rules = SplitGradRules.of(model, comm.mesh)
         self.count_activations = False  # the engine's own activation meter, untimed steps only
 

@@ -38,7 +38,17 @@ QWEN_REGEX = (
 )
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
                    "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"]  # fmt: skip
-FAMILIES = ("llama2", "mistral", "zephyr", "llama3", "llama3.1", "llama3.2", "qwen2.5", "gpt2")
+FAMILIES = (
+    "llama2",
+    "mistral",
+    "zephyr",
+    "llama3",
+    "llama3.1",
+    "llama3.2",
+    "qwen2.5",
+    "gpt2",
+    "gemma",
+)
 
 
 def template(name: str) -> str:
@@ -166,9 +176,35 @@ def sentencepiece_folder(folder: Path, name: str | None = "llama2") -> Path:
     return _save(sentencepiece_tokenizer(), folder, config)
 
 
+def gemma_folder(folder: Path) -> Path:
+    """Gemma's shape: LLaMA's byte-fallback BPE without the prepended "▁", <pad> <eos> <bos>
+    <unk> first, <start_of_turn> and <end_of_turn> special, <bos> put first; its template
+    (no system role, the assistant's turn named "model", each turn ended by <end_of_turn>)."""
+    from tokenizers import AddedToken, Tokenizer, normalizers, processors
+
+    base = json.loads(sentencepiece_tokenizer().to_str())["model"]
+    old = sorted(base["vocab"], key=base["vocab"].get)[3:]  # after <unk> <s> </s>
+    first = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+    base["vocab"] = {t: i for i, t in enumerate([*first, *old])}
+    tok = Tokenizer.from_str(json.dumps({**json.loads(sentencepiece_tokenizer().to_str()),
+                                         "model": base, "added_tokens": []}))  # fmt: skip
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in first])
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<bos>:0 $A:0", pair="<bos>:0 $A:0 <bos>:1 $B:1", special_tokens=[("<bos>", 2)]
+    )
+    config = {"add_bos_token": True, "add_eos_token": False, "bos_token": "<bos>",
+              "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>",
+              "chat_template": template("gemma"), "model_max_length": 8192,
+              "tokenizer_class": "PreTrainedTokenizerFast"}  # fmt: skip
+    return _save(tok, folder, config)
+
+
 def family_folder(root: Path, family: str) -> Path:
     """The tokenizer folder a family ships, with its chat template."""
     folder = root / family
+    if family == "gemma":
+        return gemma_folder(folder)
     if family in ("llama2", "mistral", "zephyr"):
         return sentencepiece_folder(folder, family)
     if family.startswith("llama3"):

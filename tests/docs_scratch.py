@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
-from hf_models import gpt2_config, llama_config, save
+from hf_models import gpt2_config, llama3_config, llama_config, save
 from plait.data.instruct import InstructJob, prepare_examples
 from plait.data.prepare import PrepareJob, prepare
 from plait.data.sources import iter_texts, source_files
-from plait.data.tokenizer import train_bpe
+from plait.data.tokenizer import resolve_tokenizer, train_bpe
 from plait.models.declare import is_adapter
 from plait.models.hf.load import load_config
 from plait.models.hf.peft import save_adapter
@@ -33,6 +33,7 @@ from plait.outdir import RUN_FILES
 CORPUS_TEXT = "plait reads text. " * 20_000  # the stand-in for the reader's `my_corpus/`
 LINKED = ("my_corpus", "tok.json", "shards", "hf", "adapters")
 EXAMPLES = "runs/finetune/sft"  # the instruction recipe's examples (docs/finetuning.md)
+LLAMA32 = "runs/llama32/sft"  # docs/models.md's Llama 3.2 recipe: the same stand-in examples
 
 
 def shared_artifacts(folder: Path, root: Path) -> Path:
@@ -45,6 +46,9 @@ def shared_artifacts(folder: Path, root: Path) -> Path:
     save(llama_config(max_position_embeddings=1024), folder / "hf" / "tiny-llama")
     save(gpt2_config(n_positions=1024), folder / "hf" / "gpt2-small")  # its context
     _adapter(folder / "hf" / "tiny-llama", folder / "adapters" / "lora")
+    vocab = resolve_tokenizer(folder / "tok.json").vocab_size  # hf/llama32 speaks its ids
+    save(llama3_config(vocab, max_position_embeddings=1024), folder / "hf" / "llama32")
+    shutil.copyfile(folder / "tok.json", folder / "hf" / "llama32" / "tokenizer.json")
     shutil.copytree(root / "configs", folder / "configs")
     _examples(folder)
     return folder
@@ -84,9 +88,10 @@ def scratch_folder(folder: Path, artifacts: Path, argv: list[str]) -> Path:
             (folder / name).symlink_to(artifacts / name)
     shutil.copytree(artifacts / "configs", folder / "configs")
     _previous_run(folder / "runs" / "default")
-    if out != EXAMPLES:
-        (folder / EXAMPLES).parent.mkdir(parents=True)
-        (folder / EXAMPLES).symlink_to(artifacts / "examples")
+    for examples in (EXAMPLES, LLAMA32):
+        if out != examples:
+            (folder / examples).parent.mkdir(parents=True)
+            (folder / examples).symlink_to(artifacts / "examples")
     return folder
 
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import torch
 
 from packed_rows import packed_corpus
+from plait.build.corpus import load_corpus
 from plait.mesh import build_mesh
-from plait.train import Trainer, load_corpus
+from plait.train import Trainer
 from reference import assert_matches_reference, small_config
 from test_pp_2bw import delayed_reference, two_bw_config
 from whole_params import whole_params

@@ -24,6 +24,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from plait.cli.dispatch import COMMANDS
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -31,10 +33,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-# plait.cli.dispatch (every command's parser) imports the rest of plait (plait.cli alone stays
-# light for the command's start); the checkpoint library plait imports at the first save
+# every command's module (plait.cli.dispatch imports one only when its command runs), which
+# import the rest of plait; the checkpoint library plait imports at the first save
 PRELOAD = [
-    "harness", "torch", "torch.distributed", "torch.distributed.checkpoint", "plait.cli.dispatch"
+    "harness", "torch", "torch.distributed", "torch.distributed.checkpoint",
+    *dict.fromkeys(f"plait.cli.{module}" for module, _, _ in COMMANDS.values()),
 ]  # fmt: skip
 
 

@@ -32,6 +32,7 @@ def lora_config(
     lora_dropout: float = 0.0,
     sequence_parallel: bool = False,
     dp_mode: str = "ddp",
+    zero: int = 0,
     **kw,
 ) -> Config:
     """small_config (or 2BW's) with rank-4 adapters on `targets`, at the default bucket size
@@ -45,6 +46,7 @@ def lora_config(
     m = cfg.model
     m.lora_rank, m.lora_targets, m.lora_dropout = RANK, targets, lora_dropout
     cfg.parallel.sequence_parallel, cfg.parallel.dp_mode = sequence_parallel, dp_mode
+    cfg.memory.zero = zero
     if not two_bw:  # 2BW passes the trainer's own checks only (see two_bw_config)
         cfg.validate()
     return cfg

@@ -15,15 +15,16 @@ from typing import Any
 
 import torch
 
+from plait.build.corpus import load_corpus
 from plait.config import Config
 from plait.device import peak_allocated_bytes
 from plait.estimate import Estimate, RankEstimate
-from plait.estimate.activations import Shape, target_rows_bytes
-from plait.estimate.model_states import Precision
+from plait.estimate.activations import MicroShape, target_rows_bytes
+from plait.estimate.model_states import ElementBytes
 from plait.memory_tracker import MODEL_STATES, PLACES
 from plait.mesh import build_mesh
 from plait.models.loss import IGNORE
-from plait.train import Trainer, load_corpus
+from plait.train import Trainer
 from reference import corpus_for
 from sections import build_regrouped
 
@@ -126,8 +127,8 @@ def no_target_bytes(cfg: Config, targets: list[int]) -> int:
     micro-batch's loss at a time, and the one with the most targets makes the peak: the
     estimate's excess is its rows without a target."""
     par, t = cfg.parallel, cfg.train
-    e = Precision.of(cfg.train.precision, cfg.train.reduce_dtype).param
-    x = Shape(t.micro_batch, t.seq_len, par.tp, par.sequence_parallel, e)
+    e = ElementBytes.of(cfg.train.precision, cfg.train.reduce_dtype).param
+    x = MicroShape(t.micro_batch, t.seq_len, par.tp, par.sequence_parallel, e)
     return target_rows_bytes(cfg.model, x) - target_rows_bytes(cfg.model, x, max(targets))
 
 

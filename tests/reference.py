@@ -13,12 +13,13 @@ import functools
 import torch
 from torch import nn
 
+from plait.build.corpus import corpus_from_tokens
+from plait.build.model import build_model
 from plait.config import Config
 from plait.data import GlobalBatchSampler, load_tokens
 from plait.data.batches import Corpus
 from plait.models.dropout import sample_keys
 from plait.optim import build_optimizer, lr_at, set_lr
-from plait.train import build_model, corpus_from_tokens
 from sections import build_regrouped
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from memory_runs import Case
+from plait.build.model import build_model
 from plait.cli import main
 from plait.estimate import estimate
 from plait.memory_tracker import MemoryTracker
@@ -17,7 +18,7 @@ from plait.models.dropout import sample_keys
 from plait.models.presets import get_preset
 from plait.parallel.activation_offload import apply_activation_offload
 from plait.parallel.activation_recompute import apply_recompute
-from plait.train import Trainer, build_model
+from plait.train import Trainer
 from reference import corpus_for
 
 STEPS = 3

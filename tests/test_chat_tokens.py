@@ -57,8 +57,9 @@ def folders(tmp_path_factory) -> dict[str, Path]:
 
 
 def _chats(family: str) -> list[list[dict]]:
-    """The conversations a family's template takes (Mistral's refuses system messages)."""
-    if family != "mistral":
+    """The conversations a family's template takes (Mistral's and Gemma's refuse system
+    messages)."""
+    if family not in ("mistral", "gemma"):
         return CHATS
     return [[m for m in c if m["role"] != "system"] for c in CHATS]
 
@@ -99,6 +100,7 @@ TURNS = {
     "llama3.2": "<|start_header_id|>assistant<|end_header_id|>\n\n⟦It is 4.<|eot_id|>⟧",
     "qwen2.5": "<|im_start|>assistant\n⟦It is 4.<|im_end|>⟧\n",
     "gpt2": "<|im_start|>assistant\n⟦It is 4.<|im_end|>⟧\n",
+    "gemma": "<start_of_turn>model\n⟦It is 4.<end_of_turn>⟧\n",
 }
 
 

@@ -309,7 +309,7 @@ def test_corpus_check_agrees_with_the_real_split(
 ) -> None:
     """The check counts the windows `load_corpus` makes: a global batch of exactly the
     training windows passes, one more is refused naming both sides' counts."""
-    from plait.train import load_corpus
+    from plait.build.corpus import load_corpus
 
     path = write_corpus(tmp_path, nbytes)
     data = {"path": str(path), "val_fraction": fraction}

@@ -13,7 +13,7 @@ import pytest
 from plait.cli import config_from_args, main
 from plait.cli.dispatch import build_parser
 from plait.config import Config
-from plait.data.packing import plan_rows, val_split
+from plait.data.packing import assign_rows, val_split
 from plait.preflight import derive_steps
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,7 +35,7 @@ def recipe_steps(cfg: Config) -> int:
     d, t = cfg.data, cfg.train
     lengths = np.full(ALPACA_EXAMPLES, 200, dtype=np.int64)
     train_ids, _ = val_split(ALPACA_EXAMPLES, d.val_fraction)
-    rows = plan_rows(train_ids, lengths[train_ids], lengths[train_ids] // 2, t.seq_len, d.pack,
+    rows = assign_rows(train_ids, lengths[train_ids], lengths[train_ids] // 2, t.seq_len, d.pack,
                      d.long).rows  # fmt: skip
     derive_steps(t, cfg.optim, rows)
     return t.steps

@@ -58,7 +58,7 @@ def _mesh(tp: int = 1, pp: int = 1, rank: int = 0) -> Mesh:
 
 
 def _rank_model(cfg: ModelConfig, tp: int, pp: int, rank: int, sp: bool = False) -> Transformer:
-    """Rank `rank`'s model on meta, parallelized in DESIGN's order: tp, then the pipeline."""
+    """Rank `rank`'s model on meta, parallelized as the trainer does it: tp, then the pipeline."""
     mesh = _mesh(tp, pp, rank)
     with torch.device("meta"):
         model = Transformer(cfg)

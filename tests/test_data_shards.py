@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from plait.build.corpus import corpus_from_tokens
 from plait.cli import main
 from plait.data import load_tokens
 from plait.data.prepare import PrepareJob, prepare
@@ -19,7 +20,6 @@ from plait.data.sources import iter_texts, source_files
 from plait.data.tokenizer import BYTE_EOS, Encoder, resolve_tokenizer, train_bpe
 from plait.errors import ConfigError
 from plait.preflight import follow_tokenizer
-from plait.train import corpus_from_tokens
 from reference import reference_run, small_config
 
 STDLIB_PART = Path(json.__file__).parent  # a few small stdlib files: fast to train on

@@ -90,9 +90,9 @@ def test_dropout_changes_the_trajectory(world2):
 
 def _shard_parity(shards: str) -> list[float]:
     """dp2 reading memory-mapped shards (a BPE vocabulary) against one process."""
+    from plait.build.corpus import corpus_from_tokens
     from plait.data.shards import ShardStream
     from plait.preflight import follow_tokenizer
-    from plait.train import corpus_from_tokens
 
     cfg = small_config(dp=2, accum=2)
     cfg.data.path = shards

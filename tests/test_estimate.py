@@ -10,7 +10,7 @@ import pytest
 
 from plait.cli import main
 from plait.estimate import estimate
-from plait.estimate.activations import Shape, layer_bytes
+from plait.estimate.activations import MicroShape, layer_bytes
 from plait.estimate.formulas import korthikanti_layer_bytes
 from plait.estimate.rank_params import total_parameters
 from plait.models.presets import get_preset, preset_names
@@ -68,13 +68,13 @@ def test_activations_per_recompute_mode_and_sequence_parallel():
     m = get_preset("small-llama")
     m.dropout = 0.1  # the explicit attention path: the s^2 terms exist
     b, s, a, e = 2, 64, m.n_heads, 2
-    x = Shape(b, s, 1, False, e)
+    x = MicroShape(b, s, 1, False, e)
     none, sel, full = (layer_bytes(m, x, mode) for mode in ("none", "selective", "full"))
     assert full == s * b * m.d_model * e  # only the block input (Korthikanti: 2sbh)
     assert none - sel == s * s + b * a * s * s * (4 + 1 + e)  # softmax fp32, mask, dropped
-    sp = Shape(b, s, 2, True, e)
+    sp = MicroShape(b, s, 2, True, e)
     assert layer_bytes(m, sp, "full") == full // 2  # the block input is sequence-sharded
-    tp = Shape(b, s, 2, False, e)
+    tp = MicroShape(b, s, 2, False, e)
     assert layer_bytes(m, sp, "none") < layer_bytes(m, tp, "none") < none
     # the paper's figure for the same layer: plait differs (fp32 softmax, SwiGLU, RMSNorm)
     paper = korthikanti_layer_bytes(s, b, m.d_model, a)

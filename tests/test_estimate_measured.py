@@ -46,6 +46,14 @@ MORE = [
         parallel={"tp": 2, "sequence_parallel": True, "recompute": "selective"},
         model={"dropout": 0.1},
     ),
+    # The families (issue 31): Qwen3's head size apart from d_model / n_heads and its per-head
+    # q/k norms, Qwen2's q/k/v biases, under tp2 with sequence parallelism.
+    Case("tp2 sp qwen3", "tiny-qwen3", parallel={"tp": 2, "sequence_parallel": True}),
+    Case("tp2 qwen2", "tiny-qwen2", parallel={"tp": 2}),
+    # Gemma 2's four fp32 norms and soft-capped scores (the explicit path), and Mistral's
+    # sliding window with a head size apart from d_model / n_heads.
+    Case("tp2 sp gemma2", "tiny-gemma2", parallel={"tp": 2, "sequence_parallel": True}),
+    Case("dp2 mistral", "tiny-mistral", parallel={"dp": 2}),
 ]
 # Instruction data, attended by document (the default on CPU: no mask, no log-sum-exp), or
 # through the mask (--packed-attention mask, and always under dropout): the mask saved once per

@@ -49,7 +49,7 @@ def test_world2_layouts_give_the_single_process_loss(world2, case):
 
 
 def test_dp2_on_prepared_alpaca_examples(world2, tmp_path):
-    """The trainer's own loading of an examples folder (train.load_corpus): packed rows of
+    """The trainer's own loading of an examples folder (build/corpus.py load_corpus): packed rows of
     Alpaca examples, prompts IGNORE, at dp2 with accumulation equal one process."""
     rng = np.random.default_rng(2)
     words = ["fox", "dog", "jumps", "over", "the", "lazy", "quick", "brown", "numbers"]

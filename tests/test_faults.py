@@ -51,12 +51,26 @@ def test_a_malformed_fault_is_refused(spec):
 
 def test_the_launchers_run_gets_no_hook_without_the_variable(monkeypatch):
     hooks = []
-    monkeypatch.setattr(launch, "run", lambda cfg, mesh, hook: hooks.append(hook))
+    monkeypatch.setattr(launch, "run", lambda cfg, mesh, hook, attempt: hooks.append(hook))
     monkeypatch.delenv(FAULT_ENV, raising=False)
     launch.training_run(None, SimpleNamespace(rank=1))
     monkeypatch.setenv(FAULT_ENV, "1:save-2")
     launch.training_run(None, SimpleNamespace(rank=1))
     assert hooks == [None, parse_fault("1:save-2")]
+
+
+@pytest.mark.parametrize("variable", [launch.ATTEMPT_ENV, "TORCHELASTIC_RESTART_COUNT"])
+def test_the_launchers_run_is_told_which_start_of_the_world_it_is(monkeypatch, variable):
+    """The launcher counts the world's starts (its own, or torchrun's restarts) and the run
+    it starts is told the count: the summary's restarts, each start's stop agreement."""
+    starts = []
+    monkeypatch.setattr(launch, "run", lambda cfg, mesh, hook, attempt: starts.append(attempt))
+    for name in (FAULT_ENV, launch.ATTEMPT_ENV, "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    launch.training_run(None, SimpleNamespace(rank=0))
+    monkeypatch.setenv(variable, "2")
+    launch.training_run(None, SimpleNamespace(rank=0))
+    assert starts == [0, 2]
 
 
 class _Recorder:

@@ -189,7 +189,7 @@ def test_an_instruction_runs_sample_answers_its_first_validation_prompt(tmp_path
     """The summary's sample of a run on examples: the first validation example's prompt
     (example 0), the greedy answer, stopping at EOS or the --init-from folder's stop ids."""
     from plait.config import Config
-    from plait.run import SAMPLE_TOKENS, instruct_sample
+    from plait.text_sample import SAMPLE_TOKENS, instruct_sample
 
     folder = tokenizer_folder(tmp_path / "tok", CHATML_TEMPLATE)
     spec = resolve_tokenizer(folder)

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from plait.build.model import build_model
 from plait.comm import Comm
 from plait.config import OptimConfig
 from plait.mesh import single_process_mesh
@@ -20,7 +21,7 @@ from plait.models.presets import get_preset
 from plait.parallel.adamw import AdamW
 from plait.parallel.grads import NORM_CHUNK, SplitGradRules, clip_coef, squared_norm
 from plait.parallel.zero.engine import ZeroEngine
-from plait.train import build_model
+from plait.parallel.zero.options import ZeroOptions
 
 CPU = torch.device("cpu")
 
@@ -77,7 +78,8 @@ def _norm_at(bucket_mb: float, model_state: dict, x: torch.Tensor) -> float:
     model = build_model(get_preset("small-gpt"), CPU, seed=0)
     model.load_state_dict(model_state)
     comm = Comm(single_process_mesh())
-    engine = ZeroEngine(model, comm, AdamW.from_optim(OptimConfig()), bucket_mb=bucket_mb)
+    adamw = AdamW.from_optim(OptimConfig())
+    engine = ZeroEngine(model, comm, adamw, ZeroOptions(bucket_mb=bucket_mb))
     engine.micro_batch(is_last=True)
     model(x, x).backward()
     engine.finish()

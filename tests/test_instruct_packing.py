@@ -21,7 +21,7 @@ from plait.data.examples import (
     is_examples_dir,
 )
 from plait.data.instruct import InstructJob, prepare_examples
-from plait.data.packing import best_fit_decreasing, fit, plan_rows, val_split
+from plait.data.packing import assign_rows, best_fit_decreasing, fit, val_split
 from plait.errors import ConfigError
 
 
@@ -69,10 +69,10 @@ def test_fit_truncates_or_drops_long_examples() -> None:
 
 def test_no_pack_is_one_example_a_row_and_efficiency_counts_padding() -> None:
     lengths = np.array([5, 9, 3])
-    plan = plan_rows(np.arange(3), lengths, np.ones(3, np.int64), 8, False, "truncate")
-    assert plan.rows == 3 and plan.example.tolist() == [0, 1, 2]
-    assert plan.efficiency == pytest.approx((4 + 8 + 2) / 24)
-    packed = plan_rows(np.arange(3), lengths, np.ones(3, np.int64), 8, True, "truncate")
+    assigned = assign_rows(np.arange(3), lengths, np.ones(3, np.int64), 8, False, "truncate")
+    assert assigned.rows == 3 and assigned.example.tolist() == [0, 1, 2]
+    assert assigned.efficiency == pytest.approx((4 + 8 + 2) / 24)
+    packed = assign_rows(np.arange(3), lengths, np.ones(3, np.int64), 8, True, "truncate")
     assert packed.rows == 2 and packed.efficiency == pytest.approx(14 / 16)
 
 
@@ -108,11 +108,11 @@ def _check_rows(rows: ExampleRows, store: ExampleStore) -> set[int]:
     tokens, targets, segments = rows.draw(idx)
     assert tokens.shape == targets.shape == segments.shape == (len(rows), rows.seq_len)
     assert rows.target_count(idx) == int((targets != IGNORE).sum())
-    plan = rows.plan
+    assigned = rows.assigned
     for r in range(len(rows)):
         at = 0
-        for seg, p in enumerate(range(plan.row_start[r], plan.row_start[r + 1])):
-            e, n = int(plan.example[p]), int(plan.positions[p])
+        for seg, p in enumerate(range(assigned.row_start[r], assigned.row_start[r + 1])):
+            e, n = int(assigned.example[p]), int(assigned.positions[p])
             a = int(store.offsets[e])
             tok = store.tokens.read(a, a + n + 1)
             mask = store.mask.read(a, a + n + 1)
@@ -138,7 +138,7 @@ def test_rows_hold_each_example_once_with_exact_targets(folder, pack) -> None:
     assert made.baseline > 0
     assert ("packed" if pack else "padded") in made.report and "rows of 64" in made.report
     again = example_corpus(folder, 64, 0.1, pack, "truncate")
-    assert np.array_equal(again.train.plan.example, made.train.plan.example)
+    assert np.array_equal(again.train.assigned.example, made.train.assigned.example)
     if not pack:
         assert len(made.train) == len(seen_train)
 

@@ -176,3 +176,12 @@ def test_dp_auto_refusals():
     )
     with pytest.raises(ConfigError, match="--dp auto takes dp from a launcher's world"):
         auto_dp(None, 1, 1)
+
+
+def test_dp_auto_counts_context_parallel_ranks_in_a_replica():
+    """--cp multiplies a replica's ranks: a world of 8 at tp 2 x cp 2 leaves dp 2."""
+    assert auto_dp(Launched("slurm", 0, 8, 0, 8), 2, 1, cp=2) == 2
+    with pytest.raises(ConfigError) as e:
+        auto_dp(Launched("slurm", 0, 6, 0, 6), 1, 1, cp=4)
+    assert str(e.value) == ("--dp auto: srun's SLURM_NTASKS=6 is not a multiple of tp 1 x pp 1"
+                            " x cp 4 = 4, so no dp fills it")  # fmt: skip

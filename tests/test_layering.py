@@ -46,7 +46,8 @@ COLLECTIVES = (
     "batch_isend_irecv",
     "monitored_barrier",
 )
-ABOVE_PARALLEL = ("plait.train", "plait.run", "plait.step", "plait.launch", "plait.cli")
+ABOVE_PARALLEL = ("plait.build", "plait.train", "plait.run", "plait.step", "plait.launch",
+                  "plait.cli")  # fmt: skip
 NOT_UNDER_PARALLEL = ("plait.data", "plait.preflight")
 """What no module under parallel/ reaches, through any chain of imports."""
 PURE = ("plait.topology", "plait.schedule", "plait.estimate", "plait.plan", "plait.config",

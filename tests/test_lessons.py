@@ -20,7 +20,7 @@ from plait.estimate import estimate
 from plait.lessons import recompute
 from plait.lessons.phases import PhaseMeter
 from plait.lessons.runner import choose_procs, plan_cases, registry
-from plait.lessons.section import Run, Section, Target
+from plait.lessons.section import CaseRun, Section, Target
 from plait.mesh import build_mesh
 
 
@@ -28,13 +28,13 @@ def _target(target: Target, cfg: Config) -> dict:
     return target(cfg, build_mesh(cfg.parallel.layout, torch.device("cpu"), 60))
 
 
-def _runs(world, lesson, out: Path) -> dict[str, Run]:
+def _runs(world, lesson, out: Path) -> dict[str, CaseRun]:
     runs = {}
     for case in plan_cases(lesson, quick=True, procs=2, work=out / "work"):
         train = dataclasses.replace(case.cfg.train, steps=2)
         log = dataclasses.replace(case.cfg.log, out=str(out / case.label))
         cfg = dataclasses.replace(case.cfg, train=train, log=log)
-        runs[case.label] = Run(cfg, world.run(_target, case.target, cfg))
+        runs[case.label] = CaseRun(cfg, world.run(_target, case.target, cfg))
     return runs
 
 
@@ -66,7 +66,9 @@ def sections(world2, tmp_path_factory) -> Callable[[str], Section]:
         "partition-activations",
         "finetune",
         "lora",
+        "qlora",
         "light-loss",
+        "context-parallel",
     ],
 )
 def test_each_lesson_reports_the_formulas_exactly(sections, name):
@@ -167,11 +169,22 @@ def test_finetune_loss_rules_differ_and_packing_keeps_the_loss(sections):
     assert packing["packed"]["rows"] < packing["padded"]["rows"]
 
 
+def test_qlora_holds_and_gathers_less_over_an_nf4_base(sections):
+    """The NF4 base's model states and ZeRO-3 gathers are below the bf16 base's at the same
+    LoRA, and the saved bytes per sequence under recomputation are the estimate's."""
+    raw = sections("qlora").raw
+    states, gathers = raw["model_states"], raw["all_gather"]
+    assert states["qlora-zero2"] < 0.7 * states["lora-zero2"]
+    assert gathers["qlora-zero3"] < 0.6 * gathers["lora-zero3"]
+    row = next(r for r in sections("qlora").rows if "saved bytes per sequence" in r.what)
+    assert abs(row.ratio - 1) < 0.02
+
+
 def test_bad_requests_exit_2_before_anything_runs(tmp_path, capsys):
     assert main(["lessons", "--only", "dp", "--only", "nope", "--out", str(tmp_path)]) == 2
     known = (
         "dp, pipeline, tp, zero, precision, recompute, offload, offload-activations, "
-        "partition-activations, finetune, lora, light-loss"
+        "partition-activations, finetune, lora, qlora, light-loss"
     )
     assert f"unknown lesson nope; known: {known}" in capsys.readouterr().err
     (tmp_path / "file").write_text("")

@@ -13,7 +13,7 @@ from torch import nn
 
 from packed_rows import PackedRows
 from plait.comm import Comm
-from plait.estimate.activations import Shape, target_rows_bytes
+from plait.estimate.activations import MicroShape, target_rows_bytes
 from plait.memory_tracker import MemoryTracker
 from plait.mesh import build_mesh
 from plait.models.architecture import ModelConfig
@@ -107,7 +107,7 @@ def test_saved_bytes_are_the_target_rows_only():
         n = int((targets != IGNORE).sum())
         light = _saved_bytes(True, targets)
         assert light == n * (H * 4 + 8 + 8 + 4)
-        assert light == target_rows_bytes(cfg, Shape(B, S, 1, False, 4), rows=n)
+        assert light == target_rows_bytes(cfg, MicroShape(B, S, 1, False, 4), rows=n)
         assert _saved_bytes(False, targets) == B * S * (H * 4 + V * 4 + 8) + 4
 
 

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from lora_parity import lora_parity
+from plait.build.model import build_model
 from plait.models.declare import is_adapter
 from plait.models.presets import get_preset
 from plait.parallel.pipeline.split_backward import split_input_backward
 from plait.parallel.pipeline.stage import run_stage, stage_params
 from plait.schedule.stages import StagePlan
-from plait.train import build_model
 
 
 def _id(case: dict) -> str:

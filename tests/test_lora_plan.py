@@ -10,7 +10,7 @@ import pytest
 
 from plait.cli import main
 from plait.estimate.frozen_base import frozen_base
-from plait.estimate.model_states import Precision, flat_groups
+from plait.estimate.model_states import ElementBytes, flat_groups
 from plait.estimate.rank_params import rank_params, total_parameters, tp_contract
 from plait.models.presets import get_preset
 from plait.plan.enumerate import Request
@@ -116,7 +116,7 @@ def test_stage_3_prices_the_base_gathers():
     link = Links.of(cfg, load_hardware("h100"), 8).dp
     k = cfg.accumulation
     params = rank_params(tp_contract(cfg.model, 1), plans)
-    base = frozen_base(params, cfg, Precision.of("fp32", None))
+    base = frozen_base(params, cfg, ElementBytes.of("fp32", None))
     assert len(base.units) == cfg.model.n_layers + 1 and base.element == 2
     assert base.padded >= total_parameters(cfg.model, trainable=False) > base.padded - 4 * 5
     traffic = dp_traffic(cfg, link, plans)

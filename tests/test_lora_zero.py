@@ -5,7 +5,8 @@ Parity (fp32): the single-process loop (reference.reference_run_named: the whole
 batch, torch's AdamW over the parameters that require grad) against the production Trainer
 at dp=2 under ZeRO stages 1-3, CPU and NVMe offload, and full or selective recomputation;
 and at tp2 x dp2 (stage 3) and pp2 x dp2 (stage 1). Losses every step at rtol 1e-5, every
-adapter after the steps, the base unchanged. The embedding is frozen, so nothing requires
+adapter after the steps, the base unchanged; and an NF4 base (QLoRA) at tp2 x dp2 under
+stage 3 against its one process (tests/nf4_parity.py). The embedding is frozen, so nothing requires
 grad at a block's input: with reentrant checkpointing the adapters would get no gradient at
 all. Every A and every B must have moved (B starts at zero, so A's gradient is zero on the
 first step and only a second step moves it).
@@ -25,6 +26,8 @@ import copy
 import pytest
 import torch
 
+from nf4_parity import assert_same_run, nf4_run
+from plait.build.model import build_model
 from plait.config import Config
 from plait.errors import ConfigError
 from plait.memory_tracker import MemoryTracker
@@ -32,7 +35,7 @@ from plait.mesh import build_mesh
 from plait.mixed_precision import parse_base_dtype
 from plait.models.declare import is_adapter
 from plait.parallel.tp.sharding import full_tensor, param_shard_specs
-from plait.train import Trainer, build_model
+from plait.train import Trainer
 from reference import corpus_for, reference_run_named, small_config
 from sections import set_option
 
@@ -309,3 +312,23 @@ def test_activation_meter_skips_a_frozen_weight():
         x = leaf.tanh()  # saved by tanh for its backward: 4 x 8 fp32
         layer(x).sum().backward()
         assert tracker.peak("activations") == 4 * 8 * 4
+
+
+def test_nf4_base_at_tp2_dp2_zero3_equals_one_process(world4):
+    """QLoRA at tp2 x dp2 under ZeRO-3 (tests/nf4_parity.py): each rank holds its tp slice of
+    every NF4 weight (whole 64-blocks), sharded over dp, and gathers its slice's packed bytes
+    per block: half of what tp=1 gathers (tests/test_nf4_layouts.py), the same run."""
+    out = world4.run(nf4_run, tp=2, dp=2, zero=3, sequence_parallel=True, accum=1, timeout=300)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        want = nf4_run(micro=2, accum=2)
+    finally:
+        torch.set_num_threads(threads)
+    h, f, kv = 128, 512, 64
+    weights = [h * h, h * kv, h * kv, h * h, h * f, h * f, h * f]  # one block's Linears
+    packed = sum(n // 2 + n // 64 for n in weights)  # codes and absmax codes of a block
+    for rank in out:
+        assert_same_run(rank, want)
+        assert rank["gathered"]["nf4"] == 2 * 2 * packed // 2  # fwd + bwd, 2 blocks, tp half
+    assert len({r["params"] for r in out}) == 1 and out[0]["params"] < 0.4 * want["params"]

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from packed_rows import PackedRows, packed_corpus
+from plait.build.model import build_model
 from plait.config import Config
 from plait.data import GlobalBatchSampler
 from plait.data.batches import Corpus, StepBatches
@@ -20,7 +21,7 @@ from plait.errors import ConfigError
 from plait.mesh import build_mesh
 from plait.models.dropout import sample_keys
 from plait.optim import build_optimizer, lr_at, set_lr
-from plait.train import Trainer, build_model
+from plait.train import Trainer
 from reference import corpus_for, reference_run, small_config
 
 RTOL = 1e-5

@@ -177,6 +177,10 @@ def test_model_validation_messages() -> None:
         Transformer(ModelConfig(d_model=64, n_heads=4, n_kv_heads=3))
     with pytest.raises(ConfigError, match="even head dimension, got 3"):
         Transformer(ModelConfig(d_model=12, n_heads=4, pos="rope"))
+    with pytest.raises(ConfigError, match=r"model.family='mamba' is not one plait builds \(llama"):
+        ModelConfig(family="mamba").validate()
+    with pytest.raises(ConfigError, match=r"model.family='llama' has a swiglu MLP, got model.mlp="):
+        ModelConfig(family="llama", mlp="gelu").validate()
 
 
 def test_sequence_longer_than_learned_positions() -> None:

@@ -1,7 +1,8 @@
 """Bad input to a QLoRA run stops before any worker starts: one line naming the values, exit 2.
 
 `--base-dtype nf4` without LoRA, or with an engine that does not hold it (naive data
-parallelism, 2BW), or a tensor-parallel cut through a 64-weight block; a
+parallelism, 2BW), or a tensor-parallel cut through a 64-weight block; `--base-upcast` under
+fp32 or with a 16-bit gradient reduction; a
 folder quantized with another scheme than bitsandbytes' NF4 with double quantization (fp4,
 NF4 without double quantization, 8-bit, GPTQ, AWQ); a folder saved 4-bit trained without
 `--base-dtype nf4`. (fp32, bf16 and fp16 all compute over an NF4 base: none is refused.)
@@ -63,8 +64,14 @@ def refused(argv: list[str], tmp_path: Path, capsys) -> str:
          "--base-dtype nf4 with --tp 2 cuts attn.wo (64 -> 64) by input features into slices "
          "that are not whole 64-weight NF4 blocks: give a --tp that divides it into multiples "
          "of 64"),
+        (["--lora-rank", "4", "--base-upcast"],
+         "--base-upcast computes in fp32 beside an NF4 base's 16-bit products: it needs "
+         "--base-dtype nf4 and --precision bf16 or fp16 (got --base-dtype nf4, --precision "
+         "fp32)"),
+        (["--lora-rank", "4", "--base-upcast", "--precision", "bf16", "--reduce-dtype", "bf16"],
+         "--base-upcast's gradients are fp32 and reduce in fp32; got --reduce-dtype bf16"),
     ],
-    ids=["no-lora", "naive", "2bw", "tp-cut"],
+    ids=["no-lora", "naive", "2bw", "tp-cut", "upcast-fp32", "upcast-reduce"],
 )  # fmt: skip
 def test_nf4_needs_lora_and_the_zero_engine(base, tmp_path, capsys, flags, message) -> None:
     argv = ["--init-from", str(base), "--base-dtype", "nf4", *flags]

@@ -14,6 +14,7 @@ the same 20 steps of PEFT's model, loss by loss.
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -27,28 +28,30 @@ pytest.importorskip("bitsandbytes")
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # a missing optional CPU kernel
 
 from hf_models import llama_config, save  # noqa: E402
+from plait.build.corpus import load_corpus  # noqa: E402
 from plait.checkpoint import inspect, store  # noqa: E402
 from plait.cli import build_parser, config_from_args, main  # noqa: E402
 from plait.data import GlobalBatchSampler  # noqa: E402
-from plait.memory_tracker import MemoryTracker  # noqa: E402
 from plait.mesh import build_mesh  # noqa: E402
-from plait.models.architecture import ModelConfig  # noqa: E402
-from plait.models.contract import contract_of  # noqa: E402
 from plait.models.declare import is_adapter  # noqa: E402
-from plait.models.hf.load import hf_source, load_config  # noqa: E402
 from plait.models.hf.peft import adapter_tensors  # noqa: E402
-from plait.models.init import with_adapters  # noqa: E402
 from plait.models.nf4.source import nf4_source  # noqa: E402
 from plait.models.transformer import Transformer  # noqa: E402
 from plait.optim import build_optimizer, lr_at, set_lr  # noqa: E402
-from plait.parallel.zero.nf4_base import hold_nf4, nf4_targets  # noqa: E402
-from plait.train import Trainer, load_corpus  # noqa: E402
+from plait.parallel.zero.nf4_base import nf4_targets  # noqa: E402
+from plait.train import Trainer  # noqa: E402
+from qlora_models import (  # noqa: E402
+    CPU,
+    peft_qlora,
+    peft_tensors,
+    plait_qlora,
+    qlora_config,
+    random_adapters,
+    save_4bit,
+)
 
 RTOL = 1e-5
-RANK, ALPHA = 4, 16.0
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 TOKENS = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(5))
-CPU = torch.device("cpu")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -63,60 +66,9 @@ def one_thread():
 @pytest.fixture(scope="module")
 def folder4(tmp_path_factory) -> Path:
     """A Llama saved 4-bit by transformers (NF4, double quantization, fp32 compute)."""
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
     root = tmp_path_factory.mktemp("qlora")
     full = save(llama_config(intermediate_size=128), root / "fp32")
-    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                               bnb_4bit_use_double_quant=True,
-                               bnb_4bit_compute_dtype=torch.float32)  # fmt: skip
-    model = AutoModelForCausalLM.from_pretrained(full, quantization_config=quant,
-                                                 dtype=torch.float32)  # fmt: skip
-    model.save_pretrained(root / "nf4")
-    return root / "nf4"
-
-
-def peft_qlora(folder: Path):
-    """PEFT's QLoRA on the 4-bit folder: Linear4bit bases, adapters on every Linear."""
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    base = peft.prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
-    config = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=TARGETS,
-                             task_type="CAUSAL_LM")  # fmt: skip
-    return peft.get_peft_model(base, config)
-
-
-def qlora_config(folder: Path) -> ModelConfig:
-    cfg = load_config(folder)
-    cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets = RANK, ALPHA, "all"
-    cfg.validate()
-    return cfg
-
-
-def plait_qlora(folder: Path, cfg: ModelConfig, adapters: dict[str, torch.Tensor]):
-    """plait's model over the folder's NF4 weights (held as the engine holds them)."""
-    model = Transformer(cfg)
-    source = with_adapters(hf_source(folder, cfg), cfg, 0, lambda name, s, sh: adapters[name])
-    quantized = {entry.name for entry, _ in nf4_targets(model)}
-    with torch.no_grad():
-        for entry, p in contract_of(model).bind(model):
-            if entry.name not in quantized:
-                p.copy_(source(entry.name, tuple(p.shape), None))
-    held = hold_nf4(model, nf4_source(cfg, 0, str(folder)), CPU, MemoryTracker(CPU))
-    return model, held
-
-
-def random_adapters(cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(11)
-    with torch.device("meta"):
-        shapes = {n: p.shape for n, p in Transformer(cfg).named_parameters() if is_adapter(n)}
-    return {n: torch.randn(s, generator=gen) * 0.1 for n, s in shapes.items()}
-
-
-def peft_tensors(model, what) -> dict[str, torch.Tensor]:
-    return {n.replace(".default", ""): what(p) for n, p in model.named_parameters()
-            if p.requires_grad}  # fmt: skip
+    return save_4bit(full, root / "nf4", torch.float32)
 
 
 def loss_of(logits: torch.Tensor) -> torch.Tensor:
@@ -177,25 +129,34 @@ def test_plait_quantizes_the_folder_as_transformers_does(folder4) -> None:
     assert differ <= total // 20, (differ, total)  # near-ties only
 
 
-def test_a_qlora_checkpoint_exports_to_peft_on_the_4bit_model(folder4, tmp_path) -> None:
+@pytest.fixture(scope="module")
+def qlora_run(folder4, tmp_path_factory) -> Path:
+    """Two steps of `plait train --base-dtype nf4` on the 4-bit folder: its run folder."""
+    root = tmp_path_factory.mktemp("qlora-run")
+    corpus = root / "corpus.txt"
+    corpus.write_text("Adapters trained over four bits, and out to PEFT. " * 40)
+    run = root / "run"
+    assert main(["train", "--init-from", str(folder4), "--data", str(corpus), "--lora-rank",
+                 "4", "--lora-alpha", "16", "--lora-targets", "all", "--base-dtype", "nf4",
+                 "--steps", "2", "--lr", "1e-2", "--seq-len", "16", "--global-batch", "2",
+                 "--micro-batch", "1", "--eval-batches", "1", "--no-progress", "--device",
+                 "cpu", "--out", str(run)]) == 0  # fmt: skip
+    return run
+
+
+def test_a_qlora_checkpoint_exports_to_peft_on_the_4bit_model(folder4, qlora_run, tmp_path) -> None:
     """A QLoRA run's checkpoint names its base and its quantization; `plait export --format
     peft` loads in PEFT on transformers' 4-bit model with the logits plait computes for the
     checkpoint (its base read back dequantized, as the run computed with it), which are
     also those of plait's NF4 model with the checkpoint's adapters."""
     from transformers import AutoModelForCausalLM
 
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text("Adapters trained over four bits, and out to PEFT. " * 40)
-    run = tmp_path / "run"
-    assert main(["train", "--init-from", str(folder4), "--data", str(corpus), "--lora-rank",
-                 "4", "--lora-alpha", "16", "--lora-targets", "all", "--base-dtype", "nf4",
-                 "--steps", "2", "--lr", "1e-2", "--seq-len", "16", "--global-batch", "2",
-                 "--micro-batch", "1", "--eval-batches", "1", "--no-progress", "--device",
-                 "cpu", "--out", str(run)]) == 0  # fmt: skip
-    checkpoint = store.complete(run)
+    checkpoint = store.complete(qlora_run)
     assert store.read_trainer(checkpoint)["base"]["quantization"] == "nf4"
     out = tmp_path / "peft"
-    assert main(["export", "--checkpoint", str(run), "--format", "peft", "--out", str(out)]) == 0
+    assert (
+        main(["export", "--checkpoint", str(qlora_run), "--format", "peft", "--out", str(out)]) == 0
+    )
     base = AutoModelForCausalLM.from_pretrained(folder4, dtype=torch.float32)
     # In train mode, as in training (no dropout here): in eval mode on a CPU with AVX512-BF16
     # bitsandbytes repacks the weights for its own inference kernel, another arithmetic.
@@ -207,6 +168,30 @@ def test_a_qlora_checkpoint_exports_to_peft_on_the_4bit_model(folder4, tmp_path)
         cfg = inspect.model_config(checkpoint)
         nf4_model, _ = plait_qlora(folder4, cfg, inspect.read_masters(checkpoint))
         torch.testing.assert_close(nf4_model(TOKENS), ours, rtol=RTOL, atol=1e-6)
+
+
+def test_a_merged_qlora_export_is_a_plain_fp32_model(folder4, qlora_run, tmp_path) -> None:
+    """`plait export --format hf --merge` of a QLoRA run merges the adapters into the
+    dequantized base in fp32 (W = dequantize(NF4) + s·B·A) and writes a plain, unquantized
+    fp32 folder: transformers loads it without bitsandbytes and gives the logits of plait's
+    NF4 model with the run's adapters."""
+    from transformers import AutoModelForCausalLM
+
+    checkpoint = store.complete(qlora_run)
+    out = tmp_path / "merged"
+    assert main(["export", "--checkpoint", str(qlora_run), "--format", "hf", "--merge",
+                 "--out", str(out)]) == 0  # fmt: skip
+    hf = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in hf and not any("lora" in k for k in hf)
+    merged = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert {p.dtype for p in merged.parameters()} == {torch.float32}
+    cfg = inspect.model_config(checkpoint)
+    nf4_model, _ = plait_qlora(folder4, cfg, inspect.read_masters(checkpoint))
+    with torch.no_grad():
+        want, got = nf4_model(TOKENS), merged(input_ids=TOKENS).logits
+        before = AutoModelForCausalLM.from_pretrained(folder4).train()(input_ids=TOKENS).logits
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=1e-5)
+    assert (want - before).abs().max() > 1e-2  # the adapters trained: merging is seen
 
 
 def test_twenty_steps_are_peft_qlora(folder4, tmp_path) -> None:

@@ -15,12 +15,12 @@ import torch
 import torch.nn.functional as F
 
 from packed_rows import PackedRows
+from plait.build.model import build_model
 from plait.models.dropout import sample_keys
 from plait.models.loss import IGNORE
 from plait.models.packing import Packing
 from plait.models.presets import get_preset
 from plait.parallel.activation_recompute import apply_recompute
-from plait.train import build_model
 
 RTOL, ATOL = 1e-5, 1e-6
 LENGTHS = (7, 12, 9)  # three examples, then 4 tokens of padding: one row of 32

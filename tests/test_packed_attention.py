@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from plait.build.model import build_model
 from plait.composition import check_packed_attention
 from plait.errors import ConfigError
 from plait.models.dropout import sample_keys
@@ -29,7 +30,6 @@ from plait.models.packing import Packing
 from plait.models.presets import get_preset
 from plait.parallel.activation_offload import apply_activation_offload
 from plait.parallel.activation_recompute import apply_recompute
-from plait.train import build_model
 
 RTOL = 1e-5
 # Four rows of 32: one document; two; many, then padding; one, then padding.

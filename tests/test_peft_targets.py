@@ -48,7 +48,8 @@ def _plait_wraps(folder: Path, config: dict) -> set[str]:
     """The module names plait adapts for `config`: its targets in every layer."""
     cfg = load_config(folder)
     fields = adapter_model_fields({**BASE, **config}, cfg)
-    leaves = {table_for(cfg.mlp).targets[n] for n in parse_targets(fields["lora_targets"], cfg.mlp)}
+    names = parse_targets(fields["lora_targets"], cfg.arch)
+    leaves = {table_for(cfg.arch).targets[n] for n in names}
     return {m for m, held in block_modules(cfg).items() if any(lf in leaves for _, lf in held)}
 
 

@@ -15,6 +15,7 @@ import copy
 import pytest
 import torch
 
+from plait.build.model import build_model
 from plait.composition import check_two_bw
 from plait.config import Config
 from plait.data import GlobalBatchSampler, eval_indices
@@ -27,7 +28,7 @@ from plait.parallel.tp.sharding import full_tensor, param_shard_specs
 from plait.schedule.actions import Kind
 from plait.schedule.schedules import two_bw
 from plait.schedule.two_bw_points import check_cut, update_cut, update_points
-from plait.train import Trainer, build_model
+from plait.train import Trainer
 from reference import corpus_for, small_config
 
 RTOL = 1e-5

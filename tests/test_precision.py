@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from plait.build.model import build_model
 from plait.comm import Comm
 from plait.data import GlobalBatchSampler, replica_share
 from plait.errors import ConfigError
@@ -21,7 +22,6 @@ from plait.mixed_precision import DynamicLossScaler, LossScaleError, has_inf_or_
 from plait.models.dropout import sample_keys
 from plait.optim import build_optimizer, lr_at, set_lr
 from plait.parallel.zero.engine import ZeroEngine
-from plait.train import build_model
 from reference import corpus_for
 from zero_helpers import after_finish, record, zero_config, zero_trainer
 

@@ -25,12 +25,35 @@ PUBLISHED = {
     "llama-65b": 65_285_660_672,
     "llama2-70b": 68_976_648_192,
     "llama3-8b": 8_030_261_248,
+    "llama3.2-1b": 1_235_814_400,
+    "llama3.2-3b": 3_212_749_824,
+    "llama3.1-8b": 8_030_261_248,
+    "llama3.1-70b": 70_553_706_496,
+    "qwen2.5-0.5b": 494_032_768,
+    "qwen2.5-7b": 7_615_616_512,
+    "qwen3-0.6b": 596_049_920,
+    "phi3-mini": 3_821_079_552,
 }
+FAMILIES = ["llama3.2-1b", "llama3.2-3b", "llama3.1-8b", "llama3.1-70b", "qwen2.5-0.5b",
+            "qwen2.5-7b", "qwen3-0.6b", "phi3-mini"]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_published_parameter_count(name: str) -> None:
     assert count_parameters(get_preset(name)) == PUBLISHED[name]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_family_presets_count_what_transformers_builds(name: str) -> None:
+    """The preset's config.json (as `plait export` writes it) built by transformers on the
+    meta device has the preset's parameters, a tied head counted once."""
+    transformers = pytest.importorskip("transformers")
+    from plait.models.hf.config_json import hf_config
+
+    config = transformers.AutoConfig.for_model(**hf_config(get_preset(name)))
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    assert sum(p.numel() for p in model.parameters()) == PUBLISHED[name]
 
 
 def test_counting_allocates_nothing() -> None:

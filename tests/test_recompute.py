@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from plait.build.model import build_model
 from plait.errors import ConfigError
 from plait.models.dropout import sample_keys
 from plait.models.presets import get_preset
 from plait.parallel.activation_recompute import apply_recompute
-from plait.train import build_model
 
 
 def _model(mode: str, dropout: float = 0.1):

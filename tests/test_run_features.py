@@ -226,8 +226,8 @@ def _resumed_at(out: Path, argv: list[str], step: int, world) -> None:
 def test_text_eval_data_trains_on_every_window(tmp_path) -> None:
     """Text: every window of --data trains (no held-out blocks), every window of --eval-data
     validates; the config's count (what --epochs divides) is the corpus's."""
+    from plait.build.corpus import load_corpus
     from plait.preflight import check_run, configure
-    from plait.train import load_corpus
 
     train, held = tmp_path / "train.txt", tmp_path / "held.txt"
     train.write_bytes(bytes(range(97, 123)) * 31)  # 806 bytes: 24 windows of 33

@@ -7,11 +7,11 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from plait.build.model import build_model
 from plait.models.presets import get_preset
 from plait.parallel.pipeline.split_backward import split_input_backward
 from plait.parallel.pipeline.stage import run_stage
 from plait.schedule.stages import StagePlan
-from plait.train import build_model
 
 
 def _stage(last: bool):

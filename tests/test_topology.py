@@ -49,9 +49,25 @@ def test_concrete_ranks_of_uneven_layout() -> None:
     assert layout.coord(13) == Coord(pp=1, dp=0, tp=1)  # (1*3 + 0)*4 + 1
     assert layout.coord(11) == Coord(pp=0, dp=2, tp=3)
     assert layout.rank(Coord(pp=1, dp=2, tp=3)) == 23
-    assert layout.shape() == (2, 3, 4)  # AXES order, slowest first
-    assert AXES == ("pp", "dp", "tp")
+    assert layout.shape() == (2, 3, 1, 4)  # AXES order, slowest first
+    assert AXES == ("pp", "dp", "cp", "tp")
     assert layout.size("tp") == 4 and layout.size("dp") == 3 and layout.size("pp") == 2
+
+
+def test_cp_sits_between_tp_and_dp() -> None:
+    """Context parallelism's ranks are next to each other after tp's (Megatron's tp-cp-dp-pp
+    order): rank = ((pp * dp + dp_idx) * cp + cp_idx) * tp + tp_idx."""
+    layout = Layout(dp=2, pp=2, tp=2, cp=2)
+    assert layout.world_size == 16
+    assert layout.coord(6) == Coord(pp=0, dp=1, tp=0, cp=1)  # ((0*2 + 1)*2 + 1)*2 + 0
+    assert layout.coord(13) == Coord(pp=1, dp=1, tp=1, cp=0)
+    assert all(layout.rank(layout.coord(r)) == r for r in range(16))
+    assert layout.axis_ranks("cp", 5) == [5, 7]
+    assert layout.axis_ranks("dp", 5) == [1, 5]
+    assert layout.replica_ranks(5) == [1, 3, 5, 7]  # dp x cp: who shares the gradients
+    assert layout.describe() == "dp=2 pp=2 tp=2 cp=2 (world 16)"
+    with pytest.raises(ConfigError, match=r"dp\*pp\*tp\*cp = 2\*2\*2\*2 = 16"):
+        layout.check_world(8)
 
 
 def test_axis_ranks_concrete() -> None:

@@ -201,6 +201,11 @@ def _linears(tp: int) -> None:
     r = comm.mesh.axis_rank("tp")
     for check in (_column, _row, _mlp_sequence_parallel):
         check(comm, r, tp)
+    col, row = ColumnParallelLinear(8, 12, comm), RowParallelLinear(12, 8, comm, bias=False)
+    local = f"(local {12 // tp})"  # the split width's share, named on its side
+    assert col.extra_repr() == (f"in=8, out=12 {local}, bias=True, gather_output=False, "
+                                "enter=True, sequence_parallel=False")  # fmt: skip
+    assert row.extra_repr() == f"in=12 {local}, out=8, bias=False, sequence_parallel=False"
     with pytest.raises(ConfigError, match=r"\(8 -> 10\)=10 is not divisible by tp=4"):
         ColumnParallelLinear(8, 10, _comm(4))
 

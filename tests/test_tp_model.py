@@ -52,7 +52,7 @@ def _setup(tp: int, preset: str, sp: bool, **over: object):
 
 
 def _build(cfg: ModelConfig, parallelize=None) -> Transformer:
-    """What train.build_model does: meta -> parallelize -> materialize -> initialize."""
+    """What build/model.py build_model does: meta -> parallelize -> materialize -> initialize."""
     with torch.device("meta"):
         model = Transformer(cfg)
     if parallelize is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from plait.build.model import build_model
 from plait.comm import Comm
 from plait.composition import check_zero
 from plait.config import OptimConfig
@@ -18,7 +19,7 @@ from plait.parallel.activation_recompute import apply_recompute
 from plait.parallel.adamw import AdamW
 from plait.parallel.grads import SplitGradRules
 from plait.parallel.zero.engine import ZeroEngine
-from plait.train import build_model
+from plait.parallel.zero.options import ZeroOptions
 
 
 def test_formulas_are_the_papers():
@@ -91,7 +92,8 @@ def test_activation_meter_lets_a_graph_kept_past_its_backward_go():
 
 def _engine(**kw) -> ZeroEngine:
     model = build_model(get_preset("tiny-gpt"), torch.device("cpu"), 0)
-    return ZeroEngine(model, Comm(single_process_mesh()), AdamW.from_optim(OptimConfig()), **kw)
+    adamw = AdamW.from_optim(OptimConfig())
+    return ZeroEngine(model, Comm(single_process_mesh()), adamw, ZeroOptions(**kw))
 
 
 def test_option_errors_name_the_values(tmp_path):
@@ -113,7 +115,7 @@ def test_option_errors_name_the_values(tmp_path):
         _engine(stage=1, offload="nvme", offload_dir=blocker / "sub")
     model = torch.nn.Sequential(torch.nn.Linear(2, 2))
     with pytest.raises(ConfigError, match="Sequential declares no model contract"):
-        ZeroEngine(model, Comm(single_process_mesh()), AdamW(), stage=3)
+        ZeroEngine(model, Comm(single_process_mesh()), AdamW(), ZeroOptions(stage=3))
 
 
 def test_single_rank_engine_steps_every_stage():
@@ -177,8 +179,7 @@ def test_any_elementwise_optimizer_plugs_in(tmp_path):
             build_model(get_preset("tiny-gpt"), torch.device("cpu"), 0),
             Comm(single_process_mesh()),
             MomentumSGD(),
-            stage=2,
-            **kw,
+            ZeroOptions(stage=2, **kw),
         )
         for kw in ({}, {"offload": "nvme", "offload_dir": tmp_path, "sub_group_mb": 0.01})
     ]

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from plait.build.model import build_model
 from plait.comm import Comm
 from plait.config import Config
 from plait.data import GlobalBatchSampler, replica_share, split_micro
@@ -34,8 +35,9 @@ from plait.parallel.activation_recompute import apply_recompute
 from plait.parallel.adamw import AdamW
 from plait.parallel.grads import SplitGradRules
 from plait.parallel.zero.engine import ZeroEngine
+from plait.parallel.zero.options import ZeroOptions
 from plait.step import Accumulate, Step, StepResult
-from plait.train import Trainer, build_model
+from plait.train import Trainer
 from reference import corpus_for, small_config
 
 
@@ -151,7 +153,7 @@ def zero_trainer(cfg: Config, corpus: Corpus, stage: int, **options: object) -> 
 class EngineStep:
     """The production step and runner over an engine the test builds, for an engine option
     no config field carries (the NVMe sub-group size); otherwise built as the Trainer builds
-    a run without pipeline: `train.py`'s order, `cfg`'s ZeRO options (`with_zero`)."""
+    a run without pipeline: `build/rank.py`'s order, `cfg`'s ZeRO options (`with_zero`)."""
 
     def __init__(self, cfg: Config, corpus: Corpus, **engine: object) -> None:
         t, par = cfg.train, cfg.parallel
@@ -159,10 +161,7 @@ class EngineStep:
         self.cfg, self.comm, self.step = cfg, Comm(mesh), 0
         self.model = build_model(cfg.model, mesh.device, t.seed)
         apply_recompute(self.model, cfg.memory.recompute)
-        self.engine = ZeroEngine(
-            self.model,
-            self.comm,
-            AdamW.from_optim(cfg.optim),
+        options = ZeroOptions(
             stage=cfg.memory.zero,
             precision=parse_precision(cfg.train.precision, cfg.train.reduce_dtype),
             offload=cfg.memory.offload,
@@ -170,6 +169,7 @@ class EngineStep:
             bucket_mb=par.bucket_mb,
             **engine,
         )
+        self.engine = ZeroEngine(self.model, self.comm, AdamW.from_optim(t), options)
         replica = (mesh.coord.dp, mesh.size("dp"))
         batches = StepBatches(corpus, t.global_batch, t.micro_batch, t.seed, replica, mesh.device)
         runner = Accumulate(self.model, self.engine, batches)

@@ -98,16 +98,16 @@ def _flops(args: argparse.Namespace, comm: Comm) -> dict:
     a, b = torch.randn(n, n), torch.randn(n, n)
     barrier = comm.barrier  # every rank starts each repeat together
     peak = 2 * n**3 / _median_time(lambda: a @ b, args.repeats, barrier)
-    cfg = get_preset(args.model)
-    model = Transformer(cfg)
+    arch = get_preset(args.model)
+    model = Transformer(arch)
     tokens, seconds = [], []
     for mb in MICRO_BATCHES:
-        x = torch.randint(0, cfg.vocab_size, (mb, args.seq_len))
+        x = torch.randint(0, arch.vocab_size, (mb, args.seq_len))
         seconds.append(_median_time(partial(_forward_backward, model, x), args.repeats, barrier))
         tokens.append(x.numel())
     fixed, per_token = _relative_lstsq([[1.0, t] for t in tokens], seconds)
-    rate = matmul_flops_per_token(cfg, args.seq_len) / per_token
-    passes = 3 * (cfg.n_layers + 1)  # F, B and W of every block and of the head
+    rate = matmul_flops_per_token(arch, args.seq_len) / per_token
+    passes = 3 * (arch.n_layers + 1)  # F, B and W of every block and of the head
     return {"peak": peak, "achievable": rate / peak, "overhead": max(0.0, fixed) / passes}
 
 
@@ -156,10 +156,10 @@ def _p2p(comm: Comm, args: argparse.Namespace) -> list[tuple[str, int, int, floa
     which costs far more than the wire (an idle ping-pong misses it). Sizes: the model's
     activation at 1 to 8 sequences, the messages its pipeline sends. Seconds from the send
     to the receiver holding it (one clock: one machine), the median of the repeats."""
-    cfg = get_preset(args.model)
+    arch = get_preset(args.model)
     rows = []
     for mb in MICRO_BATCHES:
-        nbytes = mb * args.seq_len * cfg.d_model * 4
+        nbytes = mb * args.seq_len * arch.d_model * 4
         took = torch.zeros(args.repeats, dtype=torch.float64)
         for i in range(args.repeats):
             took[i] = _message_under_load(comm, nbytes)

@@ -67,18 +67,18 @@ def check_partition_activations(
 
 
 def check_tensor_parallel(
-    cfg: ModelConfig, tp: int, sequence_parallel: bool = False, seq_len: int | None = None
+    model: ModelConfig, tp: int, sequence_parallel: bool = False, seq_len: int | None = None
 ) -> None:
-    """`cfg` splits `tp` ways: heads and MLP columns divide, and sequences under SP. The
+    """`model` splits `tp` ways: heads and MLP columns divide, and sequences under SP. The
     vocabulary needs no check: it is padded to a multiple of tp."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ConfigError(f"tp must be a positive integer, got {tp!r}")
     if sequence_parallel and tp == 1:
         raise ConfigError("sequence_parallel needs tp > 1")
     needs = [
-        ("model.n_heads", cfg.n_heads, "query heads are split across tp ranks"),
-        ("model.n_kv_heads", cfg.kv_heads, "key/value heads are split across tp ranks"),
-        ("MLP hidden size (model.ffn_hidden)", cfg.ffn_dim, "its columns are split"),
+        ("model.n_heads", model.n_heads, "query heads are split across tp ranks"),
+        ("model.n_kv_heads", model.kv_heads, "key/value heads are split across tp ranks"),
+        ("MLP hidden size (model.ffn_hidden)", model.ffn_dim, "its columns are split"),
     ]
     for name, value, why in needs:
         if value % tp:
@@ -201,3 +201,46 @@ def check_packed_attention(mode: str, device: str, precision: str, dropout: floa
             "needs the whole (b, a, s, s) probabilities of the mask path; give auto, mask or "
             "--dropout 0"
         )
+
+
+CP_EXCHANGES = ("allgather", "ring")
+
+
+def check_context_parallel(
+    cp: int, exchange: str, seq_len: int, tp: int, sequence_parallel: bool, pp: int,
+    schedule: str, dp_mode: str, model: ModelConfig,
+) -> None:  # fmt: skip
+    """Context parallelism (parallel/cp) holds seq_len / cp tokens of every row per rank, so
+    cp divides the row length, and under sequence parallelism tp divides each rank's share;
+    the exchange is one that exists; the layouts it does not reach are refused by name."""
+    if exchange not in CP_EXCHANGES:
+        raise ConfigError(f"cp_exchange must be one of {', '.join(CP_EXCHANGES)}; got {exchange!r}")
+    if cp == 1:
+        return
+    if seq_len % cp:
+        raise ConfigError(
+            f"--cp {cp} does not divide the row length --seq-len {seq_len}: every "
+            "context-parallel rank holds seq_len / cp tokens of each row"
+        )
+    if sequence_parallel and (seq_len // cp) % tp:
+        raise ConfigError(
+            f"--cp {cp} leaves {seq_len // cp} tokens of each row per rank (--seq-len "
+            f"{seq_len}), which sequence parallelism cannot split over tp={tp}"
+        )
+    if pp > 1 and schedule == "2bw":
+        raise ConfigError(
+            f"--cp {cp} does not combine with --schedule 2bw: its weight versions reduce "
+            "gradients over dp alone; give a synchronous schedule (1f1b, gpipe, ...)"
+        )
+    refused = {
+        "--dp-mode naive": dp_mode == "naive",
+        f"--dropout {model.dropout}": model.dropout > 0,
+        # the exchange's rule is the block-causal one: a window, a soft cap or another
+        # score scale (Mistral's, Gemma's) is not carried to the other ranks' keys yet
+        f"--sliding-window {model.sliding_window}": model.sliding_window is not None,
+        f"--attn-softcap {model.attn_softcap}": model.attn_softcap is not None,
+        f"--attn-scalar {model.attn_scalar}": model.attn_scalar is not None,
+    }
+    for flag, hit in refused.items():
+        if hit:
+            raise ConfigError(f"--cp {cp} does not combine with {flag} yet; give --cp 1")

@@ -1,7 +1,11 @@
-"""Everything device-specific lives here, so the rest of plait runs unchanged on CPU and CUDA.
+"""Every call into the device's runtime lives here, so the rest of plait runs unchanged on CPU
+and CUDA.
 
 Core code asks this module for the device, the backend and memory figures; it never calls
-torch.cuda itself (that breaks CPU runs and hides device assumptions).
+torch.cuda itself (that breaks CPU runs and hides device assumptions; tests/test_layering.py
+checks). A choice a rule makes by the device's type stays with its rule: `comm.py` waits for
+a CPU collective under its own deadline where NCCL's stream waits, `models/packed_attention.py`
+picks an attention path, `config.py` refuses a CUDA device torch does not see.
 """
 
 from __future__ import annotations

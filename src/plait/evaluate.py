@@ -26,7 +26,7 @@ from rich.console import Console
 from plait.config import Config
 from plait.data.batches import Corpus
 from plait.data.examples import ExampleRows, ExampleStore, is_examples_dir
-from plait.data.packing import dropped_reason, plan_rows
+from plait.data.packing import assign_rows, dropped_reason
 from plait.data.sampler import Rows, TokenWindows
 from plait.data.stream import load_stream
 from plait.errors import ConfigError
@@ -55,10 +55,10 @@ def eval_rows(cfg: Config) -> EvalRows:
     if is_examples_dir(path):
         store = ExampleStore(path)
         ids = np.arange(len(store), dtype=np.int64)
-        plan = plan_rows(ids, store.lengths, store.first_target, seq, cfg.data.pack,
+        assigned = assign_rows(ids, store.lengths, store.first_target, seq, cfg.data.pack,
                          cfg.data.long)  # fmt: skip
-        kept = len(plan.example)
-        return EvalRows(ExampleRows(store, plan), kept, plan.truncated, plan.dropped)
+        kept = len(assigned.example)
+        return EvalRows(ExampleRows(store, assigned), kept, assigned.truncated, assigned.dropped)
     windows = TokenWindows(load_stream(path, cfg.data.tokenizer, cfg.data.max_bytes), seq)
     return EvalRows(windows, len(windows), 0, 0)
 

@@ -35,9 +35,19 @@ from plait.device import backend_for, resolve_device, threads_per_worker
 from plait.errors import NonFiniteError
 from plait.launcher_env import from_environment
 from plait.mesh import Mesh, build_mesh
-from plait.run import ATTEMPT_ENV, attempt, run
+from plait.run import run
 from plait.signals import Stopping, blocked, forward_of, pause_at, stopping_raised, unblock
 from plait.telemetry import RunSummary
+
+ATTEMPT_ENV = "PLAIT_ATTEMPT"
+"""Which start of the world this is (0: the first), set by the launcher for its workers."""
+
+
+def attempt() -> int:
+    """This world's start: torchrun's restart count under torchrun, else the launcher's
+    (`launch` counts its starts in ATTEMPT_ENV; a worker inherits it). The run's summary
+    reports it, and each start keys its rendezvous and stop agreement afresh."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or os.environ.get(ATTEMPT_ENV) or 0)
 
 
 def free_port() -> int:
@@ -63,7 +73,8 @@ def init_worker(cfg: Config, rank: int, world: int, local_rank: int, local_world
 def training_run(cfg: Config, mesh: Mesh) -> RunSummary:
     """The workers' default work: a training run, given the test fault `PLAIT_FAULT` asks of
     this rank. The variable is read once, here; without it the run has no hook at all."""
-    return run(cfg, mesh, hook=faults.from_env(mesh.rank, attempt()))
+    start = attempt()
+    return run(cfg, mesh, hook=faults.from_env(mesh.rank, start), attempt=start)
 
 
 class Interrupted(Exception):

@@ -92,20 +92,22 @@ def from_environment() -> Launched | None:
     return launched(os.environ)
 
 
-def auto_dp(launch: Launched | None, tp: int, pp: int) -> int:
+def auto_dp(launch: Launched | None, tp: int, pp: int, cp: int = 1) -> int:
     """`--dp auto`: the data-parallel size that fills the launcher's world with tp x pp
-    model replicas' ranks, so a restart on fewer (or more) nodes keeps its layout's shape."""
+    (x cp) model replicas' ranks, so a restart on fewer (or more) nodes keeps its layout's
+    shape."""
     if launch is None:
         raise ConfigError(
             "--dp auto takes dp from a launcher's world (torchrun, or srun with SLURM_NTASKS "
             "> 1), and none started this process; give --dp N to start N local workers"
         )
-    if launch.world % (tp * pp):
+    if launch.world % (tp * pp * cp):
+        with_cp = f" x cp {cp}" if cp > 1 else ""
         raise ConfigError(
-            f"--dp auto: {launch.world_source} is not a multiple of tp {tp} x pp {pp} = "
-            f"{tp * pp}, so no dp fills it"
+            f"--dp auto: {launch.world_source} is not a multiple of tp {tp} x pp {pp}"
+            f"{with_cp} = {tp * pp * cp}, so no dp fills it"
         )
-    return launch.world // (tp * pp)
+    return launch.world // (tp * pp * cp)
 
 
 def _slurm(env: Mapping[str, str], world: int) -> Launched:

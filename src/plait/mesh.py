@@ -66,6 +66,12 @@ class Mesh:
         return self.group_ranks[axis]
 
     @property
+    def replicas_axis(self) -> str:
+        """The axis whose ranks hold other tokens of one model: 'dp', or 'dpcp' (dp x cp)
+        under context parallelism, where gradients are reduced and ZeRO shards."""
+        return "dpcp" if self.layout.cp > 1 else "dp"
+
+    @property
     def is_logging_rank(self) -> bool:
         """Rank 0 prints progress and writes files."""
         return self.rank == 0
@@ -109,6 +115,7 @@ def build_mesh(
                 mine = group
         groups[axis] = mine
     _add_pipeline_ends(layout, rank, timeout, groups, group_ranks)
+    _add_replicas(layout, rank, timeout, groups, group_ranks)
     return Mesh(layout, rank, device, groups, group_ranks, timeout_s, store)
 
 
@@ -125,3 +132,19 @@ def _add_pipeline_ends(layout: Layout, rank: int, timeout, groups: dict, group_r
         group = dist.new_group(ends, timeout=timeout)
         if rank in ends:
             groups["pp_ends"], group_ranks["pp_ends"] = group, ends
+
+
+def _add_replicas(layout: Layout, rank: int, timeout, groups: dict, group_ranks: dict) -> None:
+    """'dpcp': the ranks that differ only along dp and cp (`Mesh.replicas_axis` under context
+    parallelism), each holding other tokens of the same model part."""
+    if layout.cp == 1:
+        return
+    made: set[tuple[int, ...]] = set()
+    for r in range(layout.world_size):  # every group, in the same order on every rank
+        ranks = tuple(layout.replica_ranks(r))
+        if ranks in made:
+            continue
+        made.add(ranks)
+        group = dist.new_group(list(ranks), timeout=timeout)
+        if rank in ranks:
+            groups["dpcp"], group_ranks["dpcp"] = group, list(ranks)

@@ -13,6 +13,8 @@ from typing import Protocol
 
 from torch import Tensor
 
+from plait.models.packing import Packing
+
 
 @dataclass
 class MicroBatch:
@@ -21,7 +23,9 @@ class MicroBatch:
     tokens: Tensor  # (b, s)
     targets: Tensor  # (b, s), IGNORE where a token is no target
     keys: Tensor  # (b,) dropout keys
-    segments: Tensor | None = None  # (b, s) packed rows' example ids; None: plain causal
+    # (b, s) packed rows' example ids; None: plain causal; a context-parallel rank's
+    # ContextPacking (context_batches.py), which the model takes as it is (models/packing.py)
+    segments: Tensor | Packing | None = None
     denom: float | None = None  # the loss's divisor (models/loss.py); None: the mean
     # A whole micro-batch of naive DP under loss_average "micro-batch": each replica share's
     # divisor, in share order (the shares' divisors differ); None: `denom` for every row.

@@ -45,6 +45,7 @@ class Precision:
     name: str
     param_dtype: torch.dtype  # what the model computes with
     reduce_dtype: torch.dtype  # gradient buffers and their collectives
+    base_products: torch.dtype | None = None  # an NF4 base's products, when not param_dtype
 
     @property
     def needs_master(self) -> bool:
@@ -56,14 +57,21 @@ class Precision:
         return self.name == "fp16"
 
 
-def parse_precision(name: str, reduce_dtype: str | None = None) -> Precision:
+def parse_precision(name: str, reduce_dtype: str | None = None, upcast: bool = False) -> Precision:
     """Precision from its CLI name; `reduce_dtype` (fp32/bf16/fp16) defaults to the compute dtype.
 
     An fp16 reduction of bf16 gradients (or the reverse) would convert between two 16-bit
     formats for nothing but rounding, so only the compute dtype or fp32 are accepted.
+
+    `upcast` (`--base-upcast`, QLoRA as PEFT's `prepare_model_for_kbit_training` runs it):
+    the model computes and reduces in fp32, only an NF4 base's products in `name`'s dtype
+    (`base_products`); fp16's loss scaler stays, those products' gradients being fp16.
     """
     if name not in PRECISIONS:
         raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}; got {name!r}")
+    if upcast:
+        check_upcast("nf4", name, reduce_dtype)
+        return Precision(name, torch.float32, torch.float32, _DTYPES[name])
     param = _DTYPES[name]
     reduce = param if reduce_dtype is None else _DTYPES.get(reduce_dtype)
     if reduce not in (param, torch.float32):
@@ -78,6 +86,22 @@ def check_base_dtype(name: str) -> None:
     """The one rule for `--base-dtype`'s values (the run, the estimator and the planner)."""
     if name not in BASE_DTYPES:
         raise ConfigError(f"--base-dtype must be one of {', '.join(BASE_DTYPES)}; got {name!r}")
+
+
+def check_upcast(base_dtype: str, precision: str, reduce_dtype: str | None) -> None:
+    """`--base-upcast` holds an NF4 base's unquantized weights and the activations in fp32
+    beside 16-bit NF4 products: it needs both, and reduces fp32 gradients in fp32."""
+    if base_dtype != "nf4" or precision == "fp32":
+        raise ConfigError(
+            f"--base-upcast computes in fp32 beside an NF4 base's 16-bit products: it needs "
+            f"--base-dtype nf4 and --precision bf16 or fp16 (got --base-dtype {base_dtype}, "
+            f"--precision {precision})"
+        )
+    if reduce_dtype not in (None, "fp32"):
+        raise ConfigError(
+            f"--base-upcast's gradients are fp32 and reduce in fp32; got --reduce-dtype "
+            f"{reduce_dtype}"
+        )
 
 
 def parse_base_dtype(name: str, precision: str, lora: bool) -> torch.dtype:

@@ -7,32 +7,26 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import signal
 from functools import partial
 from pathlib import Path
 from typing import Protocol
 
-import torch
 from rich.console import Console
 
-from plait.checkpoint import inspect, store
+from plait.checkpoint import store
 from plait.config import Config, OptimConfig, TrainConfig
 from plait.data.batches import Corpus
-from plait.data.examples import ExampleStore, is_examples_dir
-from plait.data.packing import val_split
-from plait.data.shards import read_index
 from plait.data.stream import data_tokenizer
-from plait.data.tokenizer import text_tokenizer
 from plait.device import peak_flops
 from plait.mesh import Mesh
-from plait.models.generate import complete, stop_ids
-from plait.models.transformer import Transformer, count_parameters, matmul_flops_per_token
+from plait.models.transformer import count_parameters, matmul_flops_per_token
 from plait.outdir import atomic_file
 from plait.schedule.measured import report
 from plait.signals import StopRequest, pause_at
 from plait.step import StepResult
 from plait.telemetry import MetricsLog, RunSummary, make_progress, summary_table
+from plait.text_sample import SAMPLE_MAX_PARAMS, sample
 from plait.train import Trainer
 
 
@@ -46,10 +40,15 @@ class RunHook(Protocol):
 
 
 def run(
-    cfg: Config, mesh: Mesh, corpus: Corpus | None = None, hook: RunHook | None = None
+    cfg: Config,
+    mesh: Mesh,
+    corpus: Corpus | None = None,
+    hook: RunHook | None = None,
+    attempt: int = 0,
 ) -> RunSummary:
-    """Train `cfg` on this rank; returns the summary (identical numbers on every rank)."""
-    current = Run(cfg, mesh, corpus, hook)
+    """Train `cfg` on this rank; returns the summary (identical numbers on every rank).
+    `attempt`: which start of the world this is (0: the first; the launcher counts them)."""
+    current = Run(cfg, mesh, corpus, hook, attempt)
     try:
         try:
             current.train()
@@ -66,7 +65,9 @@ class Run:
     metrics log), `train` (one step, then its record, until the steps are done or the ranks
     agree to stop), `finish` (the last checkpoint, the trace), `close`, `report`."""
 
-    def __init__(self, cfg: Config, mesh: Mesh, corpus: Corpus | None, hook: RunHook | None):
+    def __init__(
+        self, cfg: Config, mesh: Mesh, corpus: Corpus | None, hook: RunHook | None, attempt: int
+    ) -> None:
         t = cfg.train
         self.cfg, self.mesh, self.hook, self.out = cfg, mesh, hook, Path(cfg.log.out)
         self.lead = mesh.is_logging_rank  # rank 0 alone prints and writes files
@@ -90,9 +91,9 @@ class Run:
         self.flops_per_token = matmul_flops_per_token(cfg.model, t.seq_len)
         self.peak = cfg.log.peak_flops or peak_flops(mesh.device)
         self.summary = _summary(cfg, mesh, self.trainer, self.flops_per_token, self.peak)
-        self.summary.restarts = attempt()
+        self.summary.restarts = attempt
         self.summary.steps_done, self.summary.out = self.trainer.step, str(self.out)
-        self.stop_key = f"plait/stop/{attempt()}"  # a restarted world agrees afresh
+        self.stop_key = f"plait/stop/{attempt}"  # a restarted world agrees afresh
         self.progress = (
             make_progress(self.console, t.steps) if self.lead and cfg.log.progress else None
         )
@@ -264,46 +265,6 @@ def _trace(trainer: Trainer, out: Path, lead: bool) -> dict | None:
     return report(trainer.pipeline.schedule, timings, out) if lead else None
 
 
-SAMPLE_PROMPT, SAMPLE_TOKENS = 16, 48
-SAMPLE_MAX_PARAMS = 150_000_000  # above: reading it whole on one CPU is no longer cheap
-
-
-def sample(checkpoint: Path, corpus: Corpus, cfg: Config) -> dict[str, str]:
-    """A short greedy continuation of the validation text's start by the trained model (an
-    instruction run: `instruct_sample`), read back whole from its last checkpoint by rank 0
-    alone: any layout, no collective, so no other rank waits."""
-    model = inspect.load_model(checkpoint)
-    if is_examples_dir(cfg.data.path):
-        return instruct_sample(model, cfg)
-    tokenizer = text_tokenizer(data_tokenizer(cfg.data.path, cfg.data.tokenizer))
-    first = corpus.val.draw(torch.zeros(1, dtype=torch.int64))[0]  # any Rows: tokens first
-    prompt = tokenizer.decode(first[0, :SAMPLE_PROMPT])
-    room = model.cfg.max_seq_len - len(tokenizer.encode(prompt))
-    n = min(SAMPLE_TOKENS, room) if model.cfg.pos == "learned" else SAMPLE_TOKENS
-    return {"prompt": prompt, "text": complete(model, tokenizer, prompt, n)}
-
-
-def instruct_sample(model: Transformer, cfg: Config) -> dict[str, str]:
-    """An instruction run's sample: the model's greedy answer to the first validation
-    example's prompt (a fixed instruction, the same for every run on these examples), whose
-    tokens are the example's tokens before its first target (alpaca: Stanford's prompt as
-    the tokenizer encodes it; chat: the conversation up to its first assistant turn with the
-    generation prompt), stopping at `stop_ids` (the --init-from folder's, else EOS)."""
-    examples = ExampleStore(cfg.data.path)
-    meta = read_index(cfg.data.path)["examples"]
-    prompts = meta.get("prompts", meta["first_target"])  # folders from before "prompts"
-    first = int(val_split(len(examples), cfg.data.val_fraction)[1][0])
-    ids = examples.example(first, int(prompts[first]))[0]
-    tokenizer = text_tokenizer(data_tokenizer(cfg.data.path, cfg.data.tokenizer))
-    n = SAMPLE_TOKENS
-    if model.cfg.pos == "learned":
-        n = min(n, model.cfg.max_seq_len - len(ids))
-        if n < 1:
-            return {"prompt": tokenizer.decode(ids), "text": ""}
-    stop = stop_ids(examples.pad, cfg.checkpoint.init_from or None)
-    return {"prompt": tokenizer.decode(ids), "text": complete(model, tokenizer, ids, n, stop=stop)}
-
-
 def _summary(
     cfg: Config, mesh: Mesh, trainer: Trainer, flops_per_token: int, peak: float | None
 ) -> RunSummary:
@@ -337,12 +298,3 @@ def epochs_line(t: TrainConfig, o: OptimConfig, rows: int) -> str:
         f"{t.epochs} epochs of {rows:,} training rows at global batch {t.global_batch}: "
         f"{per:,} steps an epoch, {t.steps:,} steps{warmup}"
     )
-
-
-ATTEMPT_ENV = "PLAIT_ATTEMPT"
-"""Which start of the world this is (0: the first), set by the launcher for its workers."""
-
-
-def attempt() -> int:
-    """This world's start: torchrun's restart count under torchrun, else the launcher's."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or os.environ.get(ATTEMPT_ENV) or 0)

@@ -10,7 +10,7 @@
 
 What differs between plain data parallelism, ZeRO 1-3 with mixed precision and offload, and
 PipeDream-2BW is only the optimizer engine (`parallel/optimizer_engine.py`) and the runner;
-`train.py` chooses them, this file runs them.
+`build/rank.py` chooses them, this file runs them.
 """
 
 from __future__ import annotations
@@ -119,7 +119,8 @@ class Step:
         self.grad_rules.sync(engine.grad_pieces(), self.comm)
         norm = engine.grad_norm(self.grad_rules)
         # The replicas' shares average to the global token-weighted loss (denom is N / dp).
-        self.comm.all_reduce(loss, "dp", op="avg", tag="loss")  # now global, as the norm is
+        replicas = self.comm.mesh.replicas_axis  # dp, or dp x cp (context_batches.py)
+        self.comm.all_reduce(loss, replicas, op="avg", tag="loss")  # global, as the norm is
         loss_value, norm_value = float(loss), float(norm)  # the step's one read of each
         finite = math.isfinite(loss_value) and math.isfinite(norm_value)
         if finite or engine.scaler is not None:  # fp16: the scaler skips an overflow itself
@@ -182,5 +183,5 @@ def evaluate_totals(
                 totals[1] += target_count(mb.targets)
     finally:
         model.train(was_training)
-    comm.all_reduce(totals, "dp", op="sum", tag="eval")
+    comm.all_reduce(totals, comm.mesh.replicas_axis, op="sum", tag="eval")
     return float(totals[0]), int(totals[1])

@@ -1,7 +1,8 @@
-"""Pure rank arithmetic: which (pp, dp, tp) coordinate each global rank holds.
+"""Pure rank arithmetic: which (pp, dp, cp, tp) coordinate each global rank holds.
 
-Rank order puts tp fastest, then dp, then pp, because tensor parallelism exchanges the most
-bytes per step and consecutive ranks share a node's fastest links (Megatron's order). Nothing
+Rank order puts tp fastest, then cp, then dp, then pp, because tensor parallelism exchanges
+the most bytes per step, context parallelism the next most (every layer's keys and values),
+and consecutive ranks share a node's fastest links (Megatron's order). Nothing
 here touches torch.distributed, so every rule is tested without processes.
 """
 
@@ -11,8 +12,8 @@ from dataclasses import dataclass
 
 from plait.errors import ConfigError
 
-AXES: tuple[str, ...] = ("pp", "dp", "tp")
-"""Axis names, slowest-varying first. A new axis (cp, ep) is added here and in Layout."""
+AXES: tuple[str, ...] = ("pp", "dp", "cp", "tp")
+"""Axis names, slowest-varying first. A new axis (ep) is added here and in Layout."""
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,7 @@ class Coord:
     pp: int
     dp: int
     tp: int
+    cp: int = 0
 
     def get(self, axis: str) -> int:
         return getattr(self, axis)
@@ -34,6 +36,7 @@ class Layout:
     dp: int = 1
     pp: int = 1
     tp: int = 1
+    cp: int = 1
 
     def __post_init__(self) -> None:
         for axis in AXES:
@@ -43,7 +46,7 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.tp * self.cp
 
     def size(self, axis: str) -> int:
         return getattr(self, axis)
@@ -53,12 +56,13 @@ class Layout:
         return tuple(self.size(a) for a in AXES)
 
     def coord(self, rank: int) -> Coord:
-        """Global rank -> coordinates (tp fastest, then dp, then pp)."""
+        """Global rank -> coordinates (tp fastest, then cp, then dp, then pp)."""
         self._check_rank(rank)
         tp = rank % self.tp
-        dp = (rank // self.tp) % self.dp
-        pp = rank // (self.tp * self.dp)
-        return Coord(pp=pp, dp=dp, tp=tp)
+        cp = (rank // self.tp) % self.cp
+        dp = (rank // (self.tp * self.cp)) % self.dp
+        pp = rank // (self.tp * self.cp * self.dp)
+        return Coord(pp=pp, dp=dp, tp=tp, cp=cp)
 
     def rank(self, coord: Coord) -> int:
         """Coordinates -> global rank; the inverse of coord()."""
@@ -67,7 +71,7 @@ class Layout:
                 raise ConfigError(
                     f"{axis} coordinate {coord.get(axis)} out of range for {axis}={self.size(axis)}"
                 )
-        return (coord.pp * self.dp + coord.dp) * self.tp + coord.tp
+        return ((coord.pp * self.dp + coord.dp) * self.cp + coord.cp) * self.tp + coord.tp
 
     def axis_ranks(self, axis: str, rank: int) -> list[int]:
         """Global ranks that differ from `rank` only along `axis`, in axis order."""
@@ -77,6 +81,12 @@ class Layout:
             values = {a: (i if a == axis else c.get(a)) for a in AXES}
             out.append(self.rank(Coord(**values)))
         return out
+
+    def replica_ranks(self, rank: int) -> list[int]:
+        """Global ranks that differ from `rank` only along dp and cp, in rank order: the
+        ranks that share a model's gradients (each holds other tokens), over which ZeRO
+        shards and the gradients are reduced."""
+        return sorted({q for p in self.axis_ranks("cp", rank) for q in self.axis_ranks("dp", p)})
 
     def axis_groups(self, axis: str) -> list[list[int]]:
         """Every group along `axis`, each listed once, ordered by their lowest rank.
@@ -90,13 +100,15 @@ class Layout:
 
     def check_world(self, world_size: int) -> None:
         if world_size != self.world_size:
+            cp = ("*cp", f"*{self.cp}") if self.cp > 1 else ("", "")
             raise ConfigError(
-                f"world size {world_size} != dp*pp*tp = {self.dp}*{self.pp}*{self.tp} "
-                f"= {self.world_size}"
+                f"world size {world_size} != dp*pp*tp{cp[0]} = {self.dp}*{self.pp}*{self.tp}"
+                f"{cp[1]} = {self.world_size}"
             )
 
     def describe(self) -> str:
-        return f"dp={self.dp} pp={self.pp} tp={self.tp} (world {self.world_size})"
+        cp = f" cp={self.cp}" if self.cp > 1 else ""
+        return f"dp={self.dp} pp={self.pp} tp={self.tp}{cp} (world {self.world_size})"
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:

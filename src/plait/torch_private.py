@@ -68,7 +68,7 @@ def embedding_left_unset(num: int, dim: int) -> nn.Embedding:
 
     Why private: `nn.Embedding(..., _weight=w)` takes `w` as the weight and skips
     `reset_parameters`. plait builds every model on the meta device and fills the values
-    itself (`train.build_model`); on meta, `normal_` runs through torch's Python
+    itself (`build/model.py` `build_model`); on meta, `normal_` runs through torch's Python
     decompositions, whose first use imports torch's compiler stack (torch._dynamo, sympy:
     over a second of start-up in every worker, the launched ones and a test world's alike)
     to draw nothing. Public alternative: `torch.nn.utils.skip_init`, which builds the module

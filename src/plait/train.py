@@ -1,11 +1,9 @@
-"""Build one rank's share of a training run: model, engine, runner; `step.py` runs it.
+"""The Trainer: the handle on one rank's built run, which steps, evaluates and checkpoints it.
 
-Order of construction, in DESIGN's order, each a composable function on an unchanged model:
-build on the meta device -> tensor parallel -> pipeline stage split -> materialize and
-initialize (layout-independent) -> activation recomputation -> optimizer engine (ZeRO stage
-0-3; stage 0 is plain data parallelism; 2BW: two weight versions). The runner that executes a
-step's micro-batches follows from the layout: plain accumulation, a pipeline schedule, or the
-asynchronous 2BW stream.
+Building the rank is `build/rank.py`'s `build_rank` (corpus, first weights, model,
+parallelization, engine and runner, in that order); one step is `step.py`'s `Step`; saving and
+loading are `checkpoint/run_state.py`'s. The Trainer holds the parts and where the run stands
+(its step, `--keep-best`'s best validation so far).
 """
 
 from __future__ import annotations
@@ -15,251 +13,29 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
 from torch import nn
 
-from plait.checkpoint import base as ckpt_base
-from plait.checkpoint import io as ckpt_io
-from plait.checkpoint import store
-from plait.comm import Comm
+from plait.build.rank import build_rank
+from plait.checkpoint.run_state import RunCheckpoints
 from plait.config import Config
-from plait.data import baseline_sample, load_stream, split_windows, unigram_entropy
-from plait.data.batches import Corpus, StepBatches
-from plait.data.examples import example_corpus, is_examples_dir
-from plait.data.sampler import TokenWindows
-from plait.data.shards import ShardStream
-from plait.data.split import whole_stream
+from plait.data.batches import Corpus
 from plait.mesh import Mesh
-from plait.mixed_precision import parse_base_dtype, parse_precision
-from plait.models.architecture import ModelConfig
-from plait.models.hf.load import hf_source
-from plait.models.hf.peft import adapter_source
-from plait.models.init import (
-    ValueSource,
-    fill_parameters,
-    seeded,
-    source_values,
-    tie_all,
-    with_adapters,
-)
-from plait.models.nf4.source import nf4_source
-from plait.models.transformer import Transformer
-from plait.parallel.activation_offload import apply_activation_offload
-from plait.parallel.activation_recompute import apply_recompute
-from plait.parallel.adamw import AdamW
-from plait.parallel.grads import SplitGradRules, tied_embedding_params
-from plait.parallel.naive_dp import Coordinator, ScatterGather
-from plait.parallel.optimizer_engine import OptimizerEngine
-from plait.parallel.partition_activations import apply_partition_activations
-from plait.parallel.pipeline.driver import PipelineDriver
-from plait.parallel.pipeline.two_bw import TwoBWStream
-from plait.parallel.pipeline.weight_versions import WeightVersions
-from plait.parallel.tp.apply import apply_tensor_parallel
-from plait.parallel.zero.engine import ZeroEngine
-from plait.step import Accumulate, Pipelined, Runner, Step, StepResult, evaluate_loss
-from plait.torch_private import replace_tensors
-
-
-def build_model(
-    cfg: ModelConfig,
-    device: torch.device,
-    seed: int,
-    parallelize: Callable[[Transformer], None] | None = None,
-    materialize: bool = True,
-    source: ValueSource | None = None,
-) -> Transformer:
-    """Build on the meta device, parallelize, then materialize on `device` and initialize.
-
-    Building on meta first means a model too large for one device is never allocated whole:
-    `parallelize` (tensor-parallel sharding, pipeline stage split) shrinks it before any
-    memory is touched, and each parameter (or shard) is then filled from its (seed, name)
-    generator, so the values do not depend on the layout. With `materialize=False` the
-    parameters are moved to `device` holding zero bytes and left uninitialized: ZeRO stage 3
-    fills its shards from `initial_values` and binds the parameters to its own buffers.
-    `source` replaces the seeded values (a Hugging Face folder: `first_weights`).
-    """
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    if parallelize is not None:
-        parallelize(model)
-    if materialize:
-        model.to_empty(device=device)
-        fill_parameters(model, source or seeded(cfg, seed))
-    else:
-        _to_device_without_storage(model, device)
-    return model
-
-
-def _to_device_without_storage(model: nn.Module, device: torch.device) -> None:
-    """Every parameter on `device` with zero-byte storage, one allocated at a time.
-
-    This is `Module.to_empty` (which goes through the same walk) except that each new
-    tensor gives its memory back at once, so the model never exists whole."""
-
-    def empty(t: torch.Tensor) -> torch.Tensor:
-        out = torch.empty_like(t, device=device)
-        out.untyped_storage().resize_(0)
-        return out
-
-    replace_tensors(model, empty)  # torch's private Module._apply: torch_private says why
-    tie_all(model)
-
-
-def load_corpus(cfg: Config) -> Corpus:
-    """Raw text read into memory, prepared shards memory-mapped (data/stream.py), or an
-    examples folder's packed rows (data/examples.py: IGNORE targets and segments, which the
-    model and the loss rule consume; every rank builds the same rows)."""
-    d = cfg.data
-    if is_examples_dir(d.path):
-        made = example_corpus(d.path, cfg.train.seq_len, d.val_fraction, d.pack, d.long,
-                              d.eval_data)  # fmt: skip
-        return Corpus(made.train, made.val, made.baseline, made.report)
-    tokens = load_stream(d.path, d.tokenizer, d.max_bytes)
-    if d.eval_data is not None:
-        return corpus_with_eval(tokens, load_stream(d.eval_data, d.tokenizer, d.max_bytes), cfg)
-    return corpus_from_tokens(tokens, cfg)
-
-
-def corpus_from_tokens(tokens: np.ndarray | ShardStream, cfg: Config) -> Corpus:
-    """Training and validation windows of one stream, split by `split_windows` (evenly
-    spaced blocks, data/split.py); both sides read the same tokens, nothing is copied."""
-    seq = cfg.train.seq_len
-    split = split_windows(len(tokens), seq, cfg.data.val_fraction)
-    if not isinstance(tokens, ShardStream) and not tokens.flags.writeable:
-        tokens = tokens.copy()  # TokenWindows would copy a read-only array once per side
-    baseline = unigram_entropy(baseline_sample(tokens, split.train))
-    return Corpus(
-        TokenWindows(tokens, seq, split.train), TokenWindows(tokens, seq, split.val), baseline
-    )
-
-
-def corpus_with_eval(
-    tokens: np.ndarray | ShardStream, held: np.ndarray | ShardStream, cfg: Config
-) -> Corpus:
-    """Every window of `tokens` to train on, every window of `held` (`--eval-data`) to
-    validate on: nothing of the training stream is held out."""
-    seq = cfg.train.seq_len
-    tokens, held = (t if isinstance(t, ShardStream) or t.flags.writeable else t.copy()
-                    for t in (tokens, held))  # fmt: skip
-    train = whole_stream(len(tokens), seq)
-    baseline = unigram_entropy(baseline_sample(tokens, train))
-    return Corpus(TokenWindows(tokens, seq, train),
-                  TokenWindows(held, seq, whole_stream(len(held), seq)), baseline)  # fmt: skip
-
-
-def first_weights(cfg: Config) -> ValueSource:
-    """Where the run's first weights come from: `--init-from`'s folder, else the seed; a
-    LoRA run's adapters from `--adapter`'s PEFT folder, else the seed."""
-    if cfg.checkpoint.init_from:
-        base = hf_source(Path(cfg.checkpoint.init_from), cfg.model)
-        if cfg.model.lora is None:
-            return base
-        folder = cfg.lora.adapter
-        adapters = adapter_source(Path(folder), cfg.model) if folder else None
-        return with_adapters(base, cfg.model, cfg.train.seed, adapters)
-    return seeded(cfg.model, cfg.train.seed)
-
-
-def _streams_init(cfg: Config) -> bool:
-    """ZeRO stage 3 initializes shard by shard, an NF4 base weight by weight: the full model
-    is never materialized in full precision."""
-    par = cfg.parallel
-    return (cfg.memory.zero == 3 or cfg.lora.base_dtype == "nf4") and not par.two_bw
-
-
-def _zero_engine(
-    cfg: Config, model: Transformer, comm: Comm, pipeline: PipelineDriver | None
-) -> ZeroEngine:
-    par = cfg.parallel
-    streamed = _streams_init(cfg)
-    return ZeroEngine(
-        model,
-        comm,
-        AdamW.from_optim(cfg.optim),
-        stage=cfg.memory.zero,
-        precision=parse_precision(cfg.train.precision, cfg.train.reduce_dtype),
-        offload=cfg.memory.offload,
-        offload_dir=cfg.memory.offload_dir,
-        bucket_mb=par.bucket_mb,
-        isolate=tied_embedding_params(model) if pipeline else [],
-        initial_value=source_values(model, first_weights(cfg)) if streamed else None,
-        base_dtype=parse_base_dtype(
-            cfg.lora.base_dtype, cfg.train.precision, cfg.model.lora is not None
-        ),
-        plans=pipeline.plans if pipeline else None,
-        reshard_after_forward=cfg.memory.reshard_after_forward,
-        nf4=nf4_source(cfg.model, cfg.train.seed, cfg.checkpoint.init_from)
-        if cfg.lora.base_dtype == "nf4"
-        else None,
-    )
+from plait.step import Step, StepResult, evaluate_loss
 
 
 class Trainer:
     """One rank's share of a training run: `train_step()` runs the next optimizer step."""
 
     def __init__(self, cfg: Config, mesh: Mesh, corpus: Corpus | None = None) -> None:
-        self.cfg, self.mesh = cfg, mesh
-        self.comm = Comm(mesh)
-        self.corpus = corpus or load_corpus(cfg)
-        t, par = cfg.train, cfg.parallel
-        self.pipeline = (
-            PipelineDriver(
-                par, cfg.model, t.micro_batch, t.seq_len, cfg.accumulation, mesh, self.comm
-            )
-            if mesh.size("pp") > 1
-            else None
-        )
-        model = build_model(cfg.model, mesh.device, t.seed, self._parallelize,
-                            not _streams_init(cfg), first_weights(cfg))  # fmt: skip
-        model.packed_attention = cfg.train.packed_attention  # models/packed_attention.py
-        self.grad_rules = SplitGradRules.of(model, mesh)
-        replica = (mesh.coord.dp, mesh.size("dp"))
-        self.batches = StepBatches(
-            self.corpus,
-            t.global_batch,
-            t.micro_batch,
-            t.seed,
-            replica,
-            mesh.device,
-            t.loss_average,
-        )
-        self._model = model
-        self.stream: TwoBWStream | None = None  # the 2BW runner, when the schedule is 2bw
-        self.engine, runner = self._engine_and_runner(model)
-        self._step = Step(self.engine, runner, self.grad_rules, self.comm, t, cfg.optim)
+        self.parts = parts = build_rank(cfg, mesh, corpus)
+        self.cfg, self.mesh, self.comm, self.corpus = cfg, mesh, parts.comm, parts.corpus
+        self.engine, self.batches, self.grad_rules = parts.engine, parts.batches, parts.grad_rules
+        self.pipeline, self.stream = parts.pipeline, parts.stream  # stream: 2BW's runner
+        self._step = Step(parts.engine, parts.runner, parts.grad_rules, parts.comm, cfg.train,
+                          cfg.optim)  # fmt: skip
+        self.checkpoints = RunCheckpoints(parts, cfg, cfg.checkpoint.keep_checkpoints)
         self.step = 0
-        self.base = ckpt_base.base_record(cfg.to_dict())  # a LoRA run's frozen base, named
         self.best: dict[str, Any] | None = None  # --keep-best: {"step", "val_loss"} so far
-
-    def _parallelize(self, model: Transformer) -> None:
-        """On the meta model, in DESIGN's order: tensor parallel, then the pipeline split."""
-        apply_tensor_parallel(model, self.mesh, self.comm, self.cfg.parallel.sequence_parallel)
-        if self.pipeline:
-            self.pipeline.prune(model)
-
-    def _engine_and_runner(self, model: Transformer) -> tuple[OptimizerEngine, Runner]:
-        """Recompute, then the engine that owns the gradients and the runner of the
-        micro-batches, as the layout asks (docs/architecture.md has the table)."""
-        cfg = self.cfg
-        if cfg.parallel.two_bw:
-            versions = WeightVersions(
-                model, cfg.optim, self.comm, cfg.memory.recompute, cfg.memory.offload_activations
-            )
-            self.stream = TwoBWStream(self.pipeline, versions, self.batches, cfg.train.steps)
-            return versions, self.stream
-        apply_recompute(model, cfg.memory.recompute)
-        apply_partition_activations(model, self.comm, cfg.memory.partition_activations)
-        apply_activation_offload(model, cfg.memory.offload_activations)
-        if cfg.parallel.dp_mode == "naive":
-            coordinator = Coordinator(model, cfg.optim, self.comm)
-            return coordinator, ScatterGather(model, coordinator, self.batches, self.comm)
-        engine = _zero_engine(cfg, model, self.comm, self.pipeline)
-        if self.pipeline is None:
-            return engine, Accumulate(model, engine, self.batches)
-        dtype = engine.precision.param_dtype
-        self.pipeline.attach(model, engine, dtype, engine.pipeline_actions)
-        return engine, Pipelined(self.pipeline, self.batches)
 
     @property
     def model(self) -> nn.Module:
@@ -289,42 +65,13 @@ class Trainer:
         batches = self.batches.validation(self.cfg.train.eval_batches)
         return evaluate_loss(self.model, batches, self.comm, self.pipeline)
 
-    # -- checkpoints ---------------------------------------------------------------------
-    def trainer_state(self) -> dict[str, Any]:
-        """What continues the run besides the tensors (the same on every rank). Dropout,
-        LoRA's adapter dropout included, is keyed by (seed, step, sample)
-        (models/dropout.py), so no random-generator state is needed. A LoRA run's tensors
-        are its adapters alone (the engines save only trainable parameters) and "base" names
-        the frozen base they need instead of copying it (checkpoint/base.py)."""
-        scaler = self.engine.scaler.state_dict() if self.engine.scaler else None
-        state = {
-            "step": self.step,
-            "sampler": self.batches.position(self.step),
-            "engine_step": self.engine.step_count,
-            "loss_scaler": scaler,
-            "config": self.cfg.to_dict(),
-        }
-        if self.base is not None:
-            state["base"] = self.base
-        if self.best is not None:
-            state["best"] = self.best
-        return state
-
     def save(self, out: Path, before_commit: Callable[[], None] | None = None) -> dict[str, float]:
         """Write `out/checkpoints/step-N` (collective) and keep the newest ones."""
-        path = store.step_dir(out, self.step)
-        stats = ckpt_io.save(path, self.engine, self._model, self.grad_rules, self.comm,
-                             self.trainer_state(), before_commit)  # fmt: skip
-        if self.mesh.rank == 0:
-            store.prune(out, self.cfg.checkpoint.keep_checkpoints)
-        return {"path": str(path), **stats}
+        return self.checkpoints.save(out, self.step, self.best, before_commit)
 
     def load(self, path: Path) -> None:
         """Continue from a checkpoint written under any layout (collective)."""
-        state = store.read_trainer(path)
-        ckpt_base.check_same_adapters_and_base(path, state, self.cfg.to_dict())
-        state = self.load_weights(path)
-        self.batches.sampler.load_state_dict(state["sampler"])
+        state = self.checkpoints.load(path)
         self.step = state["step"]
         self.best = state.get("best")
         if self.stream:  # 2BW: the stream goes on from the loaded versions
@@ -333,9 +80,7 @@ class Trainer:
     def load_weights(self, path: Path) -> dict[str, Any]:
         """The parameters and optimizer state of a checkpoint of any layout (collective), not
         where its run stood (`plait eval` reads other data); returns its trainer state."""
-        state = store.read_trainer(path)
-        ckpt_io.load(path, self.engine, self._model, self.comm, state)
-        return state
+        return self.checkpoints.load_weights(path)
 
     def close(self) -> None:
         self.engine.close()

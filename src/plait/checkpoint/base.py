@@ -74,9 +74,9 @@ def saved_base(state: dict[str, Any]) -> dict[str, Any] | None:
         return None
     if "base" in state:
         return state["base"]
-    train = state["config"]["train"]
-    folder = state["config"].get("checkpoint", train).get("init_from")  # [train] before 30
-    return {"init_from": folder or None, "sha256": None, "seed": train["seed"]}
+    config = state["config"]  # today's sections (`store.read_trainer`)
+    folder = config["checkpoint"].get("init_from")
+    return {"init_from": folder or None, "sha256": None, "seed": config["train"]["seed"]}
 
 
 def describe(base: dict[str, Any]) -> str:

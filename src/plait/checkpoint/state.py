@@ -37,7 +37,7 @@ def owned_boxes(
     engine: OptimizerEngine, model: nn.Module, rules: SplitGradRules, mesh: Mesh
 ) -> dict[str, list[tuple[Box, Tensor]]]:
     """`"<state>/<name>"` -> the (global box, data) this rank writes."""
-    if engine.replicated and mesh.coord.dp != 0:
+    if engine.replicated and (mesh.coord.dp, mesh.coord.cp) != (0, 0):  # one copy writes
         return {}
     contract, params = contract_of(model), engine.named_parameters()
     specs = contract.shards()

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from plait.checkpoint.base import check_same_adapters_and_base
+from plait.config import saved_config
 from plait.errors import ConfigError
 
 MARKER = "COMMITTED"
@@ -121,9 +122,14 @@ def complete(path: Path) -> Path:
 
 
 def read_trainer(path: Path) -> dict[str, Any]:
-    """The checkpoint's trainer state; a missing or unreadable trainer.json is damage, one
-    line (a command may read it before it verifies the checkpoint: `generate`'s tokenizer)."""
-    return _read_json(path, TRAINER)
+    """The checkpoint's trainer state, its config in today's sections (`saved_config`: a
+    checkpoint saved before the split into concerns reads the same); a missing or unreadable
+    trainer.json is damage, one line (a command may read it before it verifies the
+    checkpoint: `generate`'s tokenizer)."""
+    state = _read_json(path, TRAINER)
+    if isinstance(state.get("config"), dict):
+        state["config"] = saved_config(state["config"])
+    return state
 
 
 def _read_json(path: Path, name: str) -> dict[str, Any]:

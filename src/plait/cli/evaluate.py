@@ -53,7 +53,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 @dataclass
-class Request:
+class EvalRequest:
     """A checked `plait eval`: the run's config and where its data and weights are."""
 
     cfg: Config
@@ -197,7 +197,7 @@ def refuse_train_flags(args: argparse.Namespace) -> None:
             )
 
 
-def check_request(args: argparse.Namespace) -> Request:
+def check_request(args: argparse.Namespace) -> EvalRequest:
     """Everything checked before a worker starts; raw files prepared."""
     refuse_train_flags(args)
     folder = _given(args, "checkpoint.init_from")
@@ -221,7 +221,7 @@ def check_request(args: argparse.Namespace) -> Request:
         if scratch is not None:
             shutil.rmtree(scratch.parent, ignore_errors=True)
         raise
-    return Request(cfg, str(checkpoint) if checkpoint else None, scratch)
+    return EvalRequest(cfg, str(checkpoint) if checkpoint else None, scratch)
 
 
 def _say(figures: dict, as_json: bool) -> None:

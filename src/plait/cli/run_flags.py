@@ -24,7 +24,6 @@ from plait.models.architecture import ModelConfig
 from plait.models.lora import check_given_targets
 from plait.models.presets import get_preset
 from plait.preflight import check_run, configure
-from plait.preflight.folders import init_model, init_tokenizer
 
 try:
     import tomllib
@@ -123,6 +122,8 @@ def _build(
         )
     if not folder:
         return configure(preset or "small-gpt", overrides)
+    from plait.preflight.folders import init_model, init_tokenizer  # HF's reader: only here
+
     lora = overrides.setdefault("lora", {})  # the folder's model: explicit values must agree
     given = {MODEL_LORA[k]: v for k, v in lora.items() if k in MODEL_LORA}
     model = init_model(folder, overrides.pop("model", {}), preset, adapter or "", given)
@@ -159,7 +160,8 @@ def resolve_auto_dp(parallel: dict[str, Any], launch: Launched | None) -> None:
     tp, pp = parallel.get("tp", ParallelConfig.tp), parallel.get("pp", ParallelConfig.pp)
     if not all(type(v) is int and v >= 1 for v in (tp, pp)):
         raise ConfigError(f"--dp auto needs whole tp and pp >= 1; got tp {tp!r}, pp {pp!r}")
-    parallel["dp"] = auto_dp(launch, tp, pp)
+    cp = parallel.get("cp", ParallelConfig.cp)  # a replica's context-parallel ranks
+    parallel["dp"] = auto_dp(launch, tp, pp, cp if type(cp) is int and cp >= 1 else 1)
 
 
 def check_auto_batch(cfg: Config, launch: Launched) -> None:

@@ -29,6 +29,7 @@ from plait.config.schema import (
     build_config,
     config_warnings,
     flag_name,
+    saved_config,
     validate_config,
 )
 
@@ -48,5 +49,6 @@ __all__ = [
     "build_config",
     "config_warnings",
     "flag_name",
+    "saved_config",
     "validate_config",
 ]

@@ -13,6 +13,7 @@ from importlib.util import find_spec
 
 from plait.composition import (
     check_activation_offload,
+    check_context_parallel,
     check_dp_mode,
     check_packed_attention,
     check_partition_activations,
@@ -32,7 +33,7 @@ from plait.config.loop_sections import (
 )
 from plait.device import cuda_available, device_kind
 from plait.errors import ConfigError
-from plait.mixed_precision import parse_base_dtype, parse_precision
+from plait.mixed_precision import check_upcast, parse_base_dtype, parse_precision
 from plait.models.architecture import ModelConfig
 from plait.models.nf4.checks import check_nf4_run
 
@@ -85,6 +86,8 @@ def check_parallel(
     check_pipeline(model.n_layers, par.pp, par.schedule, par.virtual_stages, accumulation,
                    par.stage_layer_counts())  # fmt: skip
     check_tensor_parallel(model, par.tp, par.sequence_parallel, t.seq_len)
+    check_context_parallel(par.cp, par.cp_exchange, t.seq_len, par.tp, par.sequence_parallel,
+                           par.pp, par.schedule, par.dp_mode, model)  # fmt: skip
     check_dp_mode(par.dp_mode, par.tp, par.pp, mem.zero, t.precision, mem.offload)
 
 
@@ -119,6 +122,8 @@ def check_lora(
             f"the base in the precision's dtype ({t.precision}): give --base-dtype auto"
         )
     check_nf4_run(lora.base_dtype, par.tp, model, init_from)
+    if lora.base_upcast:
+        check_upcast(lora.base_dtype, t.precision, t.reduce_dtype)
 
 
 def check_vocab(data: DataConfig, model: ModelConfig) -> None:

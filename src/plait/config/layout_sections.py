@@ -34,6 +34,21 @@ class ParallelConfig:
         default=1,
         metadata={"domain": at_least(1), "help": "tensor-parallel ranks (Megatron style)"},
     )
+    cp: int = field(
+        default=1,
+        metadata={
+            "domain": at_least(1),
+            "help": "context-parallel ranks: each packed document cut into 2 x cp pieces, "
+            "rank r holding pieces r and 2cp-1-r; attention exchanges keys and values",
+        },
+    )
+    cp_exchange: str = field(
+        default="allgather",
+        metadata={
+            "help": "context parallel: allgather (each layer's keys and values gathered) or "
+            "ring (passed rank to rank, merged by log-sum-exp)"
+        },
+    )
     sequence_parallel: bool = field(
         default=False, metadata={"help": "tensor parallel: shard norms/dropout by sequence"}
     )
@@ -75,7 +90,7 @@ class ParallelConfig:
 
     @property
     def layout(self) -> Layout:
-        return Layout(dp=self.dp, pp=self.pp, tp=self.tp)
+        return Layout(dp=self.dp, pp=self.pp, tp=self.tp, cp=self.cp)
 
     @property
     def two_bw(self) -> bool:
@@ -185,6 +200,14 @@ class LoRAConfig:
             "help": "how a LoRA run holds its frozen base: auto (the precision's parameter "
             "dtype), bf16, fp16, fp32, or nf4 (QLoRA: the blocks' Linear weights in 4-bit "
             "NormalFloat, the rest in the precision's dtype); adapters keep fp32 masters"
+        },
+    )
+    base_upcast: bool = field(
+        default=False,
+        metadata={
+            "help": "QLoRA as PEFT's prepare_model_for_kbit_training: the base's unquantized "
+            "weights (embeddings, head, norms), the activations and the adapters in fp32, "
+            "only the NF4 products in --precision's dtype (with --base-dtype nf4, bf16/fp16)"
         },
     )
     adapter: str = field(

@@ -81,6 +81,7 @@ SECTIONS: dict[str, type] = {
 MOVED: dict[tuple[str, str], tuple[str, str]] = {
     **{("model", f"lora_{k}"): ("lora", k) for k in ("rank", "alpha", "dropout", "targets")},
     ("parallel", "base_dtype"): ("lora", "base_dtype"),
+    ("parallel", "base_upcast"): ("lora", "base_upcast"),
     ("train", "adapter"): ("lora", "adapter"),
     **{("parallel", k): ("memory", k) for k in ("zero", "reshard_after_forward", "offload",
        "offload_dir", "recompute", "offload_activations", "partition_activations")},
@@ -93,6 +94,22 @@ MOVED: dict[tuple[str, str], tuple[str, str]] = {
        "peak_flops")},
 }  # fmt: skip
 """(old section, key) -> (section, key) now, for keys the split into concerns moved."""
+
+
+def saved_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A saved `Config.to_dict()` (a checkpoint's trainer.json) in today's sections: one
+    written before the split into concerns has its moved keys at their old places, which
+    `MOVED` maps (the model keeps its record of the adapters, `lora_*`, and [lora] gets a
+    copy). A new dict; one already in today's layout comes back equal. Reading back what plait
+    itself wrote, unlike a user's TOML, whose old keys are refused (`check_sections`)."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in config.items()}
+    for (section, key), (new, name) in MOVED.items():
+        old = out.get(section)
+        if not isinstance(old, dict) or key not in old:
+            continue
+        value = old[key] if section == "model" else old.pop(key)
+        out.setdefault(new, {}).setdefault(name, value)
+    return out
 
 
 def flag_name(f: dataclasses.Field) -> str:

@@ -1,6 +1,6 @@
 """Rows of instruction examples for training: packed (or padded) from an examples folder.
 
-How train.py uses it (when the model consumes segments and IGNORE targets):
+How a run uses it (build/corpus.py; when the model consumes segments and IGNORE targets):
 
     if is_examples_dir(cfg.data.path):          # before workers: the launcher
         check_examples(cfg.data.path, cfg.train.seq_len, cfg.data.val_fraction,
@@ -14,7 +14,7 @@ How train.py uses it (when the model consumes segments and IGNORE targets):
 `draw(idx)` -> (tokens, targets with IGNORE, segments) int64 (b, seq_len), and
 `target_count(idx)`. The
 split is `packing.val_split`: an evenly spaced `val_fraction` of the examples, the same ones
-for any seq_len; each side is then packed on its own (`packing.plan_rows`), so no row mixes
+for any seq_len; each side is then packed on its own (`packing.assign_rows`), so no row mixes
 training and validation examples. Nothing is read up front: tokens and masks are
 memory-mapped and a row's examples are read when it is drawn.
 """
@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from plait.data.corpus import unigram_entropy
-from plait.data.packing import Plan, dropped_reason, plan_rows, val_split
+from plait.data.packing import RowAssignment, assign_rows, dropped_reason, val_split
 from plait.data.shards import ShardStream, read_index, shard_tokenizer
 from plait.data.tokenizer import resolve_tokenizer
 from plait.errors import ConfigError
@@ -65,6 +65,7 @@ class ExampleStore:
         self.lengths = np.asarray(meta["lengths"], dtype=np.int64)
         self.first_target = np.asarray(meta["first_target"], dtype=np.int64)
         self.targets = np.asarray(meta["targets"], dtype=np.int64)
+        self.prompts = np.asarray(meta.get("prompts", meta["first_target"]), dtype=np.int64)
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -74,24 +75,41 @@ class ExampleStore:
         a = int(self.offsets[i])
         return self.tokens.read(a, a + used), self.mask.read(a, a + used)
 
+    def prompt(self, i: int) -> np.ndarray:
+        """Example i's prompt: its tokens before its first target (alpaca: Stanford's prompt
+        as the tokenizer encodes it; chat: the conversation up to its first assistant turn
+        with the generation prompt). Folders from before the index's "prompts" list: the
+        tokens before the first target."""
+        return self.example(i, int(self.prompts[i]))[0]
+
+
+def first_val_prompt(folder: str | Path, val_fraction: float) -> tuple[np.ndarray, int]:
+    """(tokens, pad id) of the first validation example's prompt (`packing.val_split`): a
+    fixed instruction, the same for every run on these examples (the summary's sample)."""
+    store = ExampleStore(folder)
+    first = int(val_split(len(store), val_fraction)[1][0])
+    return store.prompt(first), store.pad
+
 
 class ExampleRows:
     """Rows of `seq_len` positions, each holding the examples of one packing bin: inputs
     tokens[:-1], targets tokens[1:] where the mask says so (else IGNORE); segment ids count
     the row's examples from 0, and the padding after them is one more segment."""
 
-    def __init__(self, store: ExampleStore, plan: Plan) -> None:
-        self.store, self.plan, self.seq_len = store, plan, plan.seq_len
-        kept = store.targets[plan.example]
-        cut = np.flatnonzero(plan.positions + 1 < store.lengths[plan.example])
+    def __init__(self, store: ExampleStore, assigned: RowAssignment) -> None:
+        self.store, self.assigned, self.seq_len = store, assigned, assigned.seq_len
+        kept = store.targets[assigned.example]
+        cut = np.flatnonzero(assigned.positions + 1 < store.lengths[assigned.example])
         for p in cut.tolist():  # truncated: count the targets kept
-            _, mask = store.example(int(plan.example[p]), int(plan.positions[p]) + 1)
+            _, mask = store.example(int(assigned.example[p]), int(assigned.positions[p]) + 1)
             kept[p] = int(mask[1:].sum())
-        self._row_targets = np.add.reduceat(kept, plan.row_start[:-1]) if len(kept) else kept
-        self._real = np.add.reduceat(plan.positions, plan.row_start[:-1]) if len(kept) else kept
+        self._row_targets = np.add.reduceat(kept, assigned.row_start[:-1]) if len(kept) else kept
+        self._real = (
+            np.add.reduceat(assigned.positions, assigned.row_start[:-1]) if len(kept) else kept
+        )
 
     def __len__(self) -> int:
-        return self.plan.rows
+        return self.assigned.rows
 
     def target_count(self, idx: Tensor) -> int:
         """Targets that are not IGNORE in rows `idx`: known without reading a token."""
@@ -108,9 +126,9 @@ class ExampleRows:
         segments = np.zeros((len(rows), s), np.int64)
         for b, r in enumerate(rows.tolist()):
             at, seg = 0, 0
-            for p in range(self.plan.row_start[r], self.plan.row_start[r + 1]):
-                n = int(self.plan.positions[p])
-                tok, mask = self.store.example(int(self.plan.example[p]), n + 1)
+            for p in range(self.assigned.row_start[r], self.assigned.row_start[r + 1]):
+                n = int(self.assigned.positions[p])
+                tok, mask = self.store.example(int(self.assigned.example[p]), n + 1)
                 tokens[b, at : at + n] = tok[:-1]
                 targets[b, at : at + n] = np.where(mask[1:] > 0, tok[1:], IGNORE)
                 segments[b, at : at + n] = seg
@@ -119,14 +137,14 @@ class ExampleRows:
         return torch.from_numpy(tokens), torch.from_numpy(targets), torch.from_numpy(segments)
 
     def counts(self) -> dict[str, float]:
-        return {"rows": self.plan.rows, "truncated": self.plan.truncated,
-                "dropped": self.plan.dropped, "efficiency": self.plan.efficiency,
+        return {"rows": self.assigned.rows, "truncated": self.assigned.truncated,
+                "dropped": self.assigned.dropped, "efficiency": self.assigned.efficiency,
                 "target_tokens": int(self._row_targets.sum())}  # fmt: skip
 
 
 @dataclass
 class ExampleCorpus:
-    """What train.py needs: training and validation Rows, the baseline, a report line."""
+    """What a run needs (build/corpus.py): training and validation Rows, baseline, report."""
 
     train: ExampleRows
     val: ExampleRows
@@ -134,29 +152,29 @@ class ExampleCorpus:
     report: str
 
 
-def _plans(store: ExampleStore, seq_len: int, val_fraction: float, pack: bool, long: str,
-           held: ExampleStore | None = None) -> tuple[Plan, Plan]:  # fmt: skip
-    """(training, validation) plans: the split of `store`, or with a separate validation
+def _assignments(store: ExampleStore, seq_len: int, val_fraction: float, pack: bool, long: str,
+           held: ExampleStore | None = None) -> tuple[RowAssignment, RowAssignment]:  # fmt: skip
+    """(training, validation) row assignments: the split of `store`, or with a separate validation
     set `held` (`--eval-data`) every example of each."""
     if held is not None:
         return tuple(
-            plan_rows(np.arange(len(s), dtype=np.int64), s.lengths, s.first_target, seq_len,
+            assign_rows(np.arange(len(s), dtype=np.int64), s.lengths, s.first_target, seq_len,
                       pack, long)
             for s in (store, held)
         )  # fmt: skip
     train_ids, val_ids = val_split(len(store), val_fraction)
     return tuple(
-        plan_rows(ids, store.lengths[ids], store.first_target[ids], seq_len, pack, long)
+        assign_rows(ids, store.lengths[ids], store.first_target[ids], seq_len, pack, long)
         for ids in (train_ids, val_ids)
     )
 
 
-def target_baseline(store: ExampleStore, plan: Plan) -> float:
+def target_baseline(store: ExampleStore, assigned: RowAssignment) -> float:
     """Unigram entropy (nats) of the training rows' target tokens, on at most
     BASELINE_TARGETS of them: what a model that ignores context scores on the targets."""
     seen: list[np.ndarray] = []
     total = 0
-    for e, n in zip(plan.example.tolist(), plan.positions.tolist(), strict=True):
+    for e, n in zip(assigned.example.tolist(), assigned.positions.tolist(), strict=True):
         tok, mask = store.example(e, n + 1)
         seen.append(tok[1:][mask[1:] > 0])
         total += len(seen[-1])
@@ -174,8 +192,8 @@ def example_corpus(
     `eval_folder` (every example of it) when given, else held out of `folder`."""
     store = ExampleStore(folder)
     held = ExampleStore(eval_folder) if eval_folder is not None else None
-    train_plan, val_plan = _plans(store, seq_len, val_fraction, pack, long, held)
-    train, val = ExampleRows(store, train_plan), ExampleRows(held or store, val_plan)
+    train_rows, val_rows = _assignments(store, seq_len, val_fraction, pack, long, held)
+    train, val = ExampleRows(store, train_rows), ExampleRows(held or store, val_rows)
     t, v = train.counts(), val.counts()
     count = f"{len(store):,}" + (f" + {len(held):,} --eval-data" if held is not None else "")
     report = (
@@ -184,7 +202,7 @@ def example_corpus(
         f"truncated, {t['dropped'] + v['dropped']:,} dropped, packing efficiency "
         f"{t['efficiency']:.1%}, {t['target_tokens']:,} training target tokens"
     )
-    return ExampleCorpus(train, val, target_baseline(store, train_plan), report)
+    return ExampleCorpus(train, val, target_baseline(store, train_rows), report)
 
 
 def check_examples(
@@ -209,12 +227,12 @@ def check_examples(
     lengths, first = _index_lengths(folder)
     if eval_folder is None:
         train_ids, val_ids = val_split(len(lengths), val_fraction)
-        train, val = (plan_rows(ids, lengths[ids], first[ids], seq_len, pack, long).rows
+        train, val = (assign_rows(ids, lengths[ids], first[ids], seq_len, pack, long).rows
                       for ids in (train_ids, val_ids))  # fmt: skip
     else:
-        train = plan_rows(np.arange(len(lengths)), lengths, first, seq_len, pack, long).rows
+        train = assign_rows(np.arange(len(lengths)), lengths, first, seq_len, pack, long).rows
         held, held_first = _index_lengths(eval_folder)
-        val = plan_rows(np.arange(len(held)), held, held_first, seq_len, pack, long).rows
+        val = assign_rows(np.arange(len(held)), held, held_first, seq_len, pack, long).rows
     if train < global_batch or val < 1:
         where = f" (--eval-data {eval_folder})" if eval_folder is not None else ""
         cause = dropped_reason(lengths, seq_len, long)

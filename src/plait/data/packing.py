@@ -22,7 +22,7 @@ LONG = ("truncate", "drop")
 
 
 @dataclass(frozen=True)
-class Plan:
+class RowAssignment:
     """Which examples each row holds, in order, and how many positions each fills."""
 
     seq_len: int
@@ -109,10 +109,10 @@ def best_fit_decreasing(sizes: np.ndarray, capacity: int) -> list[list[int]]:
     return bins
 
 
-def plan_rows(
+def assign_rows(
     ids: np.ndarray, lengths: np.ndarray, first_target: np.ndarray, seq_len: int,
     pack: bool, long: str,
-) -> Plan:  # fmt: skip
+) -> RowAssignment:  # fmt: skip
     """The rows of the examples `ids` (with their lengths and first targets)."""
     kept, positions, truncated, dropped = fit(
         np.asarray(ids), np.asarray(lengths), np.asarray(first_target), seq_len, long
@@ -120,7 +120,7 @@ def plan_rows(
     bins = best_fit_decreasing(positions, seq_len) if pack else [[i] for i in range(len(kept))]
     flat = np.array([i for b in bins for i in b], dtype=np.int64)
     row_start = np.concatenate([[0], np.cumsum([len(b) for b in bins])]).astype(np.int64)
-    return Plan(seq_len, row_start, kept[flat], positions[flat], truncated, dropped)
+    return RowAssignment(seq_len, row_start, kept[flat], positions[flat], truncated, dropped)
 
 
 def val_split(count: int, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:

@@ -25,7 +25,7 @@ import numpy as np
 from plait.data.shards import ShardWriter, write_index
 from plait.data.sources import (
     PIECE_BYTES,
-    Piece,
+    SourcePiece,
     batched,
     check_sources,
     piece_bytes,
@@ -86,7 +86,9 @@ def _worker_start() -> None:
     pause_at("prepare-worker", "worker")  # a worker starting: a test's signal
 
 
-def _encode(batch: list[Piece], text_key: str, spec: TokenizerSpec) -> list[tuple[np.ndarray, int]]:
+def _encode(
+    batch: list[SourcePiece], text_key: str, spec: TokenizerSpec
+) -> list[tuple[np.ndarray, int]]:
     """Each piece's tokens (its documents joined) and document count; the whole batch goes
     through the tokenizer in one call."""
     encoder = _encoder(spec)
@@ -111,16 +113,16 @@ class _InProcess(Executor):
 
 def _ordered(
     pool: Executor,
-    batches: Iterator[list[Piece]],
+    batches: Iterator[list[SourcePiece]],
     text_key: str,
     spec: TokenizerSpec,
     window: int,
-) -> Iterator[tuple[Piece, np.ndarray, int]]:
+) -> Iterator[tuple[SourcePiece, np.ndarray, int]]:
     """(piece, tokens, documents) in source order, with at most `window` batches submitted
     and not yet consumed: the bound on memory."""
-    pending: deque[tuple[list[Piece], Future]] = deque()
+    pending: deque[tuple[list[SourcePiece], Future]] = deque()
 
-    def finished() -> Iterator[tuple[Piece, np.ndarray, int]]:
+    def finished() -> Iterator[tuple[SourcePiece, np.ndarray, int]]:
         batch, future = pending.popleft()
         for piece, (tokens, docs) in zip(batch, future.result(), strict=True):
             yield piece, tokens, docs

@@ -24,7 +24,7 @@ _RECORDS = (".jsonl", ".parquet")
 
 
 @dataclass(frozen=True)
-class Piece:
+class SourcePiece:
     """A part of one source file: a byte range (text, `.jsonl`) or a row group (`.parquet`).
 
     `starts_doc`: the piece begins a new document, so an end-of-document token goes before
@@ -105,27 +105,27 @@ def _check_parquet(file: Path, key: str) -> None:
         )
 
 
-def plan_pieces(files: list[Path], piece_bytes: int = PIECE_BYTES) -> Iterator[Piece]:
+def plan_pieces(files: list[Path], piece_bytes: int = PIECE_BYTES) -> Iterator[SourcePiece]:
     """The pieces of every file, in order; lazily, so planning holds nothing in memory."""
     for file in files:
         kind = _kind(file)
         if kind == "parquet":
             groups = _pyarrow().ParquetFile(file).num_row_groups
             for g in range(groups):
-                yield Piece(str(file), kind, g, g + 1, True)
+                yield SourcePiece(str(file), kind, g, g + 1, True)
             continue
         size, start = file.stat().st_size, 0
         with file.open("rb") as fh:
             while start < size:
                 end = _line_end(fh, start + piece_bytes, size)
-                yield Piece(str(file), kind, start, end, kind == "jsonl" or start == 0)
+                yield SourcePiece(str(file), kind, start, end, kind == "jsonl" or start == 0)
                 start = end
 
 
-def batched(pieces: Iterator[Piece], batch_bytes: int) -> Iterator[list[Piece]]:
+def batched(pieces: Iterator[SourcePiece], batch_bytes: int) -> Iterator[list[SourcePiece]]:
     """Consecutive pieces grouped to about `batch_bytes` of input: one task for a worker,
     so a folder of small files is not one round trip per file."""
-    batch: list[Piece] = []
+    batch: list[SourcePiece] = []
     size = 0
     for piece in pieces:
         batch.append(piece)
@@ -152,7 +152,7 @@ def _line_end(fh, at: int, size: int) -> int:
         at += len(block)
 
 
-def read_piece(piece: Piece, text_key: str) -> list[bytes | str]:
+def read_piece(piece: SourcePiece, text_key: str) -> list[bytes | str]:
     """The documents of one piece: raw bytes of a text file's range (the byte tokenizer
     keeps them exactly), or the `text_key` strings of its records."""
     if piece.kind == "parquet":
@@ -166,7 +166,7 @@ def read_piece(piece: Piece, text_key: str) -> list[bytes | str]:
     return [json.loads(line)[text_key] for line in data.splitlines() if line.strip()]
 
 
-def piece_bytes(piece: Piece) -> int:
+def piece_bytes(piece: SourcePiece) -> int:
     """The piece's share of the input file's bytes, for progress (a row group: an even share)."""
     if piece.kind != "parquet":
         return piece.end - piece.start

@@ -73,7 +73,7 @@ class Counts:
     kept: int = 0
 
 
-def source_files(root: Path) -> Iterator[Path]:
+def python_files(root: Path) -> Iterator[Path]:
     """The `.py` files under `root`, sorted by relative path (a depth-first walk over sorted
     entries), skipping hidden entries, SKIP_DIRS, private modules and symlinked folders."""
     try:
@@ -86,7 +86,7 @@ def source_files(root: Path) -> Iterator[Path]:
             continue
         if entry.is_dir(follow_symlinks=False):
             if entry.name not in SKIP_DIRS:
-                yield from source_files(Path(entry.path))
+                yield from python_files(Path(entry.path))
         elif entry.name.endswith(".py") and entry.is_file():
             yield Path(entry.path)
 
@@ -211,7 +211,7 @@ def build(
         what = "does not exist" if not root.exists() else "is not a folder"
         raise ConfigError(f"--source {str(root)!r} {what}; give a folder of Python sources")
     counts, records, seen = Counts(), [], set()
-    for file in source_files(root):
+    for file in python_files(root):
         counts.files += 1
         for record in file_records(file, _module_name(file, root), limits, counts):
             keys = (record["output"], (record["instruction"], record["input"]))

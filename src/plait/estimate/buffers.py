@@ -25,12 +25,12 @@ from __future__ import annotations
 from plait.config import Config
 from plait.estimate.frozen_base import FrozenBase
 from plait.estimate.lines import Line, Moment
-from plait.estimate.model_states import Precision, States, group_units
+from plait.estimate.model_states import ElementBytes, States, group_units
 from plait.estimate.peak import BUFFERS, Unit, Walk, param_clock, units
 from plait.estimate.rank_params import ParamSpec
 from plait.estimate.zero_pipeline import pipeline_zero_buffers
 from plait.schedule.actions import Schedule
-from plait.schedule.simulate import peak_held
+from plait.schedule.simulate import peak_by_chunk
 from plait.schedule.stages import StagePlan
 
 
@@ -39,7 +39,7 @@ def zero_units(
     params: list[ParamSpec],
     labels: tuple[str, ...],
     groups: list[tuple[int, int]],
-    prec: Precision,
+    prec: ElementBytes,
 ) -> dict[str, tuple[Unit, ...]]:
     """The gradient buckets (stages 2-3) and ZeRO-3's gathered units of this rank, as
     `Walk` fields; `groups`: (numel, padded) of its flat groups (`model_states`)."""
@@ -76,7 +76,7 @@ def _pipelined(cfg: Config) -> bool:
 def pipeline_buffers(
     cfg: Config,
     states: States,
-    prec: Precision,
+    prec: ElementBytes,
     plans: list[StagePlan],
     schedule: Schedule | None,
     rank: int,
@@ -97,7 +97,7 @@ def pipeline_buffers(
 
 
 def receive_buffers(
-    cfg: Config, plans: list[StagePlan], schedule: Schedule | None, rank: int, prec: Precision
+    cfg: Config, plans: list[StagePlan], schedule: Schedule | None, rank: int, prec: ElementBytes
 ) -> int:
     """Received stage inputs held until their backward, plus one received gradient."""
     if schedule is None:
@@ -105,7 +105,7 @@ def receive_buffers(
     t, par = cfg.train, cfg.parallel
     seq = t.seq_len // (par.tp if par.sequence_parallel else 1)
     one = t.micro_batch * seq * cfg.model.d_model * prec.param
-    inputs = peak_held(schedule.ranks[rank], lambda c: 0 if plans[c].first else one)
+    inputs = peak_by_chunk(schedule, rank, [0 if plan.first else one for plan in plans])
     grads = one if not all(p.last for p in plans) else 0
     return int(inputs) + grads
 

@@ -18,7 +18,7 @@ from plait.data.examples import is_examples_dir
 from plait.device import device_kind
 from plait.errors import ConfigError
 from plait.estimate import activations as act
-from plait.estimate.adapters import lora_head_bytes, lora_layer_bytes
+from plait.estimate.adapters import down_input_bytes, lora_head_bytes, lora_layer_bytes
 from plait.estimate.buffers import (
     buffer_lines,
     frozen_units,
@@ -31,39 +31,43 @@ from plait.estimate.formulas import (
     sixteen_bit_finetune_bytes,
     zero_model_state_bytes,
 )
-from plait.estimate.frozen_base import FrozenBase, base_total_bytes, frozen_base, frozen_line
+from plait.estimate.frozen_base import (
+    FrozenBase,
+    base_total_bytes,
+    dequantized_bytes,
+    frozen_base,
+    frozen_line,
+)
 from plait.estimate.lines import LESSON_ORDER, PLACES, Estimate, Line, RankEstimate
+from plait.estimate.model_facts import ModelFacts, facts_for
 from plait.estimate.model_states import (
     ADAM_STATES,
     FP32,
-    Precision,
+    ElementBytes,
     States,
     model_states,
 )
 from plait.estimate.partitioned import block_saving, is_partitioned
 from plait.estimate.peak import Walk, moments, positions
-from plait.estimate.rank_params import (
-    padded_vocab,
-    rank_params,
-    total_parameters,
-    tp_contract,
-)
+from plait.estimate.rank_params import padded_vocab
 from plait.estimate.two_bw import Stream, two_bw_moments, two_bw_streams
 from plait.mixed_precision import parse_precision
-from plait.models.contract import ModelContract
 from plait.models.packed_attention import attention_path
 from plait.schedule.actions import Schedule
 from plait.schedule.schedules import build_schedule
-from plait.schedule.simulate import peak_held
-from plait.schedule.stages import StagePlan, rank_plans
+from plait.schedule.simulate import peak_by_chunk
+from plait.schedule.stages import StagePlan
 
 
-def estimate(cfg: Config, schedule: Schedule | None = None) -> Estimate:
+def estimate(
+    cfg: Config, schedule: Schedule | None = None, facts: ModelFacts | None = None
+) -> Estimate:
     """Memory per rank of every pipeline stage for `cfg` (validated by the caller).
 
     `schedule`: the pipeline schedule to count in-flight activations on, when the caller
     already built it (a planner builds each once; its in-flight peak stops growing after a
-    few times p micro-batches for every schedule but gpipe); by default the config's own."""
+    few times p micro-batches for every schedule but gpipe); by default the config's own.
+    `facts`: the model's facts a planner keeps across layouts (`model_facts.py`)."""
     par, m = cfg.parallel, cfg.model
     if par.dp_mode != "ddp":
         raise ConfigError(
@@ -72,21 +76,21 @@ def estimate(cfg: Config, schedule: Schedule | None = None) -> Estimate:
         )
     sizes = par.stage_layer_counts()
     schedule = schedule or _schedule(cfg)
-    split = tp_contract(m, par.tp)  # what each pipeline rank holds a part of
+    facts = facts_for(m, facts)
     streams = two_bw_streams(par.pp, cfg.accumulation) if par.two_bw else None
     ranks = tuple(
         _rank(
             cfg,
-            split,
+            facts,
             r,
-            rank_plans(m.n_layers, par.pp, par.virtual_stages, r, sizes),
+            facts.rank_plans(par.pp, par.virtual_stages, r, sizes),
             schedule,
             streams[r] if streams else None,
         )
         for r in range(par.pp)
     )
-    psi = total_parameters(m) if m.lora is None else total_parameters(m, trainable=False)
-    return Estimate(psi, ranks, _reference(cfg))
+    psi = facts.total_parameters(None if m.lora is None else False)
+    return Estimate(psi, ranks, _reference(cfg, facts))
 
 
 def _schedule(cfg: Config) -> Schedule | None:
@@ -97,20 +101,24 @@ def _schedule(cfg: Config) -> Schedule | None:
     return build_schedule(name, par.pp, cfg.accumulation, par.virtual_stages)
 
 
-def _shape(cfg: Config) -> act.Shape:
+def _shape(cfg: Config) -> act.MicroShape:
     """The micro-batch's symbols; packed when the run reads instruction data (an examples
     folder: packed or padded, its rows carry segments), attended as `packed_path` says."""
     par, t = cfg.parallel, cfg.train
-    e = Precision.of(cfg.train.precision, cfg.train.reduce_dtype).param
+    e = ElementBytes.of_run(cfg).param
     packed = is_examples_dir(cfg.data.path)
-    return act.Shape(t.micro_batch, t.seq_len, par.tp, par.sequence_parallel, e, packed,
+    if par.cp > 1:  # a rank's s/cp tokens, positions per token, attention by its exchange
+        return act.MicroShape(t.micro_batch, t.seq_len // par.cp, par.tp, par.sequence_parallel, e,
+                         True, "mask", par.cp, par.cp_exchange)  # fmt: skip
+    return act.MicroShape(t.micro_batch, t.seq_len, par.tp, par.sequence_parallel, e, packed,
                      packed_path(cfg))  # fmt: skip
 
 
 def packed_path(cfg: Config) -> str:
     """The path packed rows' attention takes in training (models/packed_attention.py): the
     mode, `auto` resolved on the run's device and compute dtype, the mask under dropout."""
-    dtype = parse_precision(cfg.train.precision, cfg.train.reduce_dtype).param_dtype
+    t = cfg.train
+    dtype = parse_precision(t.precision, t.reduce_dtype, cfg.lora.base_upcast).param_dtype
     device = device_kind(cfg.train.device)
     return attention_path(cfg.train.packed_attention, device, dtype, cfg.model.dropout > 0)
 
@@ -145,8 +153,9 @@ def chunk_activation_pieces(cfg: Config, plan: StagePlan) -> list[tuple[int, int
     early = act.first_freed_bytes(m, x, mode) if plain and not offload else 0
     saving = block_saving(cfg, x)
     mask = act.mask_bytes(m, x, mode)
+    inner = _layer_bytes(cfg, x)  # every block's but block 0's (its input needs no gradient)
     for i in reversed(plan.layers):
-        block = _layer_bytes(cfg, x, i > 0)
+        block = inner if i > 0 else _layer_bytes(cfg, x, False)
         block += mask if offload or i == plan.layers[0] else 0
         if i == plan.layers[0] and not plan.first:
             block -= act.received_input_bytes(m, x, mode)
@@ -160,7 +169,7 @@ def chunk_activation_pieces(cfg: Config, plan: StagePlan) -> list[tuple[int, int
     return pieces
 
 
-def _layer_bytes(cfg: Config, x: act.Shape, grad_in: bool = True) -> int:
+def _layer_bytes(cfg: Config, x: act.MicroShape, grad_in: bool = True) -> int:
     """One block's saved bytes; under LoRA block 0's input (`grad_in` False) needs no
     gradient (estimate/adapters.py)."""
     m, mode = cfg.model, cfg.memory.recompute
@@ -171,34 +180,38 @@ def _layer_bytes(cfg: Config, x: act.Shape, grad_in: bool = True) -> int:
 
 def _rank(
     cfg: Config,
-    split: ModelContract,
+    facts: ModelFacts,
     r: int,
     plans: list[StagePlan],
     schedule: Schedule | None,
     stream: Stream | None = None,
 ) -> RankEstimate:
     par = cfg.parallel
-    prec = Precision.of(cfg.train.precision, cfg.train.reduce_dtype)
-    params = rank_params(split, plans)
-    states = model_states(params, cfg.memory.zero, par.dp, prec, cfg.memory.offload, par.bucket_mb)
+    prec = ElementBytes.of_run(cfg)
+    params = facts.rank_params(par.tp, plans)
+    units = facts.group_units(par.tp, plans, cfg.memory.zero, par.bucket_mb)
+    states = model_states(
+        params, cfg.memory.zero, par.dp, prec, cfg.memory.offload, par.bucket_mb, units
+    )
     grad_set = 0
     if par.two_bw:  # two weight versions, plain fp32 Adam (WeightVersions)
         grad_set = _two_bw_states(states)
-    places = [chunk_activation_places(cfg, plan) for plan in plans]
+    pieces = [chunk_activation_pieces(cfg, plan) for plan in plans]
+    places = [(sum(p[0] for p in ps), sum(p[1] for p in ps)) for ps in pieces]
     if schedule is None:
         held, host, in_flight = places[0][0], places[0][1], 1
     else:
-        actions, split = schedule.ranks[r], schedule.split_backward
-        held = int(peak_held(actions, lambda c: places[c][0], split))
-        host = int(peak_held(actions, lambda c: places[c][1], split))
-        in_flight = int(peak_held(actions))
+        split = schedule.split_backward
+        held = peak_by_chunk(schedule, r, [p[0] for p in places], split)
+        host = peak_by_chunk(schedule, r, [p[1] for p in places], split)
+        in_flight = peak_by_chunk(schedule, r, [1] * len(places))
     lines = _state_lines(states, cfg, prec)
     base: FrozenBase | None = None
     if cfg.model.lora is not None:  # the frozen base (estimate/frozen_base.py)
         base = frozen_base(params, cfg, prec)
         lines.append(frozen_line(base, cfg))
     lines.append(_activation_line(cfg, plans, held, host, in_flight))
-    walk = _walk(cfg, plans, params, held, states, prec, base, schedule, r)
+    walk = _walk(cfg, plans, pieces, params, held, states, prec, base, schedule, r)
     at = moments(walk)
     lines += buffer_lines(walk, at)
     if stream is not None:  # 2BW's moments: gradient sets come and go (estimate/two_bw.py)
@@ -211,20 +224,22 @@ def _rank(
 def _walk(
     cfg: Config,
     plans: list[StagePlan],
+    chunk_pieces: list[list[tuple[int, int, int]]],
     params: list,
     held: int,
     states: States,
-    prec: Precision,
+    prec: ElementBytes,
     base: FrozenBase | None,
     schedule: Schedule | None,
     r: int,
 ) -> Walk:
     """This rank's backward, position by position (`estimate/peak.py`): the activations
     each position frees (the last chunk's micro-batch: the one whose backward comes at the
-    peak), and the buffers (`estimate/buffers.py`)."""
+    peak), and the buffers (`estimate/buffers.py`); `chunk_pieces`: each plan's
+    `chunk_activation_pieces`."""
     layers = tuple(i for plan in plans for i in plan.layers)
     labels = positions(layers, any(p.first for p in plans), any(p.last for p in plans))
-    pieces = [p for plan in reversed(plans) for p in chunk_activation_pieces(cfg, plan)]
+    pieces = [p for ps in reversed(chunk_pieces) for p in ps]
     return Walk(
         labels,
         held,
@@ -233,8 +248,19 @@ def _walk(
         frozen=frozen_units(cfg, base, labels),
         receive=receive_buffers(cfg, plans, schedule, r, prec),
         pipeline_zero=pipeline_buffers(cfg, states, prec, plans, schedule, r, base),
+        dequantized=_dequantized(cfg, params),
         **zero_units(cfg, params, labels, states.groups, prec),
     )
+
+
+def _dequantized(cfg: Config, params: list) -> int:
+    """An NF4 base's weight dequantized as a block's backward starts, beyond the activations
+    then: the down projection's, less its input that the adapter's nodes free just before
+    (without full recomputation)."""
+    dequantized = dequantized_bytes(params, cfg)
+    if not dequantized or cfg.memory.recompute == "full":
+        return dequantized
+    return max(dequantized - down_input_bytes(cfg.model, _shape(cfg)), 0)
 
 
 def _two_bw_states(states: States) -> int:
@@ -246,7 +272,7 @@ def _two_bw_states(states: States) -> int:
     return states.bytes.pop("gradients", {}).get("device", 0)
 
 
-def _state_lines(states: States, cfg: Config, prec: Precision) -> list[Line]:
+def _state_lines(states: States, cfg: Config, prec: ElementBytes) -> list[Line]:
     par = cfg.parallel
     n, stage = par.dp, cfg.memory.zero
     full = sum(padded for _, padded in states.groups)
@@ -288,6 +314,8 @@ def _activation_line(
         what += "; the blocks' on the host (--offload-activations cpu), the ends' on the device"
     if cfg.memory.partition_activations:  # estimate/partitioned.py
         what += f"; less (1 - 1/{x.t}) of each block input (--partition-activations)"
+    if x.cp > 1:  # context parallelism (estimate/activations.py: context_bytes)
+        what += f"; cp {x.cp} ({x.exchange}): {x.s:,} tokens a row per rank"
     if act.mask_bytes(cfg.model, x, mode):  # instruction data (estimate/activations.py)
         what += f"; packed rows: one {act.mask_bytes(cfg.model, x, mode):,} B mask per chunk"
     elif x.packed and x.attention != "mask":
@@ -295,12 +323,12 @@ def _activation_line(
     return Line("activations", held, host=host, formula=what)
 
 
-def _reference(cfg: Config) -> dict[str, float]:
+def _reference(cfg: Config, facts: ModelFacts) -> dict[str, float]:
     """Single-GPU and ZeRO closed forms for this model at this dp (no tp, no pp); under
     LoRA Ψ is the base's, Φ the adapters', and one GPU holds base·Ψ + (p+g+k)Φ."""
     m, par = cfg.model, cfg.parallel
-    prec = Precision.of(cfg.train.precision, cfg.train.reduce_dtype)
-    psi = total_parameters(m) if m.lora is None else total_parameters(m, trainable=False)
+    prec = ElementBytes.of_run(cfg)
+    psi = facts.total_parameters(None if m.lora is None else False)
     optim = ADAM_STATES * FP32 + (FP32 if prec.param != FP32 else 0)
     zero = {
         f"zero{s}_per_rank": zero_model_state_bytes(s, psi, par.dp, prec.param, prec.reduce, optim)
@@ -313,7 +341,7 @@ def _reference(cfg: Config) -> dict[str, float]:
         **zero,
     }
     if m.lora is not None:
-        phi = total_parameters(m, trainable=True)
+        phi = facts.total_parameters(True)
         per = prec.param + prec.reduce + optim
         out |= {
             "lora_phi": phi,

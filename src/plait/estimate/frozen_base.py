@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from plait.config import Config
 from plait.estimate.lines import FROZEN, Line
-from plait.estimate.model_states import DTYPE_BYTES, Precision
+from plait.estimate.model_states import DTYPE_BYTES, ElementBytes
 from plait.estimate.rank_params import ParamSpec
 from plait.mixed_precision import check_base_dtype
 from plait.models.architecture import ModelConfig
@@ -40,7 +40,7 @@ from plait.models.nf4.format import held_bytes
 from plait.parallel.zero.layout import padded_size
 
 
-def base_bytes(base_dtype: str, prec: Precision) -> int:
+def base_bytes(base_dtype: str, prec: ElementBytes) -> int:
     """Bytes per element of a LoRA run's frozen base: `--base-dtype`, auto = the
     precision's parameter dtype (2 under bf16/fp16, 4 under fp32); under nf4 that of what is
     not quantized (`nf4_weights` prices the rest)."""
@@ -61,7 +61,20 @@ def nf4_weights(params: list[ParamSpec], model: ModelConfig) -> tuple[int, int]:
     return numel, held
 
 
-def base_total_bytes(cfg: Config, prec: Precision, psi: int) -> int:
+def dequantized_bytes(params: list[ParamSpec], cfg: Config) -> int:
+    """An NF4 base's weight dequantized for its product (models/nf4/linear.py): one at a
+    time, the largest of this rank's slices, in the products' dtype (the precision's, 16-bit
+    under `--base-upcast`); alive within a block's forward or backward only (estimate/peak.py).
+    0 for any other base."""
+    if cfg.lora.base_dtype != "nf4":
+        return 0
+    whole = _quantized(cfg.model)
+    sizes = [p.numel for p in params if p.block is not None and not p.trainable
+             and p.name.split(".", 2)[-1] in whole]  # fmt: skip
+    return max(sizes, default=0) * DTYPE_BYTES[cfg.train.precision]
+
+
+def base_total_bytes(cfg: Config, prec: ElementBytes, psi: int) -> int:
     """A single process's whole frozen base of `psi` elements, in `--base-dtype`."""
     e = base_bytes(cfg.lora.base_dtype, prec)
     if cfg.lora.base_dtype != "nf4":
@@ -91,6 +104,7 @@ class FrozenBase:
     kept: bool = False  # stage 3 under a pipeline, kept gathered through the step
     nf4: tuple[int, int] = (0, 0)  # (elements, bytes) held in NF4 (stages 0-2)
     constants: int = 0  # stage 3 with NF4: the nested scales and offsets, whole per rank
+    packed: tuple[int, ...] = ()  # stage 3 with NF4: each unit's packed flat group (padded B)
 
     def unit_blocks(self) -> list[frozenset[int | None]]:
         """Each unit's block (None: the root), as `zero_pipeline` reads flat groups."""
@@ -110,6 +124,24 @@ class FrozenBase:
         if self.stage != 3:
             return (self.numel - self.nf4[0]) * self.element + self.nf4[1]
         return self.padded // self.world * self.element + self.constants
+
+    def flat_groups(self) -> tuple[list[tuple[int, int]], list[frozenset[int | None]]]:
+        """The flat groups all-gathered, (numel, padded) each, and each one's block: a unit
+        is one group, an NF4 block's two (its fp group and its packed bytes, gathered one
+        after the other: zero/nf4_shards.py), so the calls are counted whole."""
+        groups, blocks = [], []
+        packed = self.packed or (0,) * len(self.units)
+        for (numel, padded), extra, block in zip(
+            self.units, packed, self.unit_blocks(), strict=True
+        ):
+            parts = (
+                [(numel - extra, padded - extra), (extra, extra)] if extra else [(numel, padded)]
+            )
+            for part in parts:
+                if part[1]:
+                    groups.append(part)
+                    blocks.append(block)
+        return groups, blocks
 
     def _blocks_and_root(self) -> tuple[list[int], int]:
         padded = [p for _, p in self.units]
@@ -145,7 +177,7 @@ class FrozenBase:
         return self.padded if self.kept else 2 * micro_batches * self.padded
 
 
-def frozen_base(params: list[ParamSpec], cfg: Config, prec: Precision) -> FrozenBase:
+def frozen_base(params: list[ParamSpec], cfg: Config, prec: ElementBytes) -> FrozenBase:
     """The frozen base of the rank holding `params` (`rank_params`), as the engine holds it
     (`layout.block_units(trainable=False)`: blocks in reverse order, then the root)."""
     par = cfg.parallel
@@ -176,17 +208,20 @@ def _sharded_nf4(
     whole, n = _quantized(cfg.model), cfg.parallel.dp
     quantized = [p for p in frozen if p.block is not None and p.name.split(".", 2)[-1] in whole]
     names = {p.name for p in quantized}
-    units, constants = [], 0
+    units, constants, split = [], 0, []
     for b in [*blocks, None]:
         fp = sum(p.numel for p in frozen if p.block == b and p.name not in names)
         packed = sum(-(-p.numel // 2) + -(-p.numel // 64) for p in quantized if p.block == b)
         units.append((fp * e + packed, padded_size(fp, n) * e + padded_size(packed, n)))
+        split.append(padded_size(packed, n))
     for p in quantized:
         leaf = p.name.split(".", 2)[-1]
         constants += held_bytes(p.numel, whole[leaf]) - -(-p.numel // 2) - -(-p.numel // 64)
-    root = units.pop()
-    units = [u for u in units if u[0]] + ([root] if root[0] else [])
-    return FrozenBase(tuple(units), root[0] > 0, 3, n, 1, held, kept, constants=constants)
+    root, root_split = units.pop(), split.pop()
+    kept_units = [(u, x) for u, x in zip(units, split, strict=True) if u[0]]
+    kept_units += [(root, root_split)] if root[0] else []
+    return FrozenBase(tuple(u for u, _ in kept_units), root[0] > 0, 3, n, 1, held, kept,
+                      constants=constants, packed=tuple(x for _, x in kept_units))  # fmt: skip
 
 
 def frozen_line(base: FrozenBase, cfg: Config) -> Line:

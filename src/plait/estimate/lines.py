@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from functools import cached_property
 
 PLACES = ("device", "host", "disk")
 LESSON_ORDER = (
@@ -90,8 +91,9 @@ class Estimate:
     ranks: tuple[RankEstimate, ...]
     reference: dict[str, float]
 
-    @property
+    @cached_property
     def most_loaded(self) -> RankEstimate:
+        """The rank holding the most (a planner asks several times per layout)."""
         return max(self.ranks, key=lambda r: r.total())
 
     def to_dict(self) -> dict:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from plait.config import Config
 from plait.estimate.rank_params import ParamSpec
 from plait.parallel.zero.layout import NVME_SUB_GROUP_MB, bucket_runs, nvme_sub_group, padded_size
 
@@ -29,7 +30,7 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 @dataclass(frozen=True)
-class Precision:
+class ElementBytes:
     """Bytes per element of the parameters (p) and the gradient reduction (r)."""
 
     name: str
@@ -37,8 +38,18 @@ class Precision:
     reduce: int
 
     @classmethod
-    def of(cls, name: str, reduce_dtype: str | None) -> Precision:
+    def of(cls, name: str, reduce_dtype: str | None) -> ElementBytes:
         return cls(name, DTYPE_BYTES[name], DTYPE_BYTES[reduce_dtype or name])
+
+    @classmethod
+    def of_run(cls, cfg: Config) -> ElementBytes:
+        """A run's ([train] precision, reduce_dtype; [lora] base_upcast): `--base-upcast`
+        computes, holds and reduces in fp32 (only an NF4 base's products in the 16-bit dtype:
+        `estimate/frozen_base.dequantized_bytes`)."""
+        t = cfg.train
+        if cfg.lora.base_upcast:
+            return cls(t.precision, 4, 4)
+        return cls.of(t.precision, t.reduce_dtype)
 
 
 @dataclass
@@ -59,11 +70,17 @@ class States:
 
 
 def flat_groups(
-    params: list[ParamSpec], stage: int, bucket_mb: float, world: int
+    params: list[ParamSpec],
+    stage: int,
+    bucket_mb: float,
+    world: int,
+    units: list[list[ParamSpec]] | None = None,
 ) -> list[tuple[int, int]]:
     """(numel, padded) of every flat group, as `zero/layout.build_groups` forms them: of the
-    trainable parameters only (a LoRA run's frozen base is in no group)."""
-    return _sized(group_units(params, stage, bucket_mb), 1 if stage == 0 else world)
+    trainable parameters only (a LoRA run's frozen base is in no group). `units`:
+    `group_units(params, stage, bucket_mb)`, where a planner keeps them."""
+    units = group_units(params, stage, bucket_mb) if units is None else units
+    return _sized(units, 1 if stage == 0 else world)
 
 
 def _sized(units: list[list[ParamSpec]], shards: int) -> list[tuple[int, int]]:
@@ -91,12 +108,14 @@ def model_states(
     params: list[ParamSpec],
     stage: int,
     world: int,
-    precision: Precision,
+    precision: ElementBytes,
     offload: str = "none",
     bucket_mb: float = 25.0,
+    units: list[list[ParamSpec]] | None = None,
 ) -> States:
-    """Per-rank model states of ZeRO `stage` over `world` data-parallel ranks."""
-    units = group_units(params, stage, bucket_mb)
+    """Per-rank model states of ZeRO `stage` over `world` data-parallel ranks (`units`:
+    `group_units(params, stage, bucket_mb)`, where a planner keeps them)."""
+    units = group_units(params, stage, bucket_mb) if units is None else units
     shards = 1 if stage == 0 else world
     blocks = [frozenset(p.block for p in u) for u in units]
     out = States(groups=_sized(units, shards), blocks=blocks)

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 from plait.config import Config
 from plait.estimate import activations as act
-from plait.estimate.model_states import Precision
+from plait.estimate.model_states import ElementBytes
 from plait.schedule.schedules import build_schedule
 from plait.schedule.stages import StagePlan, rank_plans
 
 
-def input_bytes(cfg: Config, x: act.Shape) -> int:
+def input_bytes(cfg: Config, x: act.MicroShape) -> int:
     """One block's saved input, whole; 0 when partitioning is off or has nothing to split."""
     par = cfg.parallel
     if not cfg.memory.partition_activations or x.t == 1 or par.sequence_parallel:
@@ -47,7 +47,7 @@ def is_partitioned(cfg: Config, plan: StagePlan, layer: int) -> bool:
     return not (skips_first and layer == plan.layers[0])
 
 
-def block_saving(cfg: Config, x: act.Shape) -> int:
+def block_saving(cfg: Config, x: act.MicroShape) -> int:
     """Bytes one partitioned block saves less for one micro-batch: (1 - 1/t) of its input."""
     whole = input_bytes(cfg, x)
     return whole - whole // x.t
@@ -57,8 +57,8 @@ def gathers_per_step(cfg: Config, pp_rank: int = 0) -> tuple[int, int]:
     """(calls, logical bytes) of the partitioning's all-gathers on one rank of pipeline
     rank `pp_rank` in one optimizer step: one per partitioned block per micro-batch."""
     par, t = cfg.parallel, cfg.train
-    e = Precision.of(cfg.train.precision, cfg.train.reduce_dtype).param
-    x = act.Shape(t.micro_batch, t.seq_len, par.tp, par.sequence_parallel, e)
+    e = ElementBytes.of_run(cfg).param
+    x = act.MicroShape(t.micro_batch, t.seq_len, par.tp, par.sequence_parallel, e)
     whole = input_bytes(cfg, x)
     if whole == 0:
         return 0, 0

@@ -22,8 +22,10 @@ The moments one micro-batch passes through on this rank:
   group order, at most MAX_INFLIGHT_BUCKETS in flight: zero/reducer.py), ZeRO-3 holds the
   root for the whole backward and the unit at k and the prefetched one at k + 1
   (zero/flat_params.py), a frozen base its units at k and k + 1, the root only until the
-  last block's backward starts (zero/frozen.py). The position's first nodes have freed what
-  they saved by then (`Walk.early`: the loss's saves; a block's MLP down-projection input).
+  last block's backward starts (zero/frozen.py), and an NF4 base's largest weight
+  dequantized for a product (models/nf4/linear.py). The
+  position's first nodes have freed what they saved by then (`Walk.early`: the loss's
+  saves; a block's MLP down-projection input).
 
 Each term is one function `term(walk, at) -> bytes` (`At`: the phase and position) in
 TERMS: a new kind of memory that comes and goes (a buffer of a new feature) is one function
@@ -40,6 +42,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
+from itertools import accumulate
 from typing import NamedTuple
 
 from plait.estimate.lines import Moment
@@ -74,6 +78,23 @@ class Walk:
     frozen: tuple[Unit, ...] = ()  # a LoRA base's units under ZeRO-3
     receive: int = 0  # pipeline receive buffers (alive through the step)
     pipeline_zero: tuple[int, int] = (0, 0)  # ZeRO-2/3 under a pipeline: at the peak, own
+    dequantized: int = 0  # an NF4 base: the weight dequantized for one Linear's product
+
+    @cached_property
+    def freed_before(self) -> tuple[int, ...]:
+        """`sum(freed[:k])` for every k: a moment reads it instead of summing again (a
+        planner walks thousands of ranks of 80 blocks)."""
+        return tuple(accumulate(self.freed, initial=0))
+
+    @cached_property
+    def gathered_at(self) -> dict[int | None, int]:
+        """`by_position(gathered)`."""
+        return by_position(self.gathered)
+
+    @cached_property
+    def frozen_at(self) -> dict[int | None, int]:
+        """`by_position(frozen)`."""
+        return by_position(self.frozen)
 
 
 class At(NamedTuple):
@@ -92,8 +113,8 @@ def activations(w: Walk, at: At) -> int:
     if at.phase in ("end", "buffers"):
         return w.held if at.phase == "end" else 0
     if at.phase == "forward":
-        return w.held - sum(w.freed[: at.k])
-    return w.held - sum(w.freed[: at.k]) - w.early[at.k]
+        return w.held - w.freed_before[at.k]
+    return w.held - w.freed_before[at.k] - w.early[at.k]
 
 
 def buckets(w: Walk, at: At) -> int:
@@ -110,28 +131,39 @@ def buckets(w: Walk, at: At) -> int:
     return sum(u.nbytes for u in w.buckets[done:] if u.first <= now)
 
 
-def _running(units: tuple[Unit, ...], at: At) -> int:
+def by_position(units: tuple[Unit, ...]) -> dict[int | None, int]:
+    """The bytes of the block units whose first gradient arrives at each position, and the
+    roots' under None: `_running` reads two positions instead of summing every unit at every
+    moment (a planner walks thousands of ranks of 80 blocks)."""
+    out: dict[int | None, int] = {}
+    for u in units:
+        where = None if u.root else u.first[0]
+        out[where] = out.get(where, 0) + u.nbytes
+    return out
+
+
+def _running(units: dict[int | None, int], at: At) -> int:
     """The block units gathered at `at`: the one running and the next one, prefetched (the
-    next in the forward is the one before in the backward's order)."""
+    next in the forward is the one before in the backward's order); `units`: `by_position`."""
     if at.k is None:
         return 0
     after = at.k - 1 if at.phase == "forward" else at.k + 1
-    return sum(u.nbytes for u in units if not u.root and u.first[0] in (at.k, after))
+    return units.get(at.k, 0) + units.get(after, 0)
 
 
 def gathered(w: Walk, at: At) -> int:
     """ZeRO-3's trainable units: the root the whole forward and backward, the unit running
     and the next."""
-    return sum(u.nbytes for u in w.gathered if u.root) + _running(w.gathered, at)
+    return w.gathered_at.get(None, 0) + _running(w.gathered_at, at)
 
 
 def frozen(w: Walk, at: At) -> int:
     """A frozen base's units under ZeRO-3: as the trainable ones, but the root is freed when
     the last block's backward starts, each unit when the next one's does."""
-    root = sum(u.nbytes for u in w.frozen if u.root)
+    root = w.frozen_at.get(None, 0)
     if at.phase == "backward" and w.labels[at.k] != HEAD:
         root = 0
-    return root + _running(w.frozen, at)
+    return root + _running(w.frozen_at, at)
 
 
 def receive(w: Walk, at: At) -> int:
@@ -147,6 +179,16 @@ def pipeline_zero(w: Walk, at: At) -> int:
     return w.pipeline_zero[1] if at.phase == "buffers" else 0
 
 
+def dequantized(w: Walk, at: At) -> int:
+    """An NF4 base's weight dequantized for a product, the largest one, as a block's
+    backward starts (its MLP's down projection's input gradient is the first product). In
+    the forward a product's weight is gone before the block's later saves are made (the
+    adapters' inputs and what follows), which at least match it: not counted there."""
+    if at.phase != "backward" or not w.labels[at.k].startswith("block"):
+        return 0
+    return w.dequantized
+
+
 TERMS: tuple[tuple[str, Callable[[Walk, At], int]], ...] = (
     ("activations", activations),
     ("buckets", buckets),
@@ -154,6 +196,7 @@ TERMS: tuple[tuple[str, Callable[[Walk, At], int]], ...] = (
     ("frozen_gathered", frozen),
     ("receive_buffers", receive),
     ("pipeline_zero", pipeline_zero),
+    ("nf4_dequantized", dequantized),
 )
 BUFFERS = ("buckets", "gathered", "frozen_gathered", "pipeline_zero")  # the comm_buffers line
 

@@ -35,16 +35,16 @@ class ParamSpec(NamedTuple):
     trainable: bool = True  # False: a LoRA run's frozen base (no group, gradient or state)
 
 
-def padded_vocab(cfg: ModelConfig, tp: int) -> int:
+def padded_vocab(model: ModelConfig, tp: int) -> int:
     """The vocabulary rounded up to a multiple of tp (`tp/vocab.py`)."""
-    return -(-cfg.vocab_size // tp) * tp
+    return -(-model.vocab_size // tp) * tp
 
 
-def tp_contract(cfg: ModelConfig, tp: int) -> ModelContract:
+def tp_contract(model: ModelConfig, tp: int) -> ModelContract:
     """The contract of a tp rank's model before the pipeline split: tp rank 0's shards
     (every tp rank's local shapes are the same, padding included). Made once per layout and
     handed to `rank_params` for each of its pipeline ranks."""
-    return describe(cfg).tensor_parallel(0, tp, sequence_parallel=False)
+    return describe(model).tensor_parallel(0, tp, sequence_parallel=False)
 
 
 def rank_params(split: ModelContract, plans: list[StagePlan]) -> list[ParamSpec]:
@@ -65,12 +65,12 @@ def rank_params(split: ModelContract, plans: list[StagePlan]) -> list[ParamSpec]
     return out
 
 
-def tp_partial_elements(cfg: ModelConfig, plans: list[StagePlan], sp: bool) -> int:
+def tp_partial_elements(model: ModelConfig, plans: list[StagePlan], sp: bool) -> int:
     """Elements of the trainable parameters of `plans`' parts whose gradient each tp rank
     holds only in part (replicated, so the same at any tp): under sequence parallelism those
     applied per position, and LoRA's A beside a column-parallel weight at any tp
     (parallel/grads.py `tp_partial_params`): what the 'tp-sp-grads' all-reduce sums."""
-    whole = describe(cfg)
+    whole = describe(model)
     sums: dict[int, int] = {}  # id(part.params) -> its partial elements (blocks share one)
     total = 0
     for plan in plans:
@@ -85,12 +85,12 @@ def tp_partial_elements(cfg: ModelConfig, plans: list[StagePlan], sp: bool) -> i
     return total
 
 
-def total_parameters(cfg: ModelConfig, trainable: bool | None = None) -> int:
+def total_parameters(model: ModelConfig, trainable: bool | None = None) -> int:
     """Ψ: the single-process model's unique parameters (`count_parameters` without torch),
     or only those that train (`trainable` True: under LoRA the adapters, Φ) or that do not
     (False: the frozen base). Blocks share one tuple of declarations, so each is counted
     once and multiplied (a planner calls this for thousands of layouts)."""
-    contract = describe(cfg)
+    contract = describe(model)
     sums: dict[int, int] = {}  # id(part.params) -> its elements (a tied copy: none)
     total = 0
     for part in contract.parts:

@@ -23,7 +23,7 @@ bucket to fill, in the backward that starts to free them (the largest is counted
 
 from __future__ import annotations
 
-from plait.estimate.model_states import Precision, States
+from plait.estimate.model_states import ElementBytes, States
 from plait.schedule.actions import Kind, Schedule
 from plait.schedule.simulate import peak_held
 from plait.schedule.stages import StagePlan
@@ -32,7 +32,7 @@ from plait.schedule.stages import StagePlan
 def pipeline_zero_buffers(
     stage: int,
     states: States,
-    prec: Precision,
+    prec: ElementBytes,
     plans: list[StagePlan],
     schedule: Schedule,
     rank: int,
@@ -80,12 +80,31 @@ def _buckets_at_peak(
     """Most bucket elements alive at a point where rank `rank` holds its most activations
     in flight: a group's bucket lives from the first gradient action (B, or W under a split
     backward) of any of its chunks to the last micro-batch's of all of them."""
+    best = 0
+    for started, finished in _peak_points(schedule, rank):
+        alive = sum(
+            size
+            for cs, size in zip(chunks, padded, strict=True)
+            if cs & started and not cs <= finished
+        )
+        best = max(best, alive)
+    return best
+
+
+def _peak_points(schedule: Schedule, rank: int) -> tuple[tuple[frozenset, frozenset], ...]:
+    """(chunks whose gradients have begun, chunks whose last micro-batch's gradient is done)
+    at each F where rank `rank` holds its most activations in flight: walked once per
+    schedule (`Schedule.derived`), weighed by each layout's groups."""
+    key = ("zero_peak_points", rank)
+    if key in schedule.derived:
+        return schedule.derived[key]  # type: ignore[return-value]
     actions = schedule.ranks[rank]
     done = Kind.W if schedule.split_backward else Kind.B
     peak = peak_held(actions, until_w=schedule.split_backward)
     started: set[int] = set()
     finished: set[int] = set()
-    held = best = 0
+    held = 0
+    points: dict[tuple[frozenset, frozenset], None] = {}
     for a in actions:
         if a.kind is Kind.F:
             held += 1
@@ -95,13 +114,9 @@ def _buckets_at_peak(
             if a.microbatch == schedule.m - 1:
                 finished.add(a.chunk)
         if a.kind is Kind.F and held == peak:
-            alive = sum(
-                size
-                for cs, size in zip(chunks, padded, strict=True)
-                if cs & started and not cs <= finished
-            )
-            best = max(best, alive)
-    return best
+            points[(frozenset(started), frozenset(finished))] = None
+    schedule.derived[key] = tuple(points)
+    return schedule.derived[key]  # type: ignore[return-value]
 
 
 def pipeline_zero_traffic(

@@ -2,5 +2,5 @@
 
 Each lesson is one module with `cases` (the runs it needs, as configs) and `section` (what
 the runs measured next to the published formula, with figures). `runner.py` launches the
-cases through plait's own launcher and writes the report (`report.py`).
+cases through plait's own launcher and writes the report (`writeup.py`).
 """

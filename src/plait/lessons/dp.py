@@ -15,8 +15,8 @@ from pathlib import Path
 from plait.lessons import figures
 from plait.lessons.common import lesson_config, psi
 from plait.lessons.peer import ddp_peer
-from plait.lessons.records import Records, bytes_by_op, losses, median_step_s, peak
-from plait.lessons.section import Case, Row, Run, Section
+from plait.lessons.readings import Records, bytes_by_op, losses, median_step_s, peak
+from plait.lessons.section import Case, CaseRun, Row, Section
 
 NAME = "dp"
 TITLE = "Data parallelism: naive (one coordinator) vs plait DP vs torch DDP"
@@ -32,7 +32,7 @@ def cases(quick: bool, procs: int) -> list[Case]:
     return [*plait, Case("torch-ddp", plait[1].cfg, ddp_peer)]
 
 
-def section(runs: dict[str, Run], out: Path) -> Section:
+def section(runs: dict[str, CaseRun], out: Path) -> Section:
     cfg = runs["naive"].cfg
     results = {k: r.records for k, r in runs.items()}
     n = psi(cfg)

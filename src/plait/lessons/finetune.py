@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from plait.build.model import build_model
 from plait.config import Config
 from plait.data.examples import ExampleStore
 from plait.data.packing import val_split
@@ -36,10 +37,10 @@ from plait.lessons.finetune_data import (
     training_rows,
 )
 from plait.lessons.measure import save_record, step_row
-from plait.lessons.records import losses, median_step_s
-from plait.lessons.section import Case, Row, Run, Section
+from plait.lessons.readings import losses, median_step_s
+from plait.lessons.section import Case, CaseRun, Row, Section
 from plait.mesh import Mesh
-from plait.train import Trainer, build_model
+from plait.train import Trainer
 
 NAME = "finetune"
 TITLE = "Instruction fine-tuning: token-weighted vs per-micro-batch loss, packing vs padding"
@@ -77,7 +78,7 @@ def _micro_sums(trainer: Trainer, cfg: Config, idx: torch.Tensor) -> list[float]
     return out
 
 
-def both_rules(run: Run, counts: list[list[int]]) -> tuple[list[float], list[float]]:
+def both_rules(run: CaseRun, counts: list[list[int]]) -> tuple[list[float], list[float]]:
     """Per step, (token-weighted, mean of micro-batch means) on the weights the step started
     from, from the replicas' micro-batch sums (rank order = replica order at dp only)."""
     token, mean = [], []
@@ -134,11 +135,11 @@ def same_weights(cfg: Config, idx: torch.Tensor) -> dict[str, float]:
     return out
 
 
-def _norms(run: Run) -> list[float]:
+def _norms(run: CaseRun) -> list[float]:
     return [s["grad_norm"] for s in run.records[0]["steps"]]
 
 
-def section(runs: dict[str, Run], out: Path) -> Section:
+def section(runs: dict[str, CaseRun], out: Path) -> Section:
     sec = Section(NAME, TITLE, __doc__.strip())
     loss_rows, counts, expect = _loss_rule(runs, sec)
     packing = _packing(runs, sec)
@@ -155,7 +156,7 @@ def section(runs: dict[str, Run], out: Path) -> Section:
     return sec
 
 
-def _loss_rule(runs: dict[str, Run], sec: Section) -> tuple[dict, list, dict]:
+def _loss_rule(runs: dict[str, CaseRun], sec: Section) -> tuple[dict, list, dict]:
     """Rows of part (a): the two rules step by step, and from the same weights."""
     cfg = runs["tokens"].cfg
     rows, _ = training_rows(cfg)
@@ -202,7 +203,7 @@ def _loss_rule(runs: dict[str, Run], sec: Section) -> tuple[dict, list, dict]:
     return loss_rows, counts, expect
 
 
-def _packing(runs: dict[str, Run], sec: Section) -> dict[str, Any]:
+def _packing(runs: dict[str, CaseRun], sec: Section) -> dict[str, Any]:
     """Rows of part (b): padding, rows, target tokens per second, the validation loss."""
     made = {k: training_rows(runs[k].cfg)[0] for k in ("tokens", "padded")}
     figures_of: dict[str, Any] = {}
@@ -214,20 +215,20 @@ def _packing(runs: dict[str, Run], sec: Section) -> dict[str, Any]:
         times = [s["time_s"] for s in run.records[0]["steps"]]
         per_step = [rows.target_count(i) / t for i, t in zip(steps, times, strict=True)]
         figures_of[label] = {
-            "rows": len(rows), "efficiency": rows.plan.efficiency, "padding_share": share,
+            "rows": len(rows), "efficiency": rows.assigned.efficiency, "padding_share": share,
             "target_tokens_per_s": statistics.median(per_step[1:] or per_step),
             "median_step_s": median_step_s(run.records),
             "val_at_start": run.records[0]["val_at_start"],
         }  # fmt: skip
         sec.rows.append(Row(f"{label}: padding share of the rows", "1 - efficiency (index)",
-                            (total - int(rows.plan.positions.sum())) / total, share,
+                            (total - int(rows.assigned.positions.sum())) / total, share,
                             unit="%", exact=True))  # fmt: skip
     pk, pd = figures_of["packed"], figures_of["padded"]
     sec.rows += [
         Row("packed: rows per epoch", "⌈Σ example positions / seq_len⌉ (the fewest)",
             packed_rows_bound(made["tokens"]), pk["rows"], unit="rows"),
         Row("padded: rows per epoch", "examples kept (one a row)",
-            len(made["padded"].plan.example), pd["rows"], unit="rows", exact=True),
+            len(made["padded"].assigned.example), pd["rows"], unit="rows", exact=True),
         Row("target tokens per second, packed / padded",
             "efficiency packed / padded (the same positions per step)",
             pk["efficiency"] / pd["efficiency"],

@@ -73,11 +73,11 @@ def padding_share(rows: ExampleRows) -> float:
     pad = 0
     for chunk in torch.arange(len(rows)).split(256):
         _, _, seg = rows.draw(chunk)
-        examples = np.diff(rows.plan.row_start)[chunk.numpy()]  # a row's example runs
+        examples = np.diff(rows.assigned.row_start)[chunk.numpy()]  # a row's example runs
         pad += int((seg.numpy() == examples[:, None]).sum())
     return pad / (len(rows) * rows.seq_len)
 
 
 def packed_rows_bound(rows: ExampleRows) -> int:
     """The fewest rows the examples could fill: their positions / seq_len, rounded up."""
-    return -(-int(rows.plan.positions.sum()) // rows.seq_len)
+    return -(-int(rows.assigned.positions.sum()) // rows.seq_len)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from plait.build.model import build_model
 from plait.config import Config
 from plait.data.sampler import replica_share, split_micro
 from plait.estimate import activations as act
@@ -29,13 +30,12 @@ from plait.lessons import figures
 from plait.lessons.common import lesson_config
 from plait.lessons.finetune_data import build_examples, step_indices, training_rows
 from plait.lessons.measure import save_record
-from plait.lessons.section import Case, Row, Run, Section
+from plait.lessons.section import Case, CaseRun, Row, Section
 from plait.memory_tracker import MemoryTracker
 from plait.mesh import Mesh
 from plait.models.loss import IGNORE
 from plait.models.packing import Packing
 from plait.models.transformer import Transformer
-from plait.train import build_model
 
 NAME = "light-loss"
 TITLE = "The lighter loss: saved activations with target rows only vs the full logits"
@@ -114,7 +114,7 @@ def expected_saved(cfg: Config, targets: int) -> dict[str, int]:
     position a target) with the head's term swapped for the full logits', or with the
     target rows the micro-batch really has."""
     m = cfg.model
-    x = act.Shape(cfg.train.micro_batch, cfg.train.seq_len, 1, False, 4)
+    x = act.MicroShape(cfg.train.micro_batch, cfg.train.seq_len, 1, False, 4)
     line = estimate(cfg).ranks[0].line("activations").device
     bound = act.head_bytes(m, x, padded_vocab(m, 1))
     return {
@@ -129,7 +129,7 @@ def text_config(cfg: Config) -> Config:
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=None))
 
 
-def section(runs: dict[str, Run], out: Path) -> Section:
+def section(runs: dict[str, CaseRun], out: Path) -> Section:
     sec = Section(NAME, TITLE, __doc__.strip())
     run = runs["instruction"]
     rec = run.records[0]

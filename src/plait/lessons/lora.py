@@ -20,8 +20,8 @@ from pathlib import Path
 from plait.estimate.formulas import zero_comm_elements, zero_model_state_bytes
 from plait.lessons import figures
 from plait.lessons.common import lesson_config, psi
-from plait.lessons.records import activations, bytes_by_op, median_step_s, model_states
-from plait.lessons.section import Case, Row, Run, Section
+from plait.lessons.readings import activations, bytes_by_op, median_step_s, model_states
+from plait.lessons.section import Case, CaseRun, Row, Section
 from plait.models.declare import describe
 
 NAME = "lora"
@@ -42,18 +42,18 @@ def cases(quick: bool, procs: int) -> list[Case]:
     ]
 
 
-def adapter_count(runs: dict[str, Run]) -> int:
+def adapter_count(runs: dict[str, CaseRun]) -> int:
     """Φ: the trainable parameters the LoRA runs' contract declares."""
     contract = describe(runs["lora-zero2"].cfg.model)
     return sum(math.prod(e.decl.shape) for e in contract.params() if e.decl.trainable)
 
 
-def _term(run: Run, term: str) -> int:
+def _term(run: CaseRun, term: str) -> int:
     """Rank 0's bytes of one model-state term at the end of the last step."""
     return int(run.records[0]["steps"][-1]["memory"]["current"]["device"][term])
 
 
-def section(runs: dict[str, Run], out: Path) -> Section:
+def section(runs: dict[str, CaseRun], out: Path) -> Section:
     full = runs["full-zero2"].cfg
     n, dp, k = psi(full), full.parallel.dp, full.accumulation
     phi = adapter_count(runs)
@@ -100,18 +100,27 @@ def section(runs: dict[str, Run], out: Path) -> Section:
         f"Ψ = {n:,} base parameters (the tiny model), Φ = {phi:,} adapter parameters "
         f"(rank {LORA['rank']}, every Linear of a block), N = {dp}, k = {k} micro-batches."
     )
-    terms = ("parameters", "gradients", "master_weights", "optimizer_states")
-    by_term = {c: [_term(runs[c], t) / 1e6 for t in terms]
-               for c in ("full-zero2", "lora-zero2", "lora-zero3")}  # fmt: skip
-    sec.figures.append(figures.bars(out / "lora-terms.png", list(terms), by_term,
-                                    "model states per rank by term (LoRA: the frozen base is "
-                                    "in parameters)", "MB"))  # fmt: skip
-    labels = list(expected)
-    sec.figures.append(figures.bars(
-        out / "lora-model-states.png", labels,
-        {"formula": [expected[c] / 1e6 for c in labels],
-         "measured": [measured[c] / 1e6 for c in labels]},
-        f"model states per rank, Ψ = {n:,}, Φ = {phi:,}, N = {dp}", "MB"))  # fmt: skip
+    sec.figures += _figures(runs, out, expected, measured, f"Ψ = {n:,}, Φ = {phi:,}, N = {dp}")
     sec.raw = {"psi": n, "phi": phi, "dp": dp, "model_states": measured,
                "activations": acts, "median_step_s": times}  # fmt: skip
     return sec
+
+
+def _figures(
+    runs: dict[str, CaseRun], out: Path, expected: dict, measured: dict, sizes: str
+) -> list[Path]:
+    """The model states by term, and formula vs measured per case."""
+    terms = ("parameters", "gradients", "master_weights", "optimizer_states")
+    by_term = {c: [_term(runs[c], t) / 1e6 for t in terms]
+               for c in ("full-zero2", "lora-zero2", "lora-zero3")}  # fmt: skip
+    labels = list(expected)
+    return [
+        figures.bars(out / "lora-terms.png", list(terms), by_term,
+                     "model states per rank by term (LoRA: the frozen base is "
+                     "in parameters)", "MB"),
+        figures.bars(
+            out / "lora-model-states.png", labels,
+            {"formula": [expected[c] / 1e6 for c in labels],
+             "measured": [measured[c] / 1e6 for c in labels]},
+            f"model states per rank, {sizes}", "MB"),
+    ]  # fmt: skip

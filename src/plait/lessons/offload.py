@@ -12,8 +12,8 @@ from pathlib import Path
 
 from plait.lessons import figures
 from plait.lessons.common import lesson_config, psi
-from plait.lessons.records import median_step_s, model_states
-from plait.lessons.section import Case, Row, Run, Section
+from plait.lessons.readings import median_step_s, model_states
+from plait.lessons.section import Case, CaseRun, Row, Section
 
 NAME = "offload"
 TITLE = "Offload: device vs host memory vs step time (ZeRO-2, bf16)"
@@ -28,7 +28,7 @@ def cases(quick: bool, procs: int) -> list[Case]:
     ]  # fmt: skip
 
 
-def section(runs: dict[str, Run], out: Path) -> Section:
+def section(runs: dict[str, CaseRun], out: Path) -> Section:
     cfg = runs["offload-none"].cfg
     n, dp = psi(cfg), cfg.parallel.dp
     sec = Section(NAME, TITLE, __doc__.strip())

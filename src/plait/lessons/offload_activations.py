@@ -16,8 +16,8 @@ from pathlib import Path
 from plait.estimate import estimate
 from plait.lessons import figures
 from plait.lessons.common import lesson_config
-from plait.lessons.records import activations, losses, median_step_s
-from plait.lessons.section import Case, Row, Run, Section
+from plait.lessons.readings import activations, losses, median_step_s
+from plait.lessons.section import Case, CaseRun, Row, Section
 
 NAME = "offload-activations"
 TITLE = "Activation offload: saved activations on the device vs the host vs step time"
@@ -38,7 +38,7 @@ def cases(quick: bool, procs: int) -> list[Case]:
     ]  # fmt: skip
 
 
-def section(runs: dict[str, Run], out: Path) -> Section:
+def section(runs: dict[str, CaseRun], out: Path) -> Section:
     sec = Section(NAME, TITLE, __doc__.strip())
     dp = runs["none"].cfg.parallel.dp
     measured, expected = {}, {}

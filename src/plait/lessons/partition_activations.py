@@ -19,8 +19,8 @@ from plait.estimate import estimate
 from plait.estimate.partitioned import gathers_per_step
 from plait.lessons import figures
 from plait.lessons.common import lesson_config
-from plait.lessons.records import activations, bytes_by_op, losses, median_step_s
-from plait.lessons.section import Case, Row, Run, Section
+from plait.lessons.readings import activations, bytes_by_op, losses, median_step_s
+from plait.lessons.section import Case, CaseRun, Row, Section
 
 NAME = "partition-activations"
 TITLE = "Partitioned activations: saved activations per rank vs the all-gather they cost"
@@ -37,12 +37,12 @@ def cases(quick: bool, procs: int) -> list[Case]:
     ]
 
 
-def _gathered(run: Run) -> int:
+def _gathered(run: CaseRun) -> int:
     """All-gather bytes of one step on the rank that gathered most."""
     return max(bytes_by_op(run.records, r).get("all_gather", 0) for r in range(len(run.records)))
 
 
-def section(runs: dict[str, Run], out: Path) -> Section:
+def section(runs: dict[str, CaseRun], out: Path) -> Section:
     sec = Section(NAME, TITLE, __doc__.strip())
     ranks = range(len(runs["full"].records))
     held = {c: max(activations(runs[c].records, r) for r in ranks) for c in CASES}
@@ -79,7 +79,7 @@ def section(runs: dict[str, Run], out: Path) -> Section:
     return sec
 
 
-def _notes(run: Run, held: dict[str, int], est: dict[str, int]) -> list[str]:
+def _notes(run: CaseRun, held: dict[str, int], est: dict[str, int]) -> list[str]:
     m, t = run.cfg.model, run.cfg.train
     gaps = ", ".join(f"{c} {held[c] - est[c]:+,} B" for c in CASES)
     return [

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from plait.build.corpus import load_corpus
+from plait.build.model import build_model
 from plait.comm import Comm
 from plait.config import Config
 from plait.data.batches import StepBatches
@@ -35,7 +37,6 @@ from plait.lessons.measure import save_record
 from plait.mesh import Mesh
 from plait.optim import build_optimizer, lr_at, set_lr
 from plait.torch_private import ddp_logging_data
-from plait.train import build_model, load_corpus
 
 
 def ddp_peer(cfg: Config, mesh: Mesh) -> dict[str, Any]:

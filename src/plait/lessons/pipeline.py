@@ -15,8 +15,8 @@ from pathlib import Path
 from plait.estimate import estimate
 from plait.lessons import figures
 from plait.lessons.common import lesson_config
-from plait.lessons.records import activations
-from plait.lessons.section import Case, Row, Run, Section
+from plait.lessons.readings import activations
+from plait.lessons.section import Case, CaseRun, Row, Section
 from plait.schedule.schedules import build_schedule
 from plait.schedule.simulate import predicted_bubble, simulate
 from plait.schedule.unit_costs import formula, unit_costs
@@ -40,7 +40,7 @@ def cases(quick: bool, procs: int) -> list[Case]:
     ]  # fmt: skip
 
 
-def section(runs: dict[str, Run], out: Path) -> Section:
+def section(runs: dict[str, CaseRun], out: Path) -> Section:
     sec = Section(NAME, TITLE, __doc__.strip())
     in_flight: dict[str, tuple[int, ...]] = {}
     for name, run in runs.items():
@@ -85,7 +85,7 @@ def section(runs: dict[str, Run], out: Path) -> Section:
     return sec
 
 
-def stage_activations(run: Run) -> list[int]:
+def stage_activations(run: CaseRun) -> list[int]:
     """Measured peak of saved activations per pipeline stage (the largest of its ranks)."""
     by_stage: dict[int, int] = {}
     for r, rec in enumerate(run.records):
@@ -94,7 +94,7 @@ def stage_activations(run: Run) -> list[int]:
     return [by_stage[k] for k in sorted(by_stage)]
 
 
-def _activation_rows(sec: Section, runs: dict[str, Run], in_flight: dict[str, tuple[int, ...]],
+def _activation_rows(sec: Section, runs: dict[str, CaseRun], in_flight: dict[str, tuple[int, ...]],
                      out: Path) -> dict[str, dict[str, list[int]]]:  # fmt: skip
     """Measured activations per stage: GPipe and 1F1B against the micro-batches in flight x
     what naive (one in flight) measured on that stage; every schedule's most loaded stage

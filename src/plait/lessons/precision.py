@@ -13,8 +13,8 @@ from pathlib import Path
 
 from plait.lessons import figures
 from plait.lessons.common import lesson_config, psi
-from plait.lessons.records import bytes_by_op, losses, median_step_s, model_states
-from plait.lessons.section import Case, Row, Run, Section
+from plait.lessons.readings import bytes_by_op, losses, median_step_s, model_states
+from plait.lessons.section import Case, CaseRun, Row, Section
 
 NAME = "precision"
 TITLE = "Precision: fp32 vs bf16 vs fp16 memory, loss curves and the fp16 loss scale"
@@ -26,7 +26,7 @@ def cases(quick: bool, procs: int) -> list[Case]:
     return [Case(p, lesson_config(quick, {"dp": procs, "precision": p})) for p in PRECISIONS]
 
 
-def section(runs: dict[str, Run], out: Path) -> Section:
+def section(runs: dict[str, CaseRun], out: Path) -> Section:
     n = psi(runs["fp32"].cfg)
     sec = Section(NAME, TITLE, __doc__.strip())
     for name in PRECISIONS:

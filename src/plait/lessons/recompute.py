@@ -20,8 +20,8 @@ from plait.config import Config
 from plait.estimate import estimate
 from plait.lessons import figures
 from plait.lessons.common import lesson_config
-from plait.lessons.records import activations, losses, median_step_s
-from plait.lessons.section import Case, Row, Run, Section
+from plait.lessons.readings import activations, losses, median_step_s
+from plait.lessons.section import Case, CaseRun, Row, Section
 
 NAME = "recompute"
 TITLE = "Activation recomputation: none vs selective vs full, activation memory vs step time"
@@ -62,7 +62,7 @@ def keys_bytes(cfg: Config) -> int:
     return INDEX * cfg.train.micro_batch * cfg.accumulation
 
 
-def section(runs: dict[str, Run], out: Path) -> Section:
+def section(runs: dict[str, CaseRun], out: Path) -> Section:
     sec = Section(NAME, TITLE, __doc__.strip())
     cfg = runs["none"].cfg
     measured = {m: max(activations(runs[m].records, r) for r in range(cfg.parallel.dp))

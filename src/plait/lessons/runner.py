@@ -21,6 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from plait.errors import ConfigError
 from plait.launch import launch
 from plait.lessons import (
+    context_parallel,
     dp,
     finetune,
     light_loss,
@@ -30,11 +31,12 @@ from plait.lessons import (
     partition_activations,
     pipeline,
     precision,
+    qlora,
     recompute,
     tp,
     zero,
 )
-from plait.lessons.section import Case, Run, Section
+from plait.lessons.section import Case, CaseRun, Section
 from plait.lessons.writeup import previous_sections, write_report
 from plait.outdir import check_out_folder
 
@@ -44,7 +46,8 @@ MIN_PROCS, MAX_PROCS = 2, 4
 def registry() -> dict[str, ModuleType]:
     """Lesson name -> module, in the course's order."""
     course = (dp, pipeline, tp, zero, precision, recompute, offload, offload_activations,
-              partition_activations, finetune, lora, light_loss)  # fmt: skip
+              partition_activations, finetune, lora, qlora, light_loss,
+              context_parallel)  # fmt: skip
     return {m.NAME: m for m in course}
 
 
@@ -79,13 +82,13 @@ def choose_procs(cores: int, say: Callable[[str], None]) -> int:
     return procs
 
 
-def run_case(case: Case, folder: Path) -> Run:
+def run_case(case: Case, folder: Path) -> CaseRun:
     """One world: every rank trains the case and writes its record under `folder/label`."""
     out = folder / case.label
     cfg = dataclasses.replace(case.cfg, log=dataclasses.replace(case.cfg.log, out=str(out)))
     launch(cfg, target=case.target)
     ranks = cfg.parallel.layout.world_size
-    return Run(cfg, [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)])
+    return CaseRun(cfg, [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)])
 
 
 def run_lessons(names: Sequence[str], quick: bool, out: Path, procs: int,

@@ -88,7 +88,7 @@ class Section:
 
 
 @dataclass(frozen=True)
-class Run:
+class CaseRun:
     """A case after it ran: its config and one record per rank (see measure.py)."""
 
     cfg: Config

@@ -19,8 +19,8 @@ from plait.config import Config
 from plait.estimate.formulas import tp_comm_per_microbatch
 from plait.lessons import figures
 from plait.lessons.common import lesson_config
-from plait.lessons.records import median_step_s
-from plait.lessons.section import Case, Row, Run, Section
+from plait.lessons.readings import median_step_s
+from plait.lessons.section import Case, CaseRun, Row, Section
 from plait.lessons.tp_counts import (
     BLOCKS,
     OPS,
@@ -62,7 +62,7 @@ def _expected(cfg: Config, sp: bool) -> tuple[Table, Table]:
     return formula_table(fwd, W), formula_table(bwd, W)
 
 
-def section(runs: dict[str, Run], out: Path) -> Section:
+def section(runs: dict[str, CaseRun], out: Path) -> Section:
     plain, sp = runs["tp"], runs["tp-sp"]
     sec = Section(NAME, TITLE, __doc__.strip())
     sec.rows += _plain_rows(plain) + _sp_rows(sp, plain) + _split_rows(plain)
@@ -79,7 +79,7 @@ def section(runs: dict[str, Run], out: Path) -> Section:
     return sec
 
 
-def _plain_rows(run: Run) -> list[Row]:
+def _plain_rows(run: CaseRun) -> list[Row]:
     """Without SP: the four all-reduces per layer, their size, the model-level collectives."""
     b, s, h, n_layers, _ = _sizes(run.cfg)
     e = b * s * h * W
@@ -110,7 +110,7 @@ def _plain_rows(run: Run) -> list[Row]:
     ]  # fmt: skip
 
 
-def _sp_rows(run: Run, plain: Run) -> list[Row]:
+def _sp_rows(run: CaseRun, plain: CaseRun) -> list[Row]:
     """With SP: all-gather + reduce-scatter pairs, no activation all-reduce, same ring bytes."""
     b, s, h, n_layers, t = _sizes(run.cfg)
     e = b * s * h * W
@@ -162,7 +162,7 @@ SPLITS = {  # arrangement -> (what, forward, backward); E = b·s·h·4, F = b·s
 }  # fmt: skip
 
 
-def _split_rows(run: Run) -> list[Row]:
+def _split_rows(run: CaseRun) -> list[Row]:
     """What each split of the MLP's Linears communicates, forward and backward (split.py)."""
     b, s, h, _, _ = _sizes(run.cfg)
     e, f = b * s * h * W, b * s * run.cfg.model.ffn_dim * W
@@ -199,14 +199,14 @@ def _notes(cfg: Config) -> list[str]:
         "biases, the position table).",
         "Column vs row: plait's ColumnParallelLinear and RowParallelLinear at the MLP's shapes "
         f"(h = {h} → ffn = {cfg.model.ffn_dim} → h), run once forward and backward on the same "
-        "ranks (lessons/split.py). Paired, the column's output slice is the row's input slice: "
-        "one all-reduce each way per block instead of two all-gathers of b·s·ffn more.",
+        "ranks (lessons/column_row.py). Paired, the column's output slice is the row's input "
+        "slice: one all-reduce each way per block instead of two all-gathers of b·s·ffn more.",
         "Full recomputation would re-run each block's forward in the backward and with it the "
         "forward's two all-reduces per layer; the lesson runs without it.",
     ]
 
 
-def _figures(runs: dict[str, Run], out: Path) -> list[Path]:
+def _figures(runs: dict[str, CaseRun], out: Path) -> list[Path]:
     tables = {label: phase_tables(run.records) for label, run in runs.items()}
     n_layers = runs["tp"].cfg.model.n_layers
     groups = [f"{phase}, {'SP' if sp else 'no SP'}" for sp in (False, True)

@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 from plait.config import Config
+from plait.lessons.column_row import measure_split
 from plait.lessons.measure import save_record, step_row
 from plait.lessons.phases import MarkedRunner, PhaseMeter
-from plait.lessons.split import measure_split
 from plait.mesh import Mesh
 from plait.step import Accumulate, Step
 from plait.train import Trainer

@@ -13,8 +13,8 @@ from pathlib import Path
 from plait.estimate.formulas import zero_comm_elements, zero_model_state_bytes
 from plait.lessons import figures
 from plait.lessons.common import lesson_config, psi
-from plait.lessons.records import bytes_by_op, median_step_s, model_states
-from plait.lessons.section import Case, Row, Run, Section
+from plait.lessons.readings import bytes_by_op, median_step_s, model_states
+from plait.lessons.section import Case, CaseRun, Row, Section
 
 NAME = "zero"
 TITLE = "ZeRO 0/1/2/3: model states per rank vs 16Ψ, 4Ψ+12Ψ/N, 2Ψ+14Ψ/N, 16Ψ/N"
@@ -29,7 +29,7 @@ def cases(quick: bool, procs: int) -> list[Case]:
     ]
 
 
-def section(runs: dict[str, Run], out: Path) -> Section:
+def section(runs: dict[str, CaseRun], out: Path) -> Section:
     cfg = runs["zero0"].cfg
     n, dp = psi(cfg), cfg.parallel.dp
     sec = Section(NAME, TITLE, __doc__.strip())

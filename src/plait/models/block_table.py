@@ -29,7 +29,7 @@ This module imports nothing of plait: the config reaches it as a `Shape`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Literal, Protocol
 
@@ -52,7 +52,7 @@ class Shape(Protocol):
     @property
     def ffn_dim(self) -> int: ...
     @property
-    def mlp(self) -> str: ...
+    def arch(self) -> str: ...
     @property
     def bias(self) -> bool: ...
 
@@ -69,8 +69,9 @@ def width(cfg: Shape, rule: Width) -> int:
 
 
 def flags(cfg: Shape) -> dict[str, bool]:
-    """The config's switches a row's `bias` may name."""
-    return {"bias": cfg.bias}
+    """The config's switches a row's `bias` may name; "always": the family's own bias
+    (Qwen2's q, k and v), whatever `model.bias` says."""
+    return {"bias": cfg.bias, "always": True}
 
 
 @dataclass(frozen=True)
@@ -102,10 +103,17 @@ class LinearRow:
 
 @dataclass(frozen=True)
 class NormRow:
-    """One norm of a block: its module path and its Hugging Face module."""
+    """One norm of a block: its module path and its Hugging Face module. `over="head"`: an
+    RMSNorm over each head of the projection it follows (Qwen3's q_norm and k_norm, before
+    RoPE), of head_dim features; under tensor parallelism a rank normalizes its own heads,
+    so the gain is replicated and its gradient partial over tp."""
 
     path: str  # "attn_norm"
     hf: str  # "input_layernorm"
+    over: Literal["h", "head"] = "h"  # the residual stream's d_model, or each head
+
+    def width(self, cfg: Shape) -> int:
+        return cfg.head_dim if self.over == "head" else cfg.d_model
 
 
 @dataclass(frozen=True)
@@ -114,6 +122,7 @@ class BlockTable:
     stores it."""
 
     name: str  # what messages call it: "LLaMA", "GPT-2"
+    mlp: str  # the model.mlp its rows compute: "swiglu", "gelu"
     rows: tuple[NormRow | LinearRow, ...]
     hf_transposed: bool  # Hugging Face stores the Linears (in, out) (GPT-2's Conv1D)
     default_targets: tuple[str, ...]  # PEFT's default target_modules, as target words
@@ -155,6 +164,7 @@ class BlockTable:
 
 LLAMA = BlockTable(
     "LLaMA",
+    "swiglu",
     (
         NormRow("attn_norm", "input_layernorm"),
         LinearRow("attn.wq", "q", "h", "column", False, "q", "self_attn.q_proj"),
@@ -172,6 +182,7 @@ LLAMA = BlockTable(
 
 GPT2 = BlockTable(
     "GPT-2",
+    "gelu",
     (
         NormRow("attn_norm", "ln_1"),
         LinearRow("attn.wq", "q", "h", "column", False, "q", "attn.c_attn"),
@@ -186,23 +197,105 @@ GPT2 = BlockTable(
     default_targets=("q", "k", "v"),  # PEFT's c_attn
 )
 
-TABLES = (LLAMA, GPT2)
+QWEN3 = BlockTable(
+    "Qwen3",
+    "swiglu",
+    (
+        *LLAMA.rows[:5],
+        NormRow("attn.q_norm", "self_attn.q_norm", over="head"),
+        NormRow("attn.k_norm", "self_attn.k_norm", over="head"),
+        *LLAMA.rows[5:],
+    ),
+    hf_transposed=False,
+    default_targets=("q", "v"),
+)
+"""LLaMA's block with an RMSNorm over each head of q and of k before RoPE; registered after
+o_proj, as Hugging Face's Qwen3Attention does."""
 
-LINEAR_PATHS = tuple(sorted({r.path for table in TABLES for r in table.linears}))
+QWEN2 = BlockTable(
+    "Qwen2",
+    "swiglu",
+    (
+        LLAMA.rows[0],
+        *(replace(r, bias=("always",)) for r in LLAMA.rows[1:4]),
+        *LLAMA.rows[4:],
+    ),
+    hf_transposed=False,
+    default_targets=("q", "v"),
+)
+"""LLaMA's block with biases on q, k and v (not o): Qwen2 and Qwen2.5."""
+
+FUSED = {"self_attn.q_proj": "self_attn.qkv_proj", "self_attn.k_proj": "self_attn.qkv_proj",
+         "self_attn.v_proj": "self_attn.qkv_proj", "mlp.gate_proj": "mlp.gate_up_proj",
+         "mlp.up_proj": "mlp.gate_up_proj"}  # fmt: skip
+PHI3 = BlockTable(
+    "Phi-3",
+    "swiglu",
+    tuple(replace(r, hf=FUSED.get(r.hf, r.hf)) for r in LLAMA.rows),
+    hf_transposed=False,
+    default_targets=("q", "k", "v"),  # qkv_proj (PEFT has no default for Phi-3)
+)
+"""LLaMA's block, stored by Hugging Face with q, k and v stacked in one qkv_proj and gate
+and up in one gate_up_proj (split on the way in, stacked on the way out, by the rows'
+order); PEFT adapts each fused module once, so they share one A (models/lora.py)."""
+
+MISTRAL = replace(LLAMA, name="Mistral")  # LLaMA's block; its attention slides (core_attention)
+
+_ATTN, _MLP = LLAMA.linears[:4], LLAMA.linears[4:]
+GEMMA2 = BlockTable(
+    "Gemma 2",
+    "geglu",
+    (
+        NormRow("attn_norm", "input_layernorm"),
+        *_ATTN,
+        NormRow("attn_post_norm", "post_attention_layernorm"),
+        NormRow("mlp_norm", "pre_feedforward_layernorm"),
+        *_MLP,
+        NormRow("mlp_post_norm", "post_feedforward_layernorm"),
+    ),
+    hf_transposed=False,
+    default_targets=("q", "v"),
+)
+"""LLaMA's Linears with a tanh-GELU gate, and a norm before and after each sublayer (the
+block registers each post norm after its sublayer, models/transformer.py)."""
+
+GEMMA3 = replace(
+    GEMMA2,
+    name="Gemma 3",
+    rows=(
+        *GEMMA2.rows[:5],
+        NormRow("attn.q_norm", "self_attn.q_norm", over="head"),
+        NormRow("attn.k_norm", "self_attn.k_norm", over="head"),
+        *GEMMA2.rows[5:],
+    ),
+)
+"""Gemma 2's block with Qwen3's per-head q and k norms (Gemma's (1 + w) kind)."""
+
+TABLES = {
+    "llama": LLAMA,
+    "gpt2": GPT2,
+    "qwen2": QWEN2,
+    "qwen3": QWEN3,
+    "phi3": PHI3,
+    "mistral": MISTRAL,
+    "gemma2": GEMMA2,
+    "gemma3": GEMMA3,
+}
+"""Every architecture's table by its `model.family` name."""
+
+LINEAR_PATHS = tuple(sorted({r.path for table in TABLES.values() for r in table.linears}))
 """Every architecture's Linear paths, sorted: an adapter's dropout site is its index here
 (models/lora.py), so a path added later sorts among them and moves the sites after it."""
 
 
-def table_for(mlp: str) -> BlockTable:
-    """The table of the architecture a config's `mlp` names today: LLaMA's with a SwiGLU MLP,
-    GPT-2's with GELU (the one key callers outside models/ pass; a family field would
-    replace it here)."""
-    return LLAMA if mlp == "swiglu" else GPT2
+def table_for(arch: str) -> BlockTable:
+    """The table of the architecture `arch` names (a config's `arch`: its `model.family`)."""
+    return TABLES[arch]
 
 
 def block_table(cfg: Shape) -> BlockTable:
     """The table of `cfg`'s architecture."""
-    return table_for(cfg.mlp)
+    return table_for(cfg.arch)
 
 
 def linear_widths(cfg: Shape) -> dict[str, tuple[int, int]]:

@@ -26,8 +26,12 @@ from plait.models.block_table import NormRow, Style, block_table
 from plait.models.contract import ModelContract, ParamDecl, Part
 
 
-def _norm(cfg: ModelConfig, leaf: str) -> tuple[ParamDecl, ...]:
-    """A norm acts on each position alone: under SP a rank sees only its positions."""
+def _norm(cfg: ModelConfig, leaf: str, row: NormRow | None = None) -> tuple[ParamDecl, ...]:
+    """A norm acts on each position alone: under SP a rank sees only its positions. A norm
+    over each head (`row.over == "head"`) follows a column-parallel projection, which gathers
+    the sequence first: a rank sees every position but only its heads."""
+    if row is not None and row.over == "head":
+        return (ParamDecl(f"{leaf}weight", (cfg.head_dim,), tp_partial=True),)
     h = cfg.d_model
     out = [ParamDecl(f"{leaf}weight", (h,), sp_partial=True)]
     if cfg.norm == "layernorm" and cfg.bias:
@@ -95,7 +99,7 @@ def block_params(cfg: ModelConfig) -> tuple[ParamDecl, ...]:
     out: list[ParamDecl] = []
     for row in block_table(cfg).rows:
         if isinstance(row, NormRow):
-            out += _norm(cfg, f"{row.path}.")
+            out += _norm(cfg, f"{row.path}.", row)
             continue
         adapter = None
         if spec is not None and row.path in spec.leaves:

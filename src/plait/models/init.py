@@ -63,7 +63,7 @@ def init_value(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int) -
     parameters exist on a rank or in what order they are initialized: a tensor-parallel
     shard or pipeline stage slices this and matches the single-process model exactly.
     Weights ~ N(0, init_std), residual output projections scaled by 1/sqrt(2 n_layers)
-    (GPT-2, Radford et al., 2019), biases 0, norm weights 1.
+    (GPT-2, Radford et al., 2019), biases 0, norm weights 1 (Gemma's, which scale by 1 + w: 0).
     """
     name = canonical_name(cfg, name)
     owner, _, leaf = name.rpartition(".")
@@ -71,8 +71,8 @@ def init_value(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int) -
         return torch.zeros(shape)
     if leaf == "lora_a":
         return lora_a_value(shape, torch.Generator().manual_seed(_seed_for(seed, name)))
-    if owner.rpartition(".")[2].endswith("norm") and leaf == "weight":
-        return torch.ones(shape)
+    if owner.rpartition(".")[2].endswith("norm") and leaf == "weight":  # Gemma's: 1 + w
+        return torch.zeros(shape) if cfg.gemma else torch.ones(shape)
     std = _weight_std(cfg, owner) if leaf == "weight" else None
     if std is None:
         raise ValueError(f"init_value does not know how to initialize parameter {name!r}")

@@ -32,6 +32,10 @@ class KVCache:
         self.length += s
 
 
-def causal_mask(start: int, s: int, device: torch.device) -> Tensor:
-    """(s, start + s) bool: new position start + i sees positions 0 .. start + i."""
-    return torch.ones(s, start + s, dtype=torch.bool, device=device).tril(diagonal=start)
+def causal_mask(start: int, s: int, device: torch.device, window: int | None = None) -> Tensor:
+    """(s, start + s) bool: new position start + i sees positions 0 .. start + i, or with a
+    `window` only the last `window` of them (start + i - window < j)."""
+    mask = torch.ones(s, start + s, dtype=torch.bool, device=device).tril(diagonal=start)
+    if window is not None:
+        mask = mask.triu(diagonal=start - window + 1)
+    return mask

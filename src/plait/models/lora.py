@@ -18,6 +18,28 @@ Face module. The MLP's `up` and `down` are GPT-2's c_fc and c_proj.
 The base is frozen by the model's contract (models/declare.py): no gradient, no bucket, no
 optimizer state, no master copy. This module holds the rules (`LoRASpec`) and the layer; the
 tensor-parallel forms are in parallel/tp/layers.py and call `adapter_input`.
+
+How LoRA works under tensor parallelism. A and B are split along the dimension each shares
+with the base weight where the weight is split there, else replicated (`declare.adapter_params`
+declares it; the tp layers build their parameters from those declarations):
+
+- a column-parallel target (q, k, v, gate, up: W split by output): B is split by output like
+  W and A replicated, so each rank adds its output slice of B (A x) to its slice of W x, with
+  no collective. A's gradient on each rank comes through its own slice of B only, so it is
+  partial over tp whatever the layout (the contract's `tp_partial`); `parallel/grads.py` sums
+  it over tp once per step, in the same flat all-reduce as the sequence-parallel partials.
+- a row-parallel target (o, down: W split by input): A is split by input like W, so each
+  rank's A x is a partial sum, like its W x. `RowParallelLinear` appends A x's r features to
+  W x before the block's one all-reduce (reduce-scatter under SP, parallel/tp/mappings.py),
+  which then sums both; the replicated B is applied after it, per position, so under SP its
+  gradient is partial like a row-parallel bias (`sp_partial`). The adapter's dropout mask on
+  the split input is this rank's slice of the whole one (`ShardedDropout`), so it does not
+  depend on the layout.
+
+The engines learn from the same declarations which parameters train (the frozen base: no
+gradient, bucket or state; under ZeRO-3 it is gathered, never reduced: parallel/zero/frozen.py),
+and the planner prices the extra traffic (plan/traffic.py). docs/lora.md has the bytes;
+tests/test_lora_layouts.py shows tp and tp + SP equal to one process.
 """
 
 from __future__ import annotations
@@ -85,11 +107,11 @@ def check_given_targets(text: object) -> None:
         )
 
 
-def parse_targets(text: str, mlp: str) -> tuple[str, ...]:
+def parse_targets(text: str, arch: str) -> tuple[str, ...]:
     """'q,v', 'attn', 'mlp', 'all' (or '' for PEFT's default) -> target words, in the block
-    table's order (`table_for(mlp)`); an unknown or absent name is refused, naming the known
+    table's order (`table_for(arch)`); an unknown or absent name is refused, naming the known
     ones."""
-    table = table_for(mlp)
+    table = table_for(arch)
     known = table.targets
     names: list[str] = []
     for word in (w.strip() for w in text.split(",")) if text.strip() else table.default_targets:
@@ -107,15 +129,15 @@ def parse_targets(text: str, mlp: str) -> tuple[str, ...]:
 
 
 def lora_spec(
-    rank: int | None, alpha: float, dropout: float, targets: str, mlp: str
+    rank: int | None, alpha: float, dropout: float, targets: str, arch: str
 ) -> LoRASpec | None:
     """The adapters a model config asks for (None without a rank), checked: the Linears
     stacked in one Hugging Face module share one adapter there, so they are targeted
     together or not at all."""
     if rank is None:
         return None
-    table = table_for(mlp)
-    names = parse_targets(targets, mlp)
+    table = table_for(arch)
+    names = parse_targets(targets, arch)
     leaves = tuple(table.targets[n] for n in names)
     for leaf in leaves:
         rows = table.fused(leaf)

@@ -8,6 +8,28 @@ the rows drawn, before the step): summed over micro-batches and averaged over re
 the global token-weighted mean, whatever the layout, and needs no collective for the count.
 Averaging per micro-batch instead weighs a micro-batch with few targets as much as one with
 many, which is the gradient-accumulation bug of transformers before PR #34191.
+
+How a packed row's loss stays exact across data-parallel ranks, in the order a step meets it:
+
+1. The row: an examples folder's rows hold several examples each (`data/packing.py` picks
+   which, from the index's lengths; `data/examples.py` draws them), with prompt tokens and
+   pads IGNORE (`data/instruct.py` says where targets begin and end). Positions restart and
+   attention stays inside each example (`models/packing.py`, `models/packed_attention.py`),
+   so a row computes what its examples compute one by one.
+2. The count: every rank draws the indices of the whole global batch (`data/sampler.py`) and
+   counts its targets from the index (`Rows.target_count`), without reading a token or a
+   collective; `data/batches.py` gives each of its replica's micro-batches `denom` = that
+   count / dp.
+3. The loss: each micro-batch's summed target loss / `denom` (here; the vocabulary-parallel
+   head's loss keeps the same rule, parallel/tp/vocab.py; a pipeline's last stage computes
+   it, parallel/pipeline/walker.py), backpropagated as it is and summed over micro-batches.
+4. The reduction: the data-parallel gradient reduction averages over dp
+   (`parallel/zero/reducer.py`; 2BW's `parallel/pipeline/weight_versions.py` alike), so the
+   gradient is that of sum / count over the whole global batch, the single process's; naive
+   data parallelism sums instead, and its micro-batches carry the whole count. The reported
+   loss is averaged over dp the same way (`step.py`).
+
+tests/test_exact_loss.py shows it on packed, masked rows of random lengths in every layout.
 """
 
 from __future__ import annotations

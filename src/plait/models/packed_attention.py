@@ -79,20 +79,30 @@ def _keep(t: Tensor) -> Tensor:
     return t
 
 
+def _causal(q: Tensor, k: Tensor, v: Tensor, window: int | None, scale: float | None) -> Tensor:
+    """Causal SDPA over one document, seeing the last `window` positions where it is shorter
+    than the document."""
+    s = q.shape[-2]
+    if window is None or window >= s:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril().triu(1 - window)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
 class DocumentAttention(torch.autograd.Function):
     """Causal SDPA per document; saves q, k, v only and recomputes each document's forward
     in backward (the module docstring says why)."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, documents: list) -> Tensor:
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, documents: list, window, scale) -> Tensor:
         b, a, s, hd = q.shape
         out = q.new_empty(b, s, a, hd)  # (b, s, a, hd): the projection's input is a view
         for row, start, end in documents:
             doc = (t[row : row + 1, :, start:end] for t in (q, k, v))  # (1, a, l, hd)
-            y = F.scaled_dot_product_attention(*doc, is_causal=True)  # (1, a, l, hd)
+            y = _causal(*doc, window, scale)  # (1, a, l, hd)
             out[row, start:end] = y[0].transpose(0, 1)  # (l, a, hd)
         ctx.save_for_backward(q, k, v)
-        ctx.documents = documents
+        ctx.documents, ctx.window, ctx.scale = documents, window, scale
         return out.transpose(1, 2)  # (b, a, s, hd)
 
     @staticmethod
@@ -105,39 +115,71 @@ class DocumentAttention(torch.autograd.Function):
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
             for row, start, end in ctx.documents:
                 doc = [t[row : row + 1, :, start:end].detach().requires_grad_() for t in (q, k, v)]
-                y = F.scaled_dot_product_attention(*doc, is_causal=True)
+                y = _causal(*doc, ctx.window, ctx.scale)
                 parts = torch.autograd.grad(y, doc, grad[row : row + 1, :, start:end])
                 for whole, part in zip(grads, parts, strict=True):
                     whole[row : row + 1, :, start:end] = part
-        return *grads, None
+        return *grads, None, None, None
 
 
-def document_attention(q: Tensor, k: Tensor, v: Tensor, documents: list) -> Tensor:
+def document_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    documents: list,
+    window: int | None = None,
+    scale: float | None = None,
+) -> Tensor:
     """Causal attention within each (row, start, end) of `documents`, which cover every
-    token: (b, a, s, hd) in and out, k and v with q's heads."""
-    return DocumentAttention.apply(q, k, v, documents)
+    token: (b, a, s, hd) in and out, k and v with q's heads; `window`: each position sees
+    at most the last that many; `scale`: of q kᵀ (None: 1/sqrt(hd))."""
+    return DocumentAttention.apply(q, k, v, documents, window, scale)
 
 
-def varlen_attention(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, longest: int) -> Tensor:
+def varlen_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    offsets: Tensor,
+    longest: int,
+    window: int | None = None,
+    scale: float | None = None,
+) -> Tensor:
     """Causal attention within each document through torch's varlen_attn: q, k, v (b, a, s,
     hd), `offsets` int32 (documents + 1,) into the b·s tokens, `longest` the longest document;
     a clear error where it cannot run."""
     refusal = varlen_refusal(q.device.type, q.dtype)
     if refusal is not None:
         raise ValueError(f"packed attention 'varlen' cannot run: {refusal}")
-    return varlen_through(varlen_kernel(), q, k, v, offsets, longest)
+    return varlen_through(varlen_kernel(), q, k, v, offsets, longest, window, scale)
 
 
 def varlen_through(
-    kernel: Callable, q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, longest: int
+    kernel: Callable,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    offsets: Tensor,
+    longest: int,
+    window: int | None = None,
+    scale: float | None = None,
 ) -> Tensor:
     """`kernel` (varlen_attn's signature) on q, k, v (b, a, s, hd) flattened to (b·s, a, hd)
-    (a view where the heads' layout allows), and its output back to (b, a, s, hd)."""
+    (a view where the heads' layout allows), and its output back to (b, a, s, hd). A sliding
+    `window` w is flash attention's window (w - 1, 0): w - 1 keys before the query and none
+    after; a kernel that takes no window cannot run one."""
     b, a, s, hd = q.shape
     flat = [t.transpose(1, 2).reshape(b * s, a, hd) for t in (q, k, v)]  # (b·s, a, hd)
     # Causality was `is_causal=True` in torch 2.10's varlen_attn; later ones take a window,
     # (-1, 0) being causal with no left limit.
     params = inspect.signature(kernel).parameters
-    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
-    out = kernel(*flat, offsets, offsets, longest, longest, **causal)  # (b·s, a, hd)
+    left = -1 if window is None else window - 1
+    if "window_size" in params:
+        causal = {"window_size": (left, 0)}
+    elif window is None:
+        causal = {"is_causal": True}
+    else:
+        raise ValueError("this torch's varlen_attn takes no window: a sliding window cannot run")
+    extra = {} if scale is None else {"scale": scale}
+    out = kernel(*flat, offsets, offsets, longest, longest, **causal, **extra)  # (b·s, a, hd)
     return out.view(b, s, a, hd).transpose(1, 2)  # (b, a, s, hd)

@@ -30,6 +30,7 @@ from itertools import pairwise
 import torch
 from torch import Tensor
 
+from plait.models.kv_cache import causal_mask
 from plait.models.packed_attention import (
     MODES,
     attention_path,
@@ -49,10 +50,11 @@ class Packing:
     _made: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
-    def of(cls, segments: Tensor | None, mode: str = "auto") -> Packing | None:
-        """From segment ids (b, s); None stays None (plain causal rows)."""
-        if segments is None:
-            return None
+    def of(cls, segments: Tensor | Packing | None, mode: str = "auto") -> Packing | None:
+        """From segment ids (b, s); None stays None (plain causal rows), and a Packing made
+        already (a context-parallel rank's, parallel/cp) is taken as it is."""
+        if segments is None or isinstance(segments, Packing):
+            return segments
         if segments.dim() != 2:
             raise ValueError(f"segments must be (batch, seq), got shape {tuple(segments.shape)}")
         if mode not in MODES:
@@ -68,40 +70,54 @@ class Packing:
     @property
     def mask(self) -> Tensor:
         """The block-causal mask (b, 1, s, s), True = sees: same run, not later."""
-        if "mask" not in self._made:
-            s = self.runs.shape[1]
-            causal = torch.ones(s, s, dtype=torch.bool, device=self.runs.device).tril()
-            same = self.runs.unsqueeze(-1) == self.runs.unsqueeze(-2)  # (b, s, s)
-            self._made["mask"] = (same & causal).unsqueeze(1)
-        return self._made["mask"]
+        return self.windowed(None)
 
-    def additive(self, dtype: torch.dtype) -> Tensor:
+    def windowed(self, window: int | None) -> Tensor:
+        """The block-causal mask seeing at most the last `window` positions (None: all)."""
+        if ("mask", window) not in self._made:
+            s = self.runs.shape[1]
+            causal = causal_mask(0, s, self.runs.device, window)  # (s, s)
+            same = self.runs.unsqueeze(-1) == self.runs.unsqueeze(-2)  # (b, s, s)
+            self._made[("mask", window)] = (same & causal).unsqueeze(1)
+        return self._made[("mask", window)]
+
+    def additive(self, dtype: torch.dtype, window: int | None = None) -> Tensor:
         """The mask as attention adds it, (b, 1, s, s) of `dtype`: 0 where `mask` is True,
         -inf elsewhere; what SDPA makes of a boolean mask (zeros, then -inf where it is
         False), so results are bitwise the boolean mask's. Made on first use and kept, so
-        all layers share one tensor (and autograd saves one storage, not one per layer)."""
-        if dtype not in self._made:
-            out = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
-            self._made[dtype] = out.masked_fill_(self.mask.logical_not(), float("-inf"))
-        return self._made[dtype]
+        all layers share one tensor (and autograd saves one storage, not one per layer);
+        `window`: the sliding window's (one more tensor, shared by its layers)."""
+        if (dtype, window) not in self._made:
+            mask = self.windowed(window)
+            out = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+            self._made[(dtype, window)] = out.masked_fill_(mask.logical_not(), float("-inf"))
+        return self._made[(dtype, window)]
 
-    def bound(self, q: Tensor, explicit: bool) -> Tensor | Packing:
+    def keys_values(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """The keys and values the layer's queries meet: its own; a context-parallel rank's
+        Packing (parallel/cp/packing.py) returns every rank's."""
+        return k, v
+
+    def bound(self, q: Tensor, explicit: bool, window: int | None = None) -> Tensor | Packing:
         """What bounds attention over `q` (b, a, s, hd): the additive mask on the mask path
         (the mode, or `explicit`: keyed dropout needs the whole probabilities), else this
         Packing, which attends by document (`attend`). The mask reaches the attention core
         as a tensor argument, so selective recomputation's checkpoint saves it, as the
         memory it holds."""
         path = attention_path(self.mode, q.device.type, q.dtype, explicit)
-        return self.additive(q.dtype) if path == "mask" else self
+        return self.additive(q.dtype, window) if path == "mask" else self
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, window: int | None = None, scale: float | None = None
+    ) -> Tensor:
         """Causal attention within each run, (b, a, s, hd) in and out (k, v with q's heads):
-        the per-document loop, or varlen where the mode (auto on CUDA) picks it."""
+        the per-document loop, or varlen where the mode (auto on CUDA) picks it; `window`
+        and `scale` as the attention core's (models/core_attention.py)."""
         path = attention_path(self.mode, q.device.type, q.dtype, explicit=False)
         if path == "varlen":
             offsets, longest = self.offsets()
-            return varlen_attention(q, k, v, offsets, longest)
-        return document_attention(q, k, v, self.documents())
+            return varlen_attention(q, k, v, offsets, longest, window, scale)
+        return document_attention(q, k, v, self.documents(), window, scale)
 
     def offsets(self) -> tuple[Tensor, int]:
         """The runs over the flattened (b·s) tokens as flash attention's varlen kernel takes

@@ -22,8 +22,6 @@ and the same additive mask tensor if any. Without segments nothing changes (is_c
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -31,32 +29,21 @@ from torch import Tensor, nn
 from plait.models.architecture import ModelConfig
 from plait.models.block_table import block_table, linear_widths
 from plait.models.contract import ModelContract
+from plait.models.core_attention import CoreAttention
 from plait.models.declare import describe
 from plait.models.dropout import KeyedDropout
-from plait.models.kv_cache import KVCache, causal_mask
+from plait.models.gemma import scale_embeddings, softcap
+from plait.models.kv_cache import KVCache
 from plait.models.light_loss import target_rows_loss
 from plait.models.lora import Linear, LoRASpec
 from plait.models.loss import LMLoss
-from plait.models.packing import Bound, Packing
+from plait.models.norms import head_norms, make_norm
+from plait.models.packing import Packing
 from plait.models.rope import apply_rope, rope_cos_sin
 from plait.torch_private import embedding_left_unset
 
 # Dropout site ids: the embedding owns site 0, block i owns 4 * i + kind.
 SITE_EMBED, SITE_ATTN_PROBS, SITE_ATTN_OUT, SITE_MLP_OUT = 0, 1, 2, 3
-
-
-class RMSNorm(nn.Module):
-    """x / rms(x) * weight (Zhang & Sennrich, 2019), as LLaMA; computed in fp32."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return xf.type_as(x) * self.weight
 
 
 def make_linear(cfg: ModelConfig, path: str) -> Linear:
@@ -66,55 +53,6 @@ def make_linear(cfg: ModelConfig, path: str) -> Linear:
     return Linear(in_f, out_f, row.has_bias(cfg))
 
 
-def make_norm(cfg: ModelConfig) -> nn.Module:
-    if cfg.norm == "rmsnorm":
-        return RMSNorm(cfg.d_model, cfg.norm_eps)
-    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
-
-
-class CoreAttention(nn.Module):
-    """softmax(q k^T / sqrt(hd) + causal) v with dropout on the probabilities.
-
-    Parameter-free and separate so that selective recomputation can wrap exactly the
-    part whose activations (b, a, s, s) dominate memory (Korthikanti et al., 2022).
-    `mask` (b, 1, s, s), packed rows' block-causal mask as an additive float mask (0 where
-    a query may see a key, -inf elsewhere: `Packing.additive`), replaces the causal mask; a
-    Packing attends within its documents instead (`Packing.attend`: models/packed_attention.py);
-    None keeps SDPA's is_causal kernel. Every layer gets the same mask tensor, so what SDPA
-    saves of it is one storage; the explicit path adds it (what masked_fill with -inf
-    gives), and an addition saves nothing for backward.
-    """
-
-    def __init__(self, p: float, site: int) -> None:
-        super().__init__()
-        self.drop = KeyedDropout(p, site)
-
-    @property
-    def explicit(self) -> bool:
-        """Whether the forward takes the explicit path (keyed dropout on the probabilities)."""
-        return self.training and self.drop.p > 0
-
-    def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, keys: Tensor | None, mask: Bound = None
-    ) -> Tensor:
-        if isinstance(mask, Packing):  # packed rows by document (never explicit)
-            return mask.attend(q, k, v)  # (b, a, s, hd)
-        if not self.explicit:
-            if mask is not None:
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (b, a, s, hd)
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (b, a, s, hd)
-        # Explicit path: the fused kernel's dropout uses torch's RNG, which is not keyed.
-        s = q.shape[-2]
-        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # (b, a, s, s)
-        if mask is None:
-            causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
-            scores = scores.masked_fill(~causal, float("-inf"))
-        else:
-            scores = scores + mask  # -inf where hidden, as masked_fill; 0 leaves the score
-        probs = scores.float().softmax(dim=-1).type_as(q)  # (b, a, s, s)
-        return self.drop(probs, keys) @ v  # (b, a, s, hd)
-
-
 class Attention(nn.Module):
     """Multi-head / grouped-query self-attention with optional RoPE."""
 
@@ -122,10 +60,12 @@ class Attention(nn.Module):
         super().__init__()
         hd = cfg.head_dim
         self.head_dim, self.layer = hd, layer
-        self.rope_theta = cfg.rope_theta if cfg.pos == "rope" else None
+        self.rope = (cfg.theta(layer), cfg.rope_scaling) if cfg.pos == "rope" else None
         self.wq, self.wk = make_linear(cfg, "attn.wq"), make_linear(cfg, "attn.wk")
         self.wv, self.wo = make_linear(cfg, "attn.wv"), make_linear(cfg, "attn.wo")
-        self.core = CoreAttention(cfg.dropout, 4 * layer + SITE_ATTN_PROBS)
+        self.q_norm, self.k_norm = head_norms(cfg)  # Qwen3's and Gemma 3's, over each head
+        site, window = 4 * layer + SITE_ATTN_PROBS, cfg.window(layer)
+        self.core = CoreAttention(cfg.dropout, site, window, cfg.attn_scale, cfg.attn_softcap)
         self.shared_adapter = False  # GPT-2's LoRA: wk and wv use wq's A (models/lora.py)
 
     def forward(
@@ -143,21 +83,27 @@ class Attention(nn.Module):
         q = self.wq(x, keys, u).view(b, s, -1, hd).transpose(1, 2)  # (b, a, s, hd)
         k = self.wk(x, keys, u).view(b, s, -1, hd).transpose(1, 2)  # (b, kv, s, hd)
         v = self.wv(x, keys, u).view(b, s, -1, hd).transpose(1, 2)  # (b, kv, s, hd)
-        if self.rope_theta is not None:
+        if self.q_norm is not None:  # over each head's hd features, before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope is not None:
             positions = None if pack is None else pack.positions
-            cos, sin = rope_cos_sin(s, hd, self.rope_theta, x.device, start, positions)
+            theta, scaling = self.rope
+            cos, sin = rope_cos_sin(s, hd, theta, x.device, start, positions, scaling)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.extend(self.layer, k, v)  # (b, kv, start + s, hd)
+        elif pack is not None:  # context parallel: every rank's keys (parallel/cp)
+            k, v = pack.keys_values(k, v)  # (b, kv, s or the row's, hd)
         rep = q.shape[1] // k.shape[1]
         if rep > 1:  # kv head j serves query heads j*rep .. j*rep + rep-1 (LLaMA's repeat_kv)
             k = k.repeat_interleave(rep, dim=1)  # (b, a, s, hd)
             v = v.repeat_interleave(rep, dim=1)  # (b, a, s, hd)
         if cache is None:
-            mask = None if pack is None else pack.bound(q, self.core.explicit)  # or by doc
+            window, explicit = self.core.window, self.core.explicit
+            mask = None if pack is None else pack.bound(q, explicit, window)  # or by doc
             y = self.core(q, k, v, keys, mask)  # (b, a, s, hd)
-        else:  # decoding (no dropout): the new positions see every cached one
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(start, s, x.device))
+        else:  # decoding (no dropout): the new positions see the cached ones
+            y = self.core.decode(q, k, v, start)  # (b, a, s, hd)
         y = y.transpose(1, 2).reshape(b, s, -1)  # (b, s, a*hd)
         return self.wo(y, keys)  # (b, s, h)
 
@@ -174,15 +120,21 @@ class GeluMLP(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """LLaMA MLP: w_down(silu(w_gate x) * w_up x) (Shazeer, GLU variants, 2020)."""
+    """LLaMA MLP: w_down(silu(w_gate x) * w_up x) (Shazeer, GLU variants, 2020); Gemma's
+    gates with tanh-GELU instead (GeGLU, same paper)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.w_gate, self.w_up = make_linear(cfg, "mlp.w_gate"), make_linear(cfg, "mlp.w_up")
         self.w_down = make_linear(cfg, "mlp.w_down")
+        self.shared_adapter = False  # Phi-3's LoRA: w_up uses w_gate's A (gate_up_proj)
+        self.geglu = cfg.mlp == "geglu"
 
     def forward(self, x: Tensor, keys: Tensor | None = None) -> Tensor:
-        gated = F.silu(self.w_gate(x, keys)) * self.w_up(x, keys)  # (b, s, f)
+        u = self.w_gate.adapter_input(x, keys) if self.shared_adapter else None  # (b, s, r)
+        gate = self.w_gate(x, keys, u)  # (b, s, f)
+        act = F.gelu(gate, approximate="tanh") if self.geglu else F.silu(gate)
+        gated = act * self.w_up(x, keys, u)  # (b, s, f)
         return self.w_down(gated, keys)  # (b, s, h)
 
 
@@ -193,9 +145,11 @@ class Block(nn.Module):
         super().__init__()
         self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg, layer)
+        self.attn_post_norm = make_norm(cfg) if cfg.gemma else None  # registered after attn
         self.attn_drop = KeyedDropout(cfg.dropout, 4 * layer + SITE_ATTN_OUT)
         self.mlp_norm = make_norm(cfg)
-        self.mlp = SwiGLU(cfg) if cfg.mlp == "swiglu" else GeluMLP(cfg)
+        self.mlp = GeluMLP(cfg) if cfg.mlp == "gelu" else SwiGLU(cfg)
+        self.mlp_post_norm = make_norm(cfg) if cfg.gemma else None
         self.mlp_drop = KeyedDropout(cfg.dropout, 4 * layer + SITE_MLP_OUT)
 
     def forward(
@@ -205,12 +159,18 @@ class Block(nn.Module):
         cache: KVCache | None = None,
         pack: Packing | None = None,
     ) -> Tensor:
-        x = x + self.attn_drop(self.attn(self.attn_norm(x), keys, cache, pack), keys)  # (b, s, h)
-        return x + self.mlp_drop(self.mlp(self.mlp_norm(x), keys), keys)  # (b, s, h)
+        y = self.attn(self.attn_norm(x), keys, cache, pack)  # (b, s, h)
+        if self.attn_post_norm is not None:  # Gemma: each sublayer's output normed too
+            y = self.attn_post_norm(y)
+        x = x + self.attn_drop(y, keys)  # (b, s, h)
+        y = self.mlp(self.mlp_norm(x), keys)  # (b, s, h)
+        if self.mlp_post_norm is not None:
+            y = self.mlp_post_norm(y)
+        return x + self.mlp_drop(y, keys)  # (b, s, h)
 
 
 def _table(rows: int, dim: int) -> nn.Embedding:
-    """An embedding table; built on the meta device (`train.build_model`, which fills every
+    """An embedding table; built on the meta device (`build/model.py build_model`, which fills every
     value after) it skips torch's random draw, whose first run on meta costs a second of
     imports. Elsewhere torch's own initialization stays (and its use of the global RNG)."""
     if torch.get_default_device().type == "meta":
@@ -226,6 +186,7 @@ class Embedding(nn.Module):
         super().__init__()
         self.tok = _table(cfg.vocab_size, cfg.d_model)
         self.learned = cfg.pos == "learned"  # learned positions (GPT-2)
+        self.scaled = cfg.gemma  # Gemma: times sqrt(d_model)
         if self.learned:
             self.pos = _table(cfg.max_seq_len, cfg.d_model)
         self.drop = KeyedDropout(cfg.dropout, SITE_EMBED)
@@ -238,6 +199,8 @@ class Embedding(nn.Module):
         pack: Packing | None = None,
     ) -> Tensor:
         x = self.tok(tokens)  # (b, s, h)
+        if self.scaled:
+            x = scale_embeddings(x)
         if self.learned:
             end = start + tokens.shape[1]
             if end > self.pos.num_embeddings:
@@ -329,11 +292,11 @@ class Transformer(nn.Module):
         only the rows that have a target reach the head, in chunks, and backward recomputes
         their logits (models/light_loss.py): the (b, s, V) logits are never held. The head's
         `region_input` comes first (a tensor-parallel head's sequence all-gather under SP)."""
-        x = self.norm(x)
+        x, cap = self.norm(x), self.cfg.logit_softcap
         if targets is None:
-            return self.head(x)  # (b, s, V)
-        if not self.contract.plain_head:
-            return self.loss(self.head(x), targets, denom)
+            return softcap(self.head(x), cap)  # (b, s, V)
+        if not self.contract.plain_head or cap is not None:  # Gemma 2: capped logits
+            return self.loss(softcap(self.head(x), cap), targets, denom)
         x = self.head.region_input(x)  # (b, s, h)
         # A frozen head held in another dtype meets the activations in theirs, as its own
         # forward would (mixed_precision.compute_frozen_in); otherwise `to` is a no-op.
@@ -347,6 +310,7 @@ def add_adapters(blocks: nn.ModuleList, spec: LoRASpec | None) -> None:
         for leaf in spec.leaves:
             block.get_submodule(leaf).add_adapter(spec, i, leaf)
         block.attn.shared_adapter = "attn.wk" in spec.leaves and not spec.has_a("attn.wk")
+        block.mlp.shared_adapter = "mlp.w_up" in spec.leaves and not spec.has_a("mlp.w_up")
 
 
 # ---------------------------------------------------------------- counting
@@ -372,8 +336,9 @@ def _block_weight_elements(cfg: ModelConfig) -> int:
 
 def layer_forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     """One block's forward matmul FLOPs per token: 2 per Linear weight element (multiply-add)
-    plus attention's q k^T and probs v, 2·2·s·h (no weights; the causal half is counted)."""
-    return 2 * _block_weight_elements(cfg) + 4 * seq_len * cfg.d_model
+    plus attention's q k^T and probs v, 2·2·s·a·hd (h unless the head size is decoupled; no
+    weights; the causal half is counted)."""
+    return 2 * _block_weight_elements(cfg) + 4 * seq_len * cfg.n_heads * cfg.head_dim
 
 
 def head_forward_flops_per_token(cfg: ModelConfig) -> int:
@@ -390,4 +355,5 @@ def matmul_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     masking half of it is wasted work, and the convention counts it anyway. It is three
     forwards: 3 (L x layer_forward_flops_per_token + head_forward_flops_per_token).
     """
-    return 6 * linear_weight_elements(cfg) + 12 * cfg.n_layers * seq_len * cfg.d_model
+    attention = 12 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim  # a·hd: h, or Qwen3's
+    return 6 * linear_weight_elements(cfg) + attention

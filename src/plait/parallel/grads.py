@@ -84,7 +84,7 @@ def param_grads(model: nn.Module) -> list[tuple[nn.Parameter, Tensor]]:
 class SplitGradRules:
     """Which of this rank's parameters each rule touches, found once from the split model."""
 
-    partial: frozenset[int]  # ids: sequence-parallel partial gradients (summed over tp)
+    partial: frozenset[int]  # ids: partial gradients over tp (SP; LoRA A), summed over tp
     tied: frozenset[int]  # ids: tied embedding copies (summed over the pipeline ends)
     uncounted: frozenset[int]  # ids: another rank counts them in the global norm
     tp: int

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,11 @@ class Link:
     """A link class: (alpha, beta) per op."""
 
     ops: dict[str, OpCost]
+
+    @cached_property
+    def key(self) -> tuple[tuple[str, OpCost], ...]:
+        """The costs as a hashable key (a planner keeps traffic per link)."""
+        return tuple(sorted(self.ops.items()))
 
     def cost(self, op: str) -> OpCost:
         return self.ops.get(op) or self.ops["all_reduce"]

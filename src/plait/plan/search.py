@@ -114,7 +114,7 @@ def memory_schedule(cfg: Config, memo: Memo):
 
 
 def fits(cfg: Config, memory: int, memo: Memo) -> tuple[bool, Estimate]:
-    est = estimate(cfg, memory_schedule(cfg, memo))
+    est = estimate(cfg, memory_schedule(cfg, memo), memo.facts(cfg.model))
     return est.most_loaded.total() <= memory, est
 
 

@@ -45,10 +45,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 
 from plait.config import Config
-from plait.estimate.model_states import ADAM_STATES, Precision
-from plait.estimate.rank_params import total_parameters
+from plait.estimate.model_facts import ModelFacts, facts_for
+from plait.estimate.model_states import ADAM_STATES, ElementBytes
 from plait.models.architecture import ModelConfig
-from plait.models.transformer import head_forward_flops_per_token, layer_forward_flops_per_token
+from plait.models.transformer import head_forward_flops_per_token
 from plait.plan.activation_copies import copy_seconds
 from plait.plan.hardware import Hardware
 from plait.plan.shared import shared_makespan
@@ -63,7 +63,7 @@ from plait.plan.traffic import (
 from plait.schedule.actions import Schedule
 from plait.schedule.schedules import build_schedule
 from plait.schedule.simulate import Costs, simulate
-from plait.schedule.stages import StagePlan, rank_plans
+from plait.schedule.stages import StagePlan
 
 SHARED = ("flops", "recompute", "tp_f", "tp_b", "send_f", "send_b")
 """ChunkCost's parts that run faster alone where ranks share cores; the runtime's time per
@@ -75,11 +75,18 @@ PERIOD = 2  # a steady pipeline repeats every 2p micro-batches (p when compute d
 @dataclass
 class Memo:
     """What a plan computes once and reuses across layouts: schedules per (name, p, m, v)
-    (building them is the slow part), simulated makespans per costs, flat groups."""
+    (building them is the slow part), simulated makespans per costs, flat groups, and the
+    model's facts by tp degree and pipeline cut (`estimate/model_facts.py`)."""
 
     built: dict[tuple[str, int, int, int], Schedule] = field(default_factory=dict)
     spans: dict[tuple, float] = field(default_factory=dict)
     groups: dict[tuple, list[tuple[int, int]]] = field(default_factory=dict)
+    model_facts: ModelFacts | None = None
+
+    def facts(self, model: ModelConfig) -> ModelFacts:
+        """`model`'s facts, kept while the plan's layouts share that model."""
+        self.model_facts = facts_for(model, self.model_facts)
+        return self.model_facts
 
     def get(self, name: str, p: int, m: int, v: int) -> Schedule:
         key = (name, p, m, v)
@@ -145,15 +152,21 @@ class ChunkCost:
         return 3 if self.split else 2
 
 
-def chunk_cost(cfg: Config, hw: Hardware, links: Links, plan: StagePlan) -> ChunkCost:
+def chunk_cost(
+    cfg: Config, hw: Hardware, links: Links, plan: StagePlan, facts: ModelFacts | None = None
+) -> ChunkCost:
+    """One micro-batch's costs on `plan`'s chunk (module doc); `facts`: the model's, kept
+    by a planner across layouts."""
     m, t, par = cfg.model, cfg.train, cfg.parallel
     tokens = t.micro_batch * t.seq_len
-    per_token = len(plan.layers) * layer_forward_flops_per_token(m, t.seq_len)
+    facts = facts_for(m, facts)
+    layer_flops = facts.layer_flops(t.seq_len)
+    per_token = len(plan.layers) * layer_flops
     per_token += head_forward_flops_per_token(m) if plan.last else 0
     rate = hw.flop_rate * par.tp
     extra = 0.0
     if cfg.memory.recompute == "full":
-        extra = tokens * len(plan.layers) * layer_forward_flops_per_token(m, t.seq_len) / rate
+        extra = tokens * len(plan.layers) * layer_flops / rate
     elif cfg.memory.recompute == "selective":
         extra = tokens * len(plan.layers) * 4 * t.seq_len * m.d_model / rate
     tp_f, tp_b = tp_seconds(cfg, links.tp, plan, cfg.memory.recompute == "full")
@@ -165,17 +178,19 @@ def chunk_cost(cfg: Config, hw: Hardware, links: Links, plan: StagePlan) -> Chun
     split = par.schedule == "zb-h1"
     copy_f, copy_b = copy_seconds(cfg, hw, plan, flops)
     return ChunkCost(flops, extra, tp_f, tp_b, action=action, split=split,
-                     w_share=_weight_gradient_share(m, len(plan.layers), per_token),
+                     w_share=_weight_gradient_share(facts, len(plan.layers),
+                                                    per_token),
                      copy_f=copy_f, copy_b=copy_b)  # fmt: skip
 
 
-def _weight_gradient_share(m: ModelConfig, layers: int, per_token: int) -> float:
+def _weight_gradient_share(facts: ModelFacts, layers: int, per_token: int) -> float:
     """W's FLOPs over F's: 1 when every weight trains (a weight gradient costs what its
     forward did); under LoRA only the adapters' (2 FLOPs per adapter element per token),
     the frozen base's weight gradients are never computed."""
-    if m.lora is None or not per_token:
+    model = facts.model
+    if model.lora is None or not per_token:
         return 1.0
-    return 2 * layers * total_parameters(m, trainable=True) / m.n_layers / per_token
+    return 2 * layers * facts.total_parameters(True) / model.n_layers / per_token
 
 
 def _sending(cost: ChunkCost, plan: StagePlan, busy: float) -> ChunkCost:
@@ -188,12 +203,10 @@ def _sending(cost: ChunkCost, plan: StagePlan, busy: float) -> ChunkCost:
     return replace(cost, send_f=f, send_b=b)
 
 
-def _all_plans(cfg: Config) -> list[list[StagePlan]]:
+def _all_plans(cfg: Config, facts: ModelFacts) -> list[list[StagePlan]]:
     par = cfg.parallel
     sizes = par.stage_layer_counts()
-    return [
-        rank_plans(cfg.model.n_layers, par.pp, par.virtual_stages, r, sizes) for r in range(par.pp)
-    ]
+    return [facts.rank_plans(par.pp, par.virtual_stages, r, sizes) for r in range(par.pp)]
 
 
 def makespan(
@@ -246,14 +259,15 @@ def step_time(
     `simulate=False` leaves the pipeline's bubble out (a lower bound, for pruning)."""
     par, m = cfg.parallel, cfg.accumulation
     links = Links.of(cfg, hw, gpus_per_node)
-    plans = _all_plans(cfg)
+    facts = memo.facts(cfg.model)
+    plans = _all_plans(cfg, facts)
     p2p = p2p_seconds(cfg, links.pp)
     shared = hw.contention > 1 and par.pp > 1
     # Ranks sharing cores: calibrate times a message while every rank computes, so the
     # sender's share of it is inside that delay, not extra busy time.
     send_busy = 0.0 if shared else (1 - hw.overlap) * p2p
     by_stage = {
-        plan.stage: _sending(chunk_cost(cfg, hw, links, plan), plan, send_busy)
+        plan.stage: _sending(chunk_cost(cfg, hw, links, plan, facts), plan, send_busy)
         for ps in plans
         for plan in ps
     }
@@ -280,7 +294,7 @@ def step_time(
         d, o, shard = _after_pipeline(cfg, hw, links, ps, cs, memo)
         dp, off = max(dp, d), max(off, o)
         opt = max(opt, _optimizer_seconds(cfg, hw, shard))
-        sync = max(sync, step_collective_seconds(cfg, links, ps))
+        sync = max(sync, step_collective_seconds(cfg, links, ps, facts))
     bubble = span - compute - recompute - tp - runtime - copies
     return StepTime(compute, recompute, tp, bubble, dp, off + copies, opt, sync, runtime)
 
@@ -296,7 +310,7 @@ def _after_pipeline(
     """(exposed dp seconds, offload seconds, the optimizer's shard in elements) of one
     pipeline rank (module doc)."""
     par, m = cfg.parallel, cfg.accumulation
-    traffic = dp_traffic(cfg, links.dp, plans, memo.groups)
+    traffic = dp_traffic(cfg, links.dp, plans, memo.groups, memo.facts(cfg.model))
     backward = sum(c.b + c.w for c in costs)  # one micro-batch's backward on this rank
     if par.pp > 1 and not par.two_bw and cfg.memory.zero >= 2:  # reduced once per step
         forward = sum(c.f for c in costs)
@@ -323,7 +337,7 @@ def _offload_seconds(cfg: Config, hw: Hardware, shard: int) -> float:
     `host_bandwidth`; NVMe also reads and writes the fp32 master and moments on disk."""
     if cfg.memory.offload == "none":
         return 0.0
-    prec = Precision.of(cfg.train.precision, cfg.train.reduce_dtype)
+    prec = ElementBytes.of_run(cfg)
     seconds = shard * (prec.reduce + prec.param) / hw.host_bandwidth
     if cfg.memory.offload == "nvme":
         seconds += 2 * (1 + ADAM_STATES) * FP32 * shard / hw.disk_bandwidth

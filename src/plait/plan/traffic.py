@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from plait.config import Config
 from plait.estimate.formulas import tp_comm_per_microbatch, zero_comm_elements
 from plait.estimate.frozen_base import FrozenBase, frozen_base
-from plait.estimate.model_states import Precision, flat_groups, group_units
-from plait.estimate.rank_params import rank_params, tp_contract, tp_partial_elements
+from plait.estimate.model_facts import ModelFacts, facts_for
+from plait.estimate.model_states import ElementBytes, flat_groups, group_units
+from plait.estimate.rank_params import rank_params, tp_contract
 from plait.estimate.zero_pipeline import pipeline_zero_traffic
 from plait.models.architecture import ModelConfig
 from plait.models.block_table import block_table
@@ -93,7 +94,7 @@ def tp_seconds(
     par = cfg.parallel
     if par.tp == 1:
         return 0.0, 0.0
-    e = Precision.of(cfg.train.precision, cfg.train.reduce_dtype).param
+    e = ElementBytes.of_run(cfg).param
     fwd, bwd = tp_tables(cfg, plan, recompute_full)
 
     def seconds(table: dict) -> float:
@@ -106,14 +107,14 @@ def tp_seconds(
     return seconds(fwd), seconds(bwd)
 
 
-def lora_row_features(m: ModelConfig) -> int:
+def lora_row_features(model: ModelConfig) -> int:
     """Features a layer's row-parallel LoRA targets add to their collectives per token: r
     each (A's partial product, summed with the base output in one all-reduce or
     reduce-scatter, and all-gathered back in the backward under SP)."""
-    spec = m.lora
+    spec = model.lora
     if spec is None:
         return 0
-    return spec.rank * sum(leaf in block_table(m).style("row") for leaf in spec.leaves)
+    return spec.rank * sum(leaf in block_table(model).style("row") for leaf in spec.leaves)
 
 
 def p2p_seconds(cfg: Config, link: Link) -> float:
@@ -137,36 +138,57 @@ class DpTraffic:
 
 
 def dp_traffic(
-    cfg: Config, link: Link, plans: list[StagePlan], memo: dict | None = None
+    cfg: Config,
+    link: Link,
+    plans: list[StagePlan],
+    memo: dict | None = None,
+    facts: ModelFacts | None = None,
 ) -> DpTraffic:
     """ZeRO's per-step traffic on one pipeline rank (`zero_comm_elements` on its padded
     flat groups, one call per group and per reduction), and under stage 3 a LoRA run's
     frozen base: each unit all-gathered twice per micro-batch at the base dtype, priced
-    as the trainable gathers are (`estimate/frozen_base.py`); `memo` keeps the groups by cut."""
-    par = cfg.parallel
-    prec = Precision.of(cfg.train.precision, cfg.train.reduce_dtype)
-    memo = {} if memo is None else memo
-    key = (
-        par.tp,
-        cfg.memory.zero,
-        par.bucket_mb,
-        par.dp,
-        tuple((p.stage, p.layers) for p in plans),
-    )
+    as the trainable gathers are (`estimate/frozen_base.py`); `memo` keeps the groups by cut
+    and the traffic by everything it reads (layouts differing only in offload,
+    recomputation or sequence parallelism share it); `facts`: the model's
+    (`estimate/model_facts.py`)."""
+    facts = facts_for(cfg.model, facts)
+    if memo is None:
+        return _dp_traffic(cfg, link, plans, {}, facts)
+    par, mem, t, lora = cfg.parallel, cfg.memory, cfg.train, cfg.lora
+    key = (par.tp, mem.zero, par.bucket_mb, par.dp, par.pp, par.two_bw, par.schedule,
+           mem.reshard_after_forward, cfg.accumulation, t.precision, t.reduce_dtype,
+           lora.base_upcast, lora.base_dtype, link.key, tuple((p.stage, p.layers) for p in plans),
+           "traffic")  # fmt: skip
     if key not in memo:
-        params = rank_params(tp_contract(cfg.model, par.tp), plans)
-        units = group_units(params, cfg.memory.zero, par.bucket_mb)
-        memo[key] = flat_groups(params, cfg.memory.zero, par.bucket_mb, par.dp)
+        memo[key] = _dp_traffic(cfg, link, plans, memo, facts)
+    return memo[key]
+
+
+def _dp_traffic(
+    cfg: Config, link: Link, plans: list[StagePlan], memo: dict, facts: ModelFacts
+) -> DpTraffic:
+    """`dp_traffic` priced, its groups kept in `memo` by cut, and a LoRA run's frozen base
+    by what `frozen_base` reads besides (the base's element bytes, the pipeline's keeping)."""
+    par, mem = cfg.parallel, cfg.memory
+    prec = ElementBytes.of_run(cfg)
+    key = (par.tp, mem.zero, par.bucket_mb, par.dp, cfg.lora.base_dtype, cfg.lora.base_upcast,
+           tuple((p.stage, p.layers) for p in plans))  # fmt: skip
+    if key not in memo:
+        params = facts.rank_params(par.tp, plans)
+        units = facts.group_units(par.tp, plans, mem.zero, par.bucket_mb)
+        memo[key] = flat_groups(params, mem.zero, par.bucket_mb, par.dp, units)
         memo[(*key, "blocks")] = [frozenset(p.block for p in unit) for unit in units]
-        if cfg.model.lora is not None:
-            memo[(*key, "frozen")] = frozen_base(params, cfg, prec)
+        memo[(*key, "padded")] = sum(p for _, p in memo[key])
+    frozen = (*key, "frozen", prec.param, par.pp, par.two_bw, mem.reshard_after_forward)
+    if cfg.model.lora is not None and frozen not in memo:
+        memo[frozen] = frozen_base(facts.rank_params(par.tp, plans), cfg, prec)
     groups = memo[key]
-    base = memo.get((*key, "frozen"))
-    padded = sum(p for _, p in groups)
+    base = memo.get(frozen)
+    padded = memo[(*key, "padded")]
     shard = padded if cfg.memory.zero == 0 else padded // par.dp
     if par.dp == 1:
         return DpTraffic(0.0, 0.0, shard)
-    ops = _zero_ops(cfg, plans, groups, memo[(*key, "blocks")])
+    ops = _zero_ops(cfg, plans, groups, memo[(*key, "blocks")], padded)
     reduce_s = gather_s = 0.0
     for op, (n, calls) in ops.items():
         if op == "all_gather":
@@ -195,7 +217,7 @@ def base_elements(cfg: Config, plans: list[StagePlan]) -> tuple[int, int]:
     """(elements, calls) a LoRA run's frozen base all-gathers per step under ZeRO-3."""
     par = cfg.parallel
     params = rank_params(tp_contract(cfg.model, par.tp), plans)
-    prec = Precision.of(cfg.train.precision, cfg.train.reduce_dtype)
+    prec = ElementBytes.of_run(cfg)
     return _base_gathers(cfg, plans, frozen_base(params, cfg, prec))
 
 
@@ -206,15 +228,20 @@ def _pipelined_zero(cfg: Config) -> bool:
 
 
 def _zero_ops(
-    cfg: Config, plans: list[StagePlan], groups: list[tuple[int, int]], blocks: list
+    cfg: Config,
+    plans: list[StagePlan],
+    groups: list[tuple[int, int]],
+    blocks: list,
+    padded: int | None = None,
 ) -> dict[str, tuple[int, int]]:
-    """{collective: (elements, calls)} of the trainable groups per step."""
+    """{collective: (elements, calls)} of the trainable groups per step (`padded`: their
+    padded elements, where the caller has them)."""
     par, k = cfg.parallel, cfg.accumulation
     if _pipelined_zero(cfg):
         split = par.schedule == "zb-h1"
         reshard = cfg.memory.reshard_after_forward
         return pipeline_zero_traffic(cfg.memory.zero, groups, blocks, plans, split, k, reshard)
-    padded = sum(p for _, p in groups)
+    padded = sum(p for _, p in groups) if padded is None else padded
     per_step = {"all_reduce": 1, "reduce_scatter": k if cfg.memory.zero >= 2 else 1}
     per_step["all_gather"] = 2 * k if cfg.memory.zero == 3 else 1
     elements = zero_comm_elements(cfg.memory.zero, padded, k)
@@ -224,17 +251,17 @@ def _zero_ops(
 def _base_gathers(cfg: Config, plans: list[StagePlan], base: FrozenBase) -> tuple[int, int]:
     """(elements, calls) a stage-3 LoRA base all-gathers per step."""
     par, k = cfg.parallel, cfg.accumulation
+    groups, blocks = base.flat_groups()  # an NF4 block: its fp group and its packed bytes
     if not _pipelined_zero(cfg):
-        return base.gathered_per_step(k), 2 * k * len(base.units)
+        return base.gathered_per_step(k), 2 * k * len(groups)
     split = par.schedule == "zb-h1"
-    blocks = base.unit_blocks()
-    ops = pipeline_zero_traffic(3, list(base.units), blocks, plans, split, k,
+    ops = pipeline_zero_traffic(3, groups, blocks, plans, split, k,
                                 cfg.memory.reshard_after_forward)  # fmt: skip
     return ops["all_gather"]
 
 
 def step_collectives(
-    cfg: Config, plans: list[StagePlan]
+    cfg: Config, plans: list[StagePlan], facts: ModelFacts | None = None
 ) -> dict[tuple[str, str], tuple[int, int, int]]:
     """The small per-step collectives of one rank outside the gradient reduction:
     {(axis, tag): (calls, elements, bytes per element)}, all all-reduces. Each one is a
@@ -251,9 +278,10 @@ def step_collectives(
                    column-parallel weight (at any tp; under LoRA only adapters count).
 
     Under ZeRO >= 1 a rank sums only the pieces in its shard; the elements are then the
-    whole pieces' / dp (exact for the calls, the latency; near for the bytes)."""
+    whole pieces' / dp (exact for the calls, the latency; near for the bytes). `facts`: the
+    model's, kept by a planner across layouts (`estimate/model_facts.py`)."""
     par, m = cfg.parallel, cfg.model
-    prec = Precision.of(cfg.train.precision, cfg.train.reduce_dtype)
+    prec = ElementBytes.of_run(cfg)
     shard = par.dp if cfg.memory.zero >= 1 else 1
     out: dict[tuple[str, str], tuple[int, int, int]] = {}
     if par.dp > 1:
@@ -267,19 +295,22 @@ def step_collectives(
     if par.pp > 1 and m.tie_embeddings and m.lora is None and (first or last):
         table = -(-m.vocab_size // par.tp) * m.d_model  # the padded vocabulary's tp slice
         out[("pp_ends", "tied_embedding")] = (1, table // shard, prec.reduce)
-    partial = tp_partial_elements(m, plans, par.sequence_parallel) if par.tp > 1 else 0
+    sp = par.sequence_parallel
+    partial = facts_for(m, facts).tp_partial_elements(plans, sp) if par.tp > 1 else 0
     if partial:
         out[("tp", "tp-sp-grads")] = (1, partial // shard, prec.reduce)
     return out
 
 
-def step_collective_seconds(cfg: Config, links: Links, plans: list[StagePlan]) -> float:
+def step_collective_seconds(
+    cfg: Config, links: Links, plans: list[StagePlan], facts: ModelFacts | None = None
+) -> float:
     """Seconds of `step_collectives` on their links (the ends of a pipeline pair: 2 ranks)."""
     par = cfg.parallel
     sizes = {"dp": (par.dp, links.dp), "tp": (par.tp, links.tp), "pp": (par.pp, links.pp)}
     sizes["pp_ends"] = (2, links.pp)
     total = 0.0
-    for (axis, _), (calls, elements, width) in step_collectives(cfg, plans).items():
+    for (axis, _), (calls, elements, width) in step_collectives(cfg, plans, facts).items():
         n, link = sizes[axis]
         total += link.time("all_reduce", n, elements * width, calls)
     return total

@@ -91,7 +91,7 @@ def apply_adapter(cfg: ModelConfig, adapter: str, explicit: dict[str, Any]) -> N
     config = read_adapter_config(folder)
     fields = adapter_model_fields(config, cfg, str(folder / "adapter_config.json"))
     for key, value in fields.items():
-        if key in explicit and not _same(key, explicit[key], value, cfg.mlp):
+        if key in explicit and not _same(key, explicit[key], value, cfg.arch):
             theirs = PEFT_FIELDS[key]
             raise ConfigError(
                 f"{key.replace('_', '.', 1)}={explicit[key]!r} conflicts with {theirs}="
@@ -102,8 +102,8 @@ def apply_adapter(cfg: ModelConfig, adapter: str, explicit: dict[str, Any]) -> N
     check_adapter(folder, cfg)
 
 
-def _same(key: str, given: Any, implied: Any, mlp: str) -> bool:
+def _same(key: str, given: Any, implied: Any, arch: str) -> bool:
     """Whether an explicit LoRA value means what the adapter's does ('all' is the list)."""
     if key == "lora_targets":
-        return parse_targets(given, mlp) == parse_targets(implied, mlp)
+        return parse_targets(given, arch) == parse_targets(implied, arch)
     return given == implied

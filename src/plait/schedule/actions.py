@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
+from functools import cached_property
 
 
 class Kind(str, Enum):
@@ -156,6 +157,13 @@ class Schedule:
         if not 0 <= other < self.num_stages:
             return None
         return self.location(other)[0]
+
+    @cached_property
+    def derived(self) -> dict[tuple, object]:
+        """Facts that pure functions elsewhere compute from the actions (`simulate.in_flight`,
+        `estimate/zero_pipeline.py`'s peak points), each kept once per schedule: a planner
+        reads them for thousands of layouts sharing one schedule."""
+        return {}
 
     def __str__(self) -> str:
         head = f"{self.name} p={self.p} m={self.m} v={self.v}"

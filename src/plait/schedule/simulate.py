@@ -145,8 +145,37 @@ def peak_held(
             held += weight(a.chunk)
         elif a.kind is done:
             held -= weight(a.chunk)
-        peak = max(peak, held)
+        if held > peak:  # not max(): a planner walks millions of actions
+            peak = held
     return peak
+
+
+def in_flight(schedule: Schedule, rank: int, until_w: bool = False) -> frozenset[tuple[int, ...]]:
+    """Every count of activations held per chunk that `rank` passes through (each F holds
+    one until its B, or `until_w` its W), the empty start included; walked once per
+    schedule (`Schedule.derived`)."""
+    key = ("in_flight", rank, until_w)
+    if key not in schedule.derived:
+        done = Kind.W if until_w else Kind.B
+        held, seen = [0] * schedule.v, {(0,) * schedule.v}
+        for a in schedule.ranks[rank]:
+            if a.kind is Kind.F or a.kind is done:
+                held[a.chunk] += 1 if a.kind is Kind.F else -1
+                seen.add(tuple(held))
+        schedule.derived[key] = frozenset(seen)
+    return schedule.derived[key]  # type: ignore[return-value]
+
+
+def peak_by_chunk(
+    schedule: Schedule, rank: int, weights: Sequence[int], until_w: bool = False
+) -> int:
+    """`peak_held` of `rank`'s actions with whole-number weights per chunk (`weights[c]`),
+    from the counts walked once (`in_flight`): the same peak, for a planner weighing one
+    schedule thousands of times."""
+    return max(
+        sum(n * w for n, w in zip(counts, weights, strict=True))
+        for counts in in_flight(schedule, rank, until_w)
+    )
 
 
 def _peak_versions(actions: Sequence[Action]) -> int:

@@ -1,4 +1,5 @@
-"""Hugging Face interchange: LlamaForCausalLM and GPT2LMHeadModel folders in and out.
+"""Hugging Face interchange: LlamaForCausalLM (Llama 1-3), Qwen2ForCausalLM,
+Qwen3ForCausalLM, Phi3ForCausalLM and GPT2LMHeadModel folders in and out.
 
 `config.py` maps config.json to plait's ModelConfig and back, `mapping.py` maps parameter
 names and layouts, `load.py` reads a rank's slices from safetensors, `export.py` writes a

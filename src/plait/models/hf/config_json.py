@@ -1,8 +1,11 @@
 """Hugging Face config.json <-> plait's ModelConfig, refusing what plait cannot express.
 
-plait's one decoder family covers two Hugging Face architectures: LlamaForCausalLM
-(RMSNorm, SwiGLU, rotate-half RoPE, grouped-query attention, no biases) and GPT2LMHeadModel
-(LayerNorm, tanh-GELU MLP, learned positions, tied head, biases). Every config field that
+plait's one decoder family covers the Llama-like Hugging Face architectures (RMSNorm, SwiGLU,
+rotate-half RoPE, grouped-query attention): LlamaForCausalLM (no biases; Llama 3's `llama3`
+RoPE rescale), Qwen2ForCausalLM (biases on q, k, v), Qwen3ForCausalLM (per-head q/k norms,
+its own head size) and Phi3ForCausalLM (fused projections: models/hf/mapping.py), each a
+`model.family` with its block table; and GPT2LMHeadModel (LayerNorm, tanh-GELU MLP, learned
+positions, tied head, biases). Every config field that
 changes the forward pass is either mapped or refused here, naming the field, so a model that
 loads computes what `transformers` computes. Dropout is a training choice: plait's
 `model.dropout` applies, the folder's dropout fields are not read.
@@ -16,10 +19,29 @@ from typing import Any
 
 from plait.errors import ConfigError
 from plait.models.architecture import ModelConfig
+from plait.models.hf.config_gemma import GEMMA_TYPES, check_gemma, gemma_config, gemma_fields
 from plait.models.nf4.hf import folder_scheme
 
-LLAMA, GPT2 = "llama", "gpt2"
-ARCHITECTURES = {LLAMA: "LlamaForCausalLM", GPT2: "GPT2LMHeadModel"}
+LLAMA, GPT2, QWEN2, QWEN3, PHI3 = "llama", "gpt2", "qwen2", "qwen3", "phi3"
+MISTRAL = "mistral"
+ARCHITECTURES = {
+    LLAMA: "LlamaForCausalLM",
+    QWEN2: "Qwen2ForCausalLM",
+    QWEN3: "Qwen3ForCausalLM",
+    PHI3: "Phi3ForCausalLM",
+    GPT2: "GPT2LMHeadModel",
+    MISTRAL: "MistralForCausalLM",
+}
+SWITCHES = {LLAMA: ("attention_bias", "mlp_bias"), QWEN3: ("attention_bias",), MISTRAL: ()}
+MISTRAL_WINDOW = 4096  # MistralConfig's sliding_window when config.json has none (v0.1)
+"""Each Llama-like family's bias switches, which plait reads only off (False)."""
+LLAMA3_FIELDS = {
+    "rope_factor": "factor",
+    "rope_low_freq_factor": "low_freq_factor",
+    "rope_high_freq_factor": "high_freq_factor",
+    "rope_original_max": "original_max_position_embeddings",
+}
+"""ModelConfig's Llama 3 RoPE fields -> their key in a rope_type "llama3" config."""
 # GPT-2's "gelu_new" is the tanh approximation plait's MLP computes.
 TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
 
@@ -48,8 +70,9 @@ def read_json_object(folder: Path, name: str, flag: str, kind: str, note: str = 
 
 def family_of(hf: dict[str, Any], where: str) -> str:
     kind = hf.get("model_type")
-    if kind not in ARCHITECTURES:
-        raise ConfigError(f"{where}: model_type={kind!r} is not one plait reads (llama, gpt2)")
+    if kind not in ARCHITECTURES and kind not in GEMMA_TYPES:
+        known = ", ".join([*ARCHITECTURES, *GEMMA_TYPES])
+        raise ConfigError(f"{where}: model_type={kind!r} is not one plait reads ({known})")
     return kind
 
 
@@ -63,26 +86,41 @@ def _expect(hf: dict[str, Any], where: str, field: str, allowed: tuple, default:
         _refuse(where, field, value, "needs " + " or ".join(repr(a) for a in allowed))
 
 
-def _rope_theta(hf: dict[str, Any], where: str) -> float:
-    """RoPE base; transformers 5 keeps it in `rope_parameters`, 4.x at the top level."""
+def _rope(hf: dict[str, Any], where: str) -> dict[str, Any]:
+    """RoPE base and Llama 3's rescale; transformers 5 keeps them in `rope_parameters`, 4.x
+    in `rope_theta` and `rope_scaling`. Any other rope_type (Phi-3's longrope, yarn,
+    linear, dynamic) and a partial rotation are refused, naming the field."""
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or {}
+    out: dict[str, Any] = {"rope_theta": float(params.get("rope_theta", hf.get("rope_theta", 1e4)))}
     for field, spec in (("rope_parameters", params), ("rope_scaling", scaling)):
         kind = spec.get("rope_type", spec.get("type", "default"))
-        if kind != "default":
-            _refuse(where, f"{field}.rope_type", kind, "plain RoPE only")
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+        if kind == "llama3":
+            out |= {ours: float(spec[theirs]) for ours, theirs in LLAMA3_FIELDS.items()}
+        elif kind != "default":
+            _refuse(where, f"{field}.rope_type", kind, "plain RoPE or llama3 only")
+        part = spec.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+        if part != 1.0:
+            _refuse(where, "partial_rotary_factor", part, "RoPE over the whole head only")
+    if "rope_original_max" in out:
+        out["rope_original_max"] = int(out["rope_original_max"])
+    return out
 
 
-def _llama(hf: dict[str, Any], where: str) -> ModelConfig:
+def _llama(hf: dict[str, Any], where: str, kind: str) -> ModelConfig:
+    """The Llama-like families: LLaMA's block, Qwen3's per-head q/k norms and head size."""
     _expect(hf, where, "hidden_act", ("silu",), "silu")
-    _expect(hf, where, "attention_bias", (False,), False)
-    _expect(hf, where, "mlp_bias", (False,), False)
+    for switch in SWITCHES.get(kind, ()):
+        _expect(hf, where, switch, (False,), False)
+    if kind in (QWEN2, QWEN3):  # Qwen's optional sliding windows
+        _expect(hf, where, "use_sliding_window", (False,), False)
+    if kind == PHI3:  # Phi-3-mini-4k's 2047: rows up to that length would be exact
+        _expect(hf, where, "sliding_window", (None,), None)
     d, heads = hf["hidden_size"], hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or d // heads
-    if head_dim * heads != d:
-        _refuse(where, "head_dim", head_dim, f"needs hidden_size / heads = {d // heads}")
     return ModelConfig(
+        family="" if kind == LLAMA else kind,
+        head_size=None if head_dim * heads == d else head_dim,
         vocab_size=hf["vocab_size"],
         n_layers=hf["num_hidden_layers"],
         d_model=d,
@@ -96,9 +134,15 @@ def _llama(hf: dict[str, Any], where: str) -> ModelConfig:
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         bias=False,
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope_theta=_rope_theta(hf, where),
+        **_rope(hf, where),
         init_std=float(hf.get("initializer_range", 0.02)),
     )
+
+
+def _mistral_window(hf: dict[str, Any]) -> int | None:
+    """Mistral's window, in every layer (v0.1: 4096; v0.3 writes null: none); MistralConfig
+    reads no layer_types."""
+    return hf.get("sliding_window", MISTRAL_WINDOW)
 
 
 def _gpt2(hf: dict[str, Any], where: str) -> ModelConfig:
@@ -129,27 +173,53 @@ def from_hf_config(hf: dict[str, Any], where: str = "config.json") -> ModelConfi
     """plait's ModelConfig for a Hugging Face config; ConfigError naming a field it can't."""
     folder_scheme(hf, where)  # a quantized folder: NF4 (QLoRA) read, any other refused
     try:
-        cfg = _llama(hf, where) if family_of(hf, where) == LLAMA else _gpt2(hf, where)
+        kind = family_of(hf, where)
+        if kind in GEMMA_TYPES:
+            return _checked(gemma_config(hf, where, kind))
+        cfg = _gpt2(hf, where) if kind == GPT2 else _llama(hf, where, kind)
+        if kind == MISTRAL:
+            cfg.sliding_window = _mistral_window(hf)
     except KeyError as e:
         raise ConfigError(f"{where}: the field {e.args[0]!r} is missing") from e
+    return _checked(cfg)
+
+
+def _checked(cfg: ModelConfig) -> ModelConfig:
     cfg.validate()
     return cfg
 
 
+def _gemma_only(cfg: ModelConfig) -> None:
+    """What only a Gemma folder holds (scores scaled apart from the head size, soft-caps, a
+    local RoPE base, alternating windows), refused elsewhere, naming the first one set."""
+    for name in ("attn_scalar", "attn_softcap", "logit_softcap", "rope_local_theta"):
+        if getattr(cfg, name) is not None:
+            raise ConfigError(f"model.{name}={getattr(cfg, name)} is Gemma's (family gemma2/3)")
+    if cfg.global_every:
+        raise ConfigError(f"model.global_every={cfg.global_every} is Gemma's (family gemma2/3)")
+
+
 def family(cfg: ModelConfig) -> str:
-    """Which Hugging Face architecture `cfg` is; ConfigError naming the fields if neither."""
+    """Which Hugging Face architecture `cfg` is (its `model_type`); ConfigError naming the
+    fields if none."""
+    if cfg.gemma:
+        check_gemma(cfg)
+        return cfg.arch
+    _gemma_only(cfg)
     llama = (cfg.norm, cfg.mlp, cfg.pos, cfg.bias) == ("rmsnorm", "swiglu", "rope", False)
     gpt2 = (cfg.norm, cfg.mlp, cfg.pos, cfg.bias, cfg.tie_embeddings) == (
         "layernorm", "gelu", "learned", True, True,
     )  # fmt: skip
-    if llama:
-        return LLAMA
-    if gpt2:
+    if llama and cfg.arch != GPT2 and (cfg.sliding_window is None or cfg.arch == MISTRAL):
+        return cfg.arch  # of the Llama-like families only Mistral's attention slides
+    if gpt2 and cfg.arch == GPT2:
         return GPT2
     raise ConfigError(
-        f"model.norm={cfg.norm!r} mlp={cfg.mlp!r} pos={cfg.pos!r} bias={cfg.bias} "
-        f"tie_embeddings={cfg.tie_embeddings} is neither LlamaForCausalLM (rmsnorm, swiglu, "
-        "rope, no bias) nor GPT2LMHeadModel (layernorm, gelu, learned, bias, tied)"
+        f"model.family={cfg.arch!r} norm={cfg.norm!r} mlp={cfg.mlp!r} pos={cfg.pos!r} "
+        f"bias={cfg.bias} tie_embeddings={cfg.tie_embeddings} "
+        f"sliding_window={cfg.sliding_window} is neither Llama-like (rmsnorm, swiglu, rope, "
+        "no bias; a sliding window in family mistral only) nor GPT2LMHeadModel (layernorm, "
+        "gelu, learned, bias, tied)"
     )
 
 
@@ -157,15 +227,18 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
     """config.json for `cfg` (the inverse of `from_hf_config`); byte-level: no special tokens."""
     kind = family(cfg)
     common = {
-        "architectures": [ARCHITECTURES[kind]],
+        "architectures": [ARCHITECTURES.get(kind)],  # Gemma's: gemma_fields
         "model_type": kind,
         "vocab_size": cfg.vocab_size,
         "initializer_range": cfg.init_std,
         "tie_word_embeddings": cfg.tie_embeddings,
         "bos_token_id": None,
         "eos_token_id": None,
+        "pad_token_id": None,  # Phi-3's default (32000) would be out of a smaller vocabulary
         "torch_dtype": "float32",
     }
+    if cfg.gemma:
+        return {**common, **gemma_fields(cfg)}
     if kind == GPT2:
         return {
             **common,
@@ -178,8 +251,13 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
             "activation_function": "gelu_new",
             **{f"{site}_pdrop": cfg.dropout for site in ("resid", "embd", "attn")},
         }
+    window = {"sliding_window": cfg.sliding_window} if kind == MISTRAL else {}
     return {
         **common,
+        **window,
+        **dict.fromkeys(SWITCHES.get(kind, ()), False),
+        **({"use_sliding_window": False} if kind in (QWEN2, QWEN3) else {}),
+        "head_dim": cfg.head_dim,
         "hidden_size": cfg.d_model,
         "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads,
@@ -188,8 +266,17 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
         "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
+        **_rope_scaling(cfg),
         "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
         "attention_dropout": cfg.dropout,
     }
+
+
+def _rope_scaling(cfg: ModelConfig) -> dict[str, Any]:
+    """Llama 3's RoPE rescale as a config.json's `rope_scaling` (nothing for plain RoPE)."""
+    if cfg.rope_factor is None:
+        return {}
+    ours = (cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
+            cfg.rope_original_max)  # fmt: skip
+    spec = dict(zip(LLAMA3_FIELDS.values(), ours, strict=True))
+    return {"rope_scaling": {"rope_type": "llama3", **spec}}

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from plait.errors import ConfigError
 from plait.models.architecture import ModelConfig
-from plait.models.hf.config_json import LLAMA, family, from_hf_config, read_config
+from plait.models.hf.config_json import GPT2, family, from_hf_config, read_config
 from plait.models.hf.mapping import Piece, piece, pieces, to_hf
 from plait.models.init import ShardLike, ValueSource, padded
 from plait.models.nf4.hf import dequantizing, folder_scheme, quantized_shape
@@ -133,7 +133,7 @@ def load_config(folder: Path) -> ModelConfig:
     """The ModelConfig of a Hugging Face folder, its weights checked against it (headers)."""
     hf, where = read_config(folder), str(folder / "config.json")
     cfg = from_hf_config(hf, where)
-    if folder_scheme(hf, where) and family(cfg) != LLAMA:  # GPT-2's q, k, v share one Conv1D
+    if folder_scheme(hf, where) and family(cfg) == GPT2:  # GPT-2's q, k, v share one Conv1D
         raise ConfigError(f"{where}: plait reads 4-bit folders of Llama models only")
     HFWeights(folder).check(cfg)
     return cfg

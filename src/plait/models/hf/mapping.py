@@ -6,7 +6,8 @@ plait's Llama attention already uses Hugging Face's layout: rotate-half RoPE ove
 hd/2) and query head j reading kv head j // (a / kv) (`repeat_kv`), so q/k need no permutation
 and every Llama tensor maps by name alone. GPT-2 differs in two ways: its Conv1D stores weights
 (in, out), the transpose of nn.Linear, and one `c_attn` holds q, k and v stacked along its
-output dimension, so plait's wq/wk/wv are column ranges of it.
+output dimension, so plait's wq/wk/wv are column ranges of it; Phi-3 stacks q, k, v in one
+`qkv_proj` and gate, up in one `gate_up_proj` the same way (untransposed).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torch import Tensor
 
 from plait.models.architecture import ModelConfig
 from plait.models.block_table import NormRow, block_table, table_for
-from plait.models.hf.config_json import LLAMA, family
+from plait.models.hf.config_json import GPT2, family
 from plait.models.init import canonical_name
 
 
@@ -53,7 +54,8 @@ def block_pieces(cfg: ModelConfig, prefix: str) -> dict[str, Piece]:
     out: dict[str, Piece] = {}
     for row in table.rows:
         if isinstance(row, NormRow):
-            leaves = ("weight", "bias") if cfg.norm == "layernorm" and cfg.bias else ("weight",)
+            biased = cfg.norm == "layernorm" and cfg.bias and row.over == "h"
+            leaves = ("weight", "bias") if biased else ("weight",)
             for leaf in leaves:
                 out[f"{row.path}.{leaf}"] = Piece(f"{prefix}{row.hf}.{leaf}")
             continue
@@ -89,16 +91,16 @@ def _gpt2(cfg: ModelConfig) -> dict[str, Piece]:
     return out | _blocks(cfg, "transformer.h")
 
 
-def block_linears(mlp: str) -> dict[str, str]:
+def block_linears(arch: str) -> dict[str, str]:
     """Each Linear of a block by its plait path ('attn.wq') -> its Hugging Face module path in
     the block (LLaMA 'self_attn.q_proj'; GPT-2's wq, wk and wv all 'attn.c_attn')."""
-    return {row.path: row.hf for row in table_for(mlp).linears}
+    return {row.path: row.hf for row in table_for(arch).linears}
 
 
 def pieces(cfg: ModelConfig) -> dict[str, Piece]:
     """Every single-process plait parameter name (a tied head under the embedding's name)
     -> its place in the Hugging Face state dict."""
-    return _llama(cfg) if family(cfg) == LLAMA else _gpt2(cfg)
+    return _gpt2(cfg) if family(cfg) == GPT2 else _llama(cfg)
 
 
 def piece(cfg: ModelConfig, table: dict[str, Piece], name: str) -> Piece:

@@ -82,7 +82,7 @@ def adapter_tensors(cfg: ModelConfig, params: dict[str, Tensor]) -> dict[str, Te
 def _target_modules(cfg: ModelConfig) -> list[str]:
     """PEFT's target_modules for `cfg`'s targets: each module by the shortest suffix of its
     path that names it alone among a block's Linears (GPT-2's c_proj is in attn and mlp)."""
-    linears = block_linears(cfg.mlp)
+    linears = block_linears(cfg.arch)
     modules = set(linears.values())
     out = set()
     for leaf in cfg.lora.leaves:

@@ -43,7 +43,7 @@ def block_modules(cfg: ModelConfig) -> dict[str, list[tuple[int, str]]]:
     base = pieces(cfg)
     out: dict[str, list[tuple[int, str]]] = {}
     for i in range(cfg.n_layers):
-        for leaf in block_linears(cfg.mlp):
+        for leaf in block_linears(cfg.arch):
             module = base[f"blocks.{i}.{leaf}.weight"].hf_name.removesuffix(".weight")
             out.setdefault(module, []).append((i, leaf))
     return out
@@ -128,7 +128,7 @@ def peft_targets(config: dict[str, Any], cfg: ModelConfig, where: str) -> str:
     if not hit:
         raise ConfigError(f"{where}: {shown} match no module of the base; its Linears: {known}")
     outside = [k for k in hit if k not in blocks]
-    arch = "LLaMA" if cfg.mlp == "swiglu" else "GPT-2"
+    arch = table_for(cfg.arch).name
     if outside:
         raise ConfigError(
             f"{where}: {shown} adapt {outside[0]!r} ({len(outside)} such), which is not a "
@@ -143,7 +143,7 @@ def peft_targets(config: dict[str, Any], cfg: ModelConfig, where: str) -> str:
             why = config.get("layers_to_transform")
             cause = f"layers_to_transform={why!r}" if why not in (None, []) else shown
             raise ConfigError(
-                f"{where}: {cause} adapts {block_linears(cfg.mlp)[leaf]} in layers "
+                f"{where}: {cause} adapts {block_linears(cfg.arch)[leaf]} in layers "
                 f"{sorted(where_on)} of {cfg.n_layers} only; plait adapts a target in every layer"
             )
-    return ",".join(name for name, leaf in table_for(cfg.mlp).targets.items() if leaf in layers)
+    return ",".join(name for name, leaf in table_for(cfg.arch).targets.items() if leaf in layers)

@@ -7,7 +7,10 @@ model holds anyway): no full-precision copy of a weight outlives the product tha
 and autograd keeps nothing for the weight (x is not kept either: W takes no gradient). The
 arithmetic is bitsandbytes' `MatMul4Bit` (what PEFT's `Linear4bit` runs): forward
 `linear(x, dequantize(W, x.dtype), b)`, backward `matmul(dy, dequantize(W).to(dy.dtype))`
-(dequantized to the dtype W was quantized from, then cast).
+(dequantized to the dtype W was quantized from, then cast). A layer held with a `compute`
+dtype other than its input's (`--base-upcast`: activations in fp32, the NF4 products in
+bf16, as PEFT's `prepare_model_for_kbit_training` leaves them) casts x to it and the product
+back, as bitsandbytes' `Linear4bit` does with its `compute_dtype`.
 
 The layers themselves are unchanged (models/lora.py, parallel/tp/layers.py call
 `F.linear(x, self.weight, ...)`): `compute_over_nf4` runs a layer's forward under a
@@ -19,6 +22,7 @@ parameters do: its values live in the NF4 bytes only.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +38,8 @@ class HeldNF4:
     """The NF4 weight one layer computes with (replaced, not mutated, when it moves)."""
 
     weight: NF4Tensor
+    compute: torch.dtype | None = None  # the products' dtype; None: the input's
+    meter: Callable[[Tensor | None], None] | None = None  # told of the dequantized weight
 
 
 class NF4Linear(torch.autograd.Function):
@@ -43,14 +49,26 @@ class NF4Linear(torch.autograd.Function):
     def forward(ctx, x: Tensor, bias: Tensor | None, held: HeldNF4) -> Tensor:
         ctx.held = held  # the packed bytes, by reference: nothing copied, nothing saved
         w = dequantize(held.weight, x.dtype)  # (out, in), for this product only
-        return F.linear(x, w, bias)
+        return _metered(held, w, lambda: F.linear(x, w, bias))
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, None, None]:
         if not ctx.needs_input_grad[0]:
             return None, None, None
         w = dequantize(ctx.held.weight).to(grad.dtype)  # as MatMul4Bit: its dtype, then dy's
-        return torch.matmul(grad, w), None, None
+        return _metered(ctx.held, w, lambda: torch.matmul(grad, w)), None, None
+
+
+def _metered(held: HeldNF4, weight: Tensor, product: Callable[[], Tensor]) -> Tensor:
+    """`product()`, with `held.meter` told of the dequantized `weight` while it runs (the
+    memory tracker counts it: a transient, one weight at a time)."""
+    if held.meter is None:
+        return product()
+    held.meter(weight)
+    try:
+        return product()
+    finally:
+        held.meter(None)
 
 
 class _Route(TorchFunctionMode):
@@ -64,8 +82,12 @@ class _Route(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.linear and len(args) > 1 and args[1] is self.weight:
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            return NF4Linear.apply(args[0], bias, self.held)
+            x, bias = args[0], args[2] if len(args) > 2 else kwargs.get("bias")
+            compute = self.held.compute
+            if compute is None or compute == x.dtype:
+                return NF4Linear.apply(x, bias, self.held)
+            bias = None if bias is None else bias.to(compute)
+            return NF4Linear.apply(x.to(compute), bias, self.held).to(x.dtype)
         return func(*args, **kwargs)
 
 

@@ -35,7 +35,7 @@ class PipelineDriver:
     def __init__(
         self,
         par: ParallelConfig,
-        model: ModelConfig,
+        arch: ModelConfig,
         micro_batch: int,
         seq_len: int,
         microbatches: int,
@@ -48,9 +48,10 @@ class PipelineDriver:
         self.m = microbatches
         self.schedule = build_schedule(par.schedule, self.p, self.m, par.virtual_stages)
         sizes = par.stage_layer_counts()
-        self.plans = rank_plans(model.n_layers, self.p, par.virtual_stages, self.rank, sizes)
-        seq = seq_len // (par.tp if par.sequence_parallel else 1)  # sequence-parallel shards
-        self.activation_shape = (micro_batch, seq, model.d_model)
+        self.plans = rank_plans(arch.n_layers, self.p, par.virtual_stages, self.rank, sizes)
+        # A context-parallel rank's tokens of each row, then its sequence-parallel shard.
+        seq = seq_len // par.cp // (par.tp if par.sequence_parallel else 1)
+        self.activation_shape = (micro_batch, seq, arch.d_model)
         self.runtime: PipelineRuntime | None = None
         self.activation_dtype = torch.float32
         self.model: Transformer | None = None

@@ -16,7 +16,7 @@ Per block, with t = tp (Shoeybi et al., 2019, section 3; Korthikanti et al., 202
                enter -> w_gate, w_up column -> SiLU * -> w_down row -> g | SP reduce-scatter
     under SP:  norms and residual dropouts work on the (b, s/t, h) sequence shard
 
-Call it on the meta model before `to_empty` and `init_parameters` (train.build_model's
+Call it on the meta model before `to_empty` and `init_parameters` (build/model.py build_model's
 `parallelize` hook): shards are created where the replaced layers live and are filled by
 `init_parameters` with their slice of the single-process value. Called on a materialized
 model, each shard is cut from the existing full weights instead.
@@ -94,12 +94,12 @@ def shard_dim1_dropout(root: nn.Module, path: str, ctx: TPContext) -> None:
     root.set_submodule(path, ShardedDropout.from_dropout(root.get_submodule(path), 1, ctx.comm))
 
 
-def block_plan(cfg: ModelConfig, sequence_parallel: bool) -> dict[str, Style]:
+def block_plan(arch: ModelConfig, sequence_parallel: bool) -> dict[str, Style]:
     """Module path within a Block -> style, in application order: each Linear of the block
     table (models/block_table.py) by its style, the sublayer holding column-parallel ones
     entered once before them, the attention's dropout on its local heads."""
     plan: dict[str, Style] = {}
-    for row in block_table(cfg).linears:
+    for row in block_table(arch).linears:
         if row.style == "column" and row.sublayer not in plan:
             plan[row.sublayer] = enter
         plan[row.path] = colwise if row.style == "column" else rowwise
@@ -127,15 +127,15 @@ def apply_tensor_parallel(
     if comm.mesh is not mesh:
         raise ValueError("comm must be built on the same mesh that is passed")
     tp = mesh.size("tp")
-    cfg: ModelConfig = model.cfg
-    check_tensor_parallel(cfg, tp, sequence_parallel)
+    arch: ModelConfig = model.cfg
+    check_tensor_parallel(arch, tp, sequence_parallel)
     if tp == 1:
         return model
     contract = model.contract
     if contract.tp_size > 1:
         raise ValueError("apply_tensor_parallel was already applied to this model")
     split = contract.tensor_parallel(mesh.axis_rank("tp"), tp, sequence_parallel)
-    plan = block_plan(cfg, sequence_parallel)
+    plan = block_plan(arch, sequence_parallel)
     for part in split.blocks():  # every block shares one tuple of declarations
         apply_plan(
             model.get_submodule(part.path), plan, TPContext(comm, sequence_parallel, part.params)
@@ -151,10 +151,12 @@ def apply_tensor_parallel(
 def _apply_model_level(model: Transformer, ctx: TPContext) -> None:
     """Embedding, head (as `ctx.declared`, the head's declarations) and loss (the final norm,
     replicated, runs unchanged)."""
-    cfg: ModelConfig = model.cfg
+    arch: ModelConfig = model.cfg
     embed = model.embed
-    pos = embed.pos if cfg.pos == "learned" else None
-    model.embed = ParallelEmbedding(embed.tok, pos, embed.drop, ctx.comm, ctx.sequence_parallel)
+    pos = embed.pos if arch.pos == "learned" else None
+    model.embed = ParallelEmbedding(
+        embed.tok, pos, embed.drop, ctx.comm, ctx.sequence_parallel, embed.scaled
+    )
     model.head = ColumnParallelLinear.from_linear(
         model.head,
         ctx.comm,
@@ -163,4 +165,4 @@ def _apply_model_level(model: Transformer, ctx: TPContext) -> None:
         sequence_parallel=ctx.sequence_parallel,
         tag="tp-head",
     )
-    model.loss = VocabParallelCrossEntropy(cfg.vocab_size, ctx.comm)
+    model.loss = VocabParallelCrossEntropy(arch.vocab_size, ctx.comm)

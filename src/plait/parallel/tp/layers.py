@@ -73,13 +73,31 @@ class ParallelLinear(nn.Module):
     B, each with this rank's shard or replicated), so the split of every parameter, an
     adapter's included, is the contract's and not re-derived here; and the adapter's scaling
     and dropout, taken from the Linear it replaces. Subclasses say how the input enters and
-    the output leaves (`forward`)."""
+    the output leaves (`forward`), and their own options for `extra_repr` (`options`)."""
 
     STYLE: ClassVar[Style]
 
-    def __init__(self, decls: Sequence[ParamDecl], comm: Comm, tag: str, like: Like) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        comm: Comm,
+        bias: bool,
+        pad: bool,
+        sequence_parallel: bool,
+        tag: str,
+        like: Like | None,
+        decls: Sequence[ParamDecl] | None,
+    ) -> None:
+        """`decls`: this layer's declarations on this rank (`apply.py` hands them from the
+        split contract); None: a fresh Linear's (`declare`, with `bias` and `pad`).
+        `like(leaf)`: a tensor whose device and dtype the leaf's shard takes (None: CPU
+        fp32)."""
         super().__init__()
-        self.comm, self.tag = comm, tag
+        if decls is None:
+            decls = self.declare(in_features, out_features, comm, bias, pad)
+        like = like or (lambda _: torch.empty(0))
+        self.comm, self.tag, self.sequence_parallel = comm, tag, sequence_parallel
         self.out_features, self.in_features = decls[0].shape  # the weight comes first
         self.specs: dict[str, ShardSpec | None] = {}
         for decl in decls:
@@ -140,6 +158,19 @@ class ParallelLinear(nn.Module):
             return None
         return adapter_input(x, self.lora_a, self.lora_drop, keys)
 
+    def extra_repr(self) -> str:
+        """Both widths, this rank's share of the split one, the bias and the options."""
+        split = 0 if self.STYLE == "column" else 1  # the weight's dim this rank holds a slice of
+        width = [f"out={self.out_features}", f"in={self.in_features}"]
+        width[split] += f" (local {self.weight_spec.shape[split]})"
+        options = {**self.options(), "sequence_parallel": self.sequence_parallel}
+        shown = [f"{name}={value}" for name, value in options.items()]
+        return ", ".join([width[1], width[0], f"bias={self.bias is not None}", *shown])
+
+    def options(self) -> dict[str, object]:
+        """The subclass's own options, as `extra_repr` shows them."""
+        return {}
+
 
 class ColumnParallelLinear(ParallelLinear):
     """Output features split across tp: (.., in) -> (.., out/tp), or (.., out) if gathered.
@@ -169,11 +200,12 @@ class ColumnParallelLinear(ParallelLinear):
         like: Like | None = None,
         decls: Sequence[ParamDecl] | None = None,
     ) -> None:
-        if decls is None:
-            decls = self.declare(in_features, out_features, comm, bias, pad)
-        super().__init__(decls, comm, tag, like or (lambda _: torch.empty(0)))
+        super().__init__(in_features, out_features, comm, bias, pad, sequence_parallel, tag,
+                         like, decls)  # fmt: skip
         self.gather_output, self.enter = gather_output, enter
-        self.sequence_parallel = sequence_parallel
+
+    def options(self) -> dict[str, object]:
+        return {"gather_output": self.gather_output, "enter": self.enter}
 
     def region_input(self, x: Tensor) -> Tensor:
         """The input as this layer's matmul reads it: entered into the region when `enter`
@@ -190,14 +222,6 @@ class ColumnParallelLinear(ParallelLinear):
         if self.gather_output:
             y = gather_from_tp(y, self.comm, tag=self.tag).narrow(-1, 0, self.out_features)
         return y
-
-    def extra_repr(self) -> str:
-        spec = self.weight_spec
-        return (
-            f"in={self.in_features}, out={self.out_features} (local {spec.shape[0]}), "
-            f"bias={self.bias is not None}, gather_output={self.gather_output}, "
-            f"enter={self.enter}, sequence_parallel={self.sequence_parallel}"
-        )
 
 
 class RowParallelLinear(ParallelLinear):
@@ -225,10 +249,9 @@ class RowParallelLinear(ParallelLinear):
         like: Like | None = None,
         decls: Sequence[ParamDecl] | None = None,
     ) -> None:
-        if decls is None:
-            decls = self.declare(in_features, out_features, comm, bias)
-        super().__init__(decls, comm, tag, like or (lambda _: torch.empty(0)))
-        self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
+        super().__init__(in_features, out_features, comm, bias, False, sequence_parallel, tag,
+                         like, decls)  # fmt: skip
+        self.input_is_parallel = input_is_parallel
 
     def adapter_dropout(self, linear: LoRALinear, comm: Comm) -> nn.Module | None:
         """The dropout mask on this rank's slice of the input (dim 2) of the whole one's."""
@@ -246,13 +269,6 @@ class RowParallelLinear(ParallelLinear):
             y, u = y.split((self.out_features, self.lora_a.shape[0]), dim=-1)
             y = y + self.scaling * F.linear(u, self.lora_b)
         return y if self.bias is None else y + self.bias  # (b, s, out) or (b, s/tp, out)
-
-    def extra_repr(self) -> str:
-        spec = self.weight_spec
-        return (
-            f"in={self.in_features} (local {spec.shape[1]}), out={self.out_features}, "
-            f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}"
-        )
 
 
 class ShardedDropout(KeyedDropout):

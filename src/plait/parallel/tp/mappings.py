@@ -1,4 +1,4 @@
-"""The f and g operators of Megatron-LM as autograd Functions: every tp collective lives here.
+"""The f and g operators of Megatron-LM as autograd Functions: a block's tp all-reduces.
 
 Shoeybi et al., "Megatron-LM: Training Multi-Billion Parameter Language Models Using Model
 Parallelism" (2019), figure 3: a block is split into a column-parallel part and a
@@ -19,6 +19,24 @@ Two more helpers move a tensor between replicated and split along its last dimen
 axis and a tag explicitly (no global group read inside backward), and all traffic goes
 through `comm.py`, whose collectives work on dim 0: a tensor is moved to put the split
 dimension first (contiguous) around the call.
+
+Where the tensor-parallel all-reduce is: here, and it runs where `layers.py` calls it. A
+block's column-parallel layers enter the region once (`enter_region`, from the `EnterRegion`
+hook `apply.py` puts on the attention and the MLP) and its row-parallel layers leave it
+(`exit_region`); the vocabulary-parallel embedding leaves it too, and a head that must give
+whole logits gathers them (`gather_from_tp`). The other tp collectives are not activations
+moving through the block, so they live with the rule they serve, each through `comm.py`:
+
+    tp/vocab.py                   the vocab-parallel cross-entropy's per-token max and sums
+    parallel/grads.py             partial gradients summed over tp once per step (under SP:
+                                  norm gains, row-parallel biases; LoRA's A beside a
+                                  column-parallel weight), and the global norm's squares
+    parallel/partition_activations.py   a block's saved input gathered for its backward
+    tp/sharding.py                a shard gathered whole (`full_tensor`, for tests' checks)
+
+What each costs, with its tag in `comm.stats`, is docs/tensor-parallel.md's table; the
+figures per micro-batch are `estimate/formulas.tp_comm_per_microbatch`, which
+`tests/test_tp_model.py` checks against the counted collectives.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from plait.comm import Comm
 from plait.models.dropout import KeyedDropout
+from plait.models.gemma import scale_embeddings
 from plait.models.loss import IGNORE, reduce_losses
 from plait.models.packing import Packing
 from plait.parallel.tp.layers import ShardedDropout, copy_from_full, new_shard, tp_coords
@@ -96,14 +97,17 @@ class ParallelEmbedding(nn.Module):
         drop: KeyedDropout,
         comm: Comm,
         sequence_parallel: bool,
+        scaled: bool = False,
     ) -> None:
-        """`tok`, `pos` (None: no learned positions) and `drop` of the model's Embedding."""
+        """`tok`, `pos` (None: no learned positions), `drop` and `scaled` (Gemma's sqrt(h)
+        factor) of the model's Embedding."""
         super().__init__()
         (self.rank, self.size), self.sequence_parallel = tp_coords(comm), sequence_parallel
         self.tok = VocabParallelEmbedding.from_embedding(
             tok, comm, sequence_parallel=sequence_parallel
         )
         self.pos = pos  # None stays a plain attribute: the names are the model's
+        self.scaled = scaled
         self.drop = ShardedDropout.from_dropout(drop, 1, comm) if sequence_parallel else drop
 
     def forward(
@@ -122,6 +126,8 @@ class ParallelEmbedding(nn.Module):
                 "(sequence parallelism splits every sequence across tp ranks)"
             )
         x = self.tok(tokens)  # (b, s, h), or (b, s/tp, h) under SP
+        if self.scaled:
+            x = scale_embeddings(x)
         if self.pos is not None:
             s, local = tokens.shape[1], x.shape[1]
             if s > self.pos.num_embeddings:

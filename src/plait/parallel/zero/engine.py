@@ -1,5 +1,7 @@
 """ZeroEngine: data parallelism with ZeRO stage 0-3 sharding, mixed precision and offload,
 behind the optimizer-engine surface (`parallel/optimizer_engine.py`) that `plait.step` drives.
+`ZeroEngine(model, comm, optimizer, ZeroOptions(stage=...))`: every setting in one record
+(zero/options.py).
 
 One step, in the order the trainer calls it:
 
@@ -33,9 +35,7 @@ after each chunk's last backward, holding the chunk's full gradient until then
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, ExitStack
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,18 +47,14 @@ from plait.errors import ConfigError
 from plait.memory_tracker import MemoryTracker
 from plait.mixed_precision import (
     DynamicLossScaler,
-    Precision,
     has_inf_or_nan,
-    parse_precision,
 )
 from plait.models.contract import contract_of
-from plait.models.nf4.format import NF4Source
 from plait.parallel.adamw import ElementwiseOptimizer, clip_segments
 from plait.parallel.grads import SplitGradRules
 from plait.parallel.zero.flat_params import Gatherer, ParamStore, initial_flat
 from plait.parallel.zero.frozen import FrozenGatherer, hold_base
 from plait.parallel.zero.layout import (
-    NVME_SUB_GROUP_MB,
     build_groups,
     nvme_sub_group,
 )
@@ -66,10 +62,10 @@ from plait.parallel.zero.master_states import ResidentStates
 from plait.parallel.zero.nf4_base import hold_nf4
 from plait.parallel.zero.nf4_shards import shard_nf4
 from plait.parallel.zero.nvme import NvmeStates
+from plait.parallel.zero.options import ZeroOptions
 from plait.parallel.zero.pipeline_gather import PipelineGatherer, PipelineGathers
 from plait.parallel.zero.reducer import GradReducer
 from plait.parallel.zero.state_dict import export_states, import_states
-from plait.schedule.stages import StagePlan
 
 
 class ZeroEngine:
@@ -80,107 +76,74 @@ class ZeroEngine:
         model: nn.Module,
         comm: Comm,
         optimizer: ElementwiseOptimizer,
-        stage: int = 0,
-        precision: Precision | str = "fp32",
-        offload: str = "none",
-        offload_dir: str | Path | None = None,
-        bucket_mb: float = 25.0,
-        sub_group_mb: float = NVME_SUB_GROUP_MB,
-        axis: str = "dp",
-        tracker: MemoryTracker | None = None,
-        scaler: DynamicLossScaler | None = None,
-        isolate: Sequence[nn.Parameter] = (),
-        initial_value: Callable[..., Tensor] | None = None,
-        base_dtype: torch.dtype | None = None,
-        plans: Sequence[StagePlan] | None = None,
-        reshard_after_forward: str = "default",
-        nf4: NF4Source | None = None,
+        options: ZeroOptions | None = None,
     ) -> None:
-        """`isolate`: parameters that get a flat group each (see `layout.build_groups`).
-        `initial_value(p, rows=None)`: p's fp32 initial value (or its dim-0 rows [r0, r1)),
-        for a model whose parameters are not materialized (stage 3 asks for its shard's rows
-        only, and never holds more than one group's shard at a time). `base_dtype`: what
-        the frozen parameters (a LoRA run's base) are held in; default the precision's
-        parameter dtype (zero/frozen.py); `nf4`: where the blocks' Linear weights come from
-        in NF4, when the base is held so (zero/nf4_base.py). `plans`: the pipeline stages
-        this rank runs (None: no pipeline); `reshard_after_forward`: stage 3's policy under
-        one (default: keep the stage gathered through the step; always: regather per
-        micro-batch)."""
-        check_zero(stage, offload, str(offload_dir) if offload_dir else None)
-        check_reshard(reshard_after_forward, stage, 2 if plans else 1)
-        self.precision = parse_precision(precision) if isinstance(precision, str) else precision
+        """The engine of `model` on this rank as `options` say (zero/options.py; None: plain
+        data parallelism in fp32): the trainable parameters laid out in flat groups, this
+        rank's shards filled (from the model, or from `options.initial_value`), the frozen
+        base held, master weights and optimizer states placed, the reducer's hooks set."""
+        o = self.options = options or ZeroOptions()
+        check_zero(o.stage, o.offload, str(o.offload_dir) if o.offload_dir else None)
+        check_reshard(o.reshard_after_forward, o.stage, 2 if o.plans else 1)
+        self.precision = o.parsed_precision()
         contract_of(model)  # groups, gathers and names come from the model's contract
-        if scaler is not None and not self.precision.needs_scaler:
+        if o.scaler is not None and not self.precision.needs_scaler:
             raise ConfigError(f"a loss scaler is for fp16; precision is {self.precision.name}")
-        self.scaler = scaler or (DynamicLossScaler() if self.precision.needs_scaler else None)
+        self.scaler = o.scaler or (DynamicLossScaler() if self.precision.needs_scaler else None)
         self.model, self.comm, self.optimizer = model, comm, optimizer
-        self.stage, self.axis, self.device = stage, axis, comm.mesh.device
-        self.memory = tracker or MemoryTracker(self.device)
-        n, rank = comm.mesh.size(axis), comm.mesh.axis_rank(axis)
-        self.groups = build_groups(model, stage, int(bucket_mb * 2**20), rank, n, isolate)
-        compute = self.precision.param_dtype
-        keep = reshard_after_forward != "always"  # stage 3 under a pipeline
-        frozen_gatherer = self._hold_frozen(
-            nf4, base_dtype or compute, compute, initial_value, plans, keep
-        )
-        values = [initial_flat(g, stage, self.device, initial_value) for g in self.groups]
-        self.params = ParamStore(
-            self.groups, values, stage, self.precision.param_dtype, comm, axis, self.memory
-        )
+        self.stage, self.axis, self.device = o.stage, o.axis, comm.mesh.device
+        self.memory = o.tracker or MemoryTracker(self.device)
+        n, rank = comm.mesh.size(o.axis), comm.mesh.axis_rank(o.axis)
+        self.groups = build_groups(model, o.stage, int(o.bucket_mb * 2**20), rank, n, o.isolate)
+        self.frozen_gatherer = self._hold_frozen(o)
+        values = [initial_flat(g, o.stage, self.device, o.initial_value) for g in self.groups]
+        self.params = ParamStore(self.groups, values, o.stage, self.precision.param_dtype, comm,
+                                 o.axis, self.memory)  # fmt: skip
         # fp32 without offload: the parameter shard is the master weight (no copy).
-        self.separate_master = self.precision.needs_master or offload != "none"
-        self.states = self._make_states(values, offload, offload_dir, sub_group_mb)
+        self.separate_master = self.precision.needs_master or o.offload != "none"
+        self.states = self._make_states(values, o.offload, o.offload_dir, o.sub_group_mb)
         del values
-        self.gatherer: Gatherer | None = None
-        self.pipeline_actions: PipelineGathers | None = None  # the walker's before/after
-        self.frozen_gatherer = frozen_gatherer
-        if stage == 3 and plans:
-            self.gatherer = PipelineGatherer(model, self.params, plans, keep)
-            self.pipeline_actions = PipelineGathers(
-                [self.gatherer, frozen_gatherer, self.nf4_gatherer]
-            )
-        elif stage == 3:
-            self.gatherer = Gatherer(model, self.params)
-        self.grads = GradReducer(
-            self.groups,
-            comm,
-            axis,
-            stage,
-            self.precision.reduce_dtype,
-            self.device,
-            self.memory,
-            self.gatherer.release if self.gatherer else None,
-            once_per_step=plans is not None,
-        )
+        self.gatherer, self.pipeline_actions = self._gatherers_of(o)
+        release = self.gatherer.release if self.gatherer else None
+        self.grads = GradReducer(self.groups, comm, o.axis, o.stage, self.precision.reduce_dtype,
+                                 self.device, self.memory, release,
+                                 once_per_step=o.plans is not None)  # fmt: skip
         self._decay = [g.decay_segments() for g in self.groups]
         self.step_count = 0  # optimizer steps taken (skipped ones not counted)
         self.last_step_skipped = False
         self._coef = 1.0
         self._found_inf: bool | None = None
 
-    def _hold_frozen(
-        self,
-        nf4: NF4Source | None,
-        base_dtype: torch.dtype,
-        compute: torch.dtype,
-        initial_value: Callable[..., Tensor] | None,
-        plans: Sequence[StagePlan] | None,
-        keep: bool,
-    ) -> FrozenGatherer | PipelineGatherer | None:
+    def _gatherers_of(self, o: ZeroOptions) -> tuple[Gatherer | None, PipelineGathers | None]:
+        """Stage 3's gatherer of the trainable parameters, and under a pipeline the walker's
+        before/after actions over every gatherer (zero/pipeline_gather.py); else None."""
+        if o.stage != 3:
+            return None, None
+        if not o.plans:
+            return Gatherer(self.model, self.params), None
+        gatherer = PipelineGatherer(self.model, self.params, o.plans, o.keeps_gathered)
+        return gatherer, PipelineGathers([gatherer, self.frozen_gatherer, self.nf4_gatherer])
+
+    def _hold_frozen(self, o: ZeroOptions) -> FrozenGatherer | PipelineGatherer | None:
         """A LoRA run's frozen base (zero/frozen.py): the blocks' Linear weights in NF4 where
         the base is held so (zero/nf4_base.py; under stage 3 their bytes sharded,
-        zero/nf4_shards.py), the rest in `base_dtype`. Sets `frozen`, `nf4_weights` and
-        `nf4_gatherer`; returns the frozen base's gatherer (stage 3), else None."""
+        zero/nf4_shards.py), the rest in `o.base_dtype` (default the compute dtype). Sets
+        `frozen`, `nf4_weights` and `nf4_gatherer`; returns the frozen base's gatherer
+        (stage 3), else None."""
         model, comm, axis, stage = self.model, self.comm, self.axis, self.stage
-        self.nf4_weights = hold_nf4(model, nf4, self.device, self.memory) if nf4 else {}
+        compute, keep = self.precision.param_dtype, o.keeps_gathered
+        products = self.precision.base_products  # --base-upcast: not the compute dtype
+        self.nf4_weights = (
+            hold_nf4(model, o.nf4, self.device, self.memory, products) if o.nf4 else {}
+        )
         self.nf4_gatherer = None
         if stage == 3 and self.nf4_weights:
             self.nf4_gatherer = shard_nf4(
-                model, self.nf4_weights, comm, axis, self.memory, plans, keep
+                model, self.nf4_weights, comm, axis, self.memory, o.plans, keep
             )
         self.frozen, gatherer = hold_base(
-            model, stage, base_dtype, compute, comm, axis, self.memory,
-            initial_value, plans, keep, self.nf4_weights,
+            model, stage, o.base_dtype or compute, compute, comm, axis, self.memory,
+            o.initial_value, o.plans, keep, self.nf4_weights,
         )  # fmt: skip
         return gatherer
 

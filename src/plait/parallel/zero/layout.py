@@ -33,7 +33,7 @@ def nvme_sub_group(sub_group_mb: float, n_states: int) -> int:
 
 
 @dataclass(frozen=True)
-class Piece:
+class ShardPiece:
     """The part of one parameter that falls inside a shard."""
 
     param: int  # index into FlatGroup.params
@@ -72,13 +72,13 @@ class FlatGroup:
     def hi(self) -> int:
         return self.lo + self.shard_numel
 
-    def pieces(self) -> list[Piece]:
+    def pieces(self) -> list[ShardPiece]:
         """The parameters (parts of them) inside this rank's shard, in order; padding skipped."""
         out = []
         for i, (p, off) in enumerate(zip(self.params, self.offsets, strict=True)):
             start, end = max(off, self.lo), min(off + p.numel(), self.hi)
             if start < end:
-                out.append(Piece(i, start - off, end - start, start - self.lo))
+                out.append(ShardPiece(i, start - off, end - start, start - self.lo))
         return out
 
     def decay_segments(self) -> list[tuple[int, int]]:

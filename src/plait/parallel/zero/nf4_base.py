@@ -13,7 +13,8 @@ layer computes through `models/nf4/linear.py` and the parameter keeps no storage
 then shards these bytes per block: zero/nf4_shards.py; until it does, each rank holds the
 whole quantized base once, one weight's full-precision values at a time.)
 
-Memory tracker: `nf4:NAME` (parameters), the bytes of codes and constants this rank holds.
+Memory tracker: `nf4:NAME` (parameters), the bytes of codes and constants this rank holds;
+`nf4-dequantized` (parameters, transient), the one weight dequantized for a product.
 """
 
 from __future__ import annotations
@@ -47,11 +48,24 @@ def local_slice(whole: NF4Tensor, shard: ShardSpec | None) -> NF4Tensor:
 
 @torch.no_grad()
 def hold_nf4(
-    model: nn.Module, source: NF4Source, device: torch.device, tracker: MemoryTracker
+    model: nn.Module,
+    source: NF4Source,
+    device: torch.device,
+    tracker: MemoryTracker,
+    compute: torch.dtype | None = None,
 ) -> dict[str, HeldNF4]:
     """Quantize (or read) each block Linear weight, keep this rank's slice on `device`, route
-    its layer's product through it and release the parameter's storage; name -> held."""
+    its layer's product through it (in `compute`, None: its input's dtype) and release the
+    parameter's storage; name -> held."""
     held: dict[str, HeldNF4] = {}
+
+    def meter(weight: torch.Tensor | None) -> None:
+        """The weight dequantized for a product, while it is (models/nf4/linear.py)."""
+        if weight is None:
+            tracker.release("nf4-dequantized")
+        else:
+            tracker.track("nf4-dequantized", "parameters", weight, transient=True)
+
     for entry, param in nf4_targets(model):
         whole = source(entry.name, tuple(entry.decl.shape))
         if whole.shape != tuple(entry.decl.shape):
@@ -59,7 +73,7 @@ def hold_nf4(
                              f"the model declares {entry.decl.shape}")  # fmt: skip
         part = local_slice(whole, entry.decl.shard)
         part = part.with_tensors(tuple(t.to(device, copy=True) for t in part.tensors()))
-        held[entry.name] = HeldNF4(part)
+        held[entry.name] = HeldNF4(part, compute, meter)
         compute_over_nf4(model.get_submodule(entry.name.rpartition(".")[0]), held[entry.name])
         release_storage(param)
         tracker.track(f"nf4:{entry.name}", "parameters", part.nbytes)

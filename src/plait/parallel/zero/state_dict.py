@@ -1,6 +1,6 @@
 """The sharded optimizer state expressed per parameter, independent of the layout.
 
-A rank's shard of a flat group covers pieces of parameters (see layout.Piece). Each piece
+A rank's shard of a flat group covers pieces of parameters (see layout.ShardPiece). Each piece
 is reported with the parameter's name and shape and the range of its flattened elements
 that this rank holds; padding is never included. Concatenating every rank's pieces of a
 parameter in `start` order gives its full state, whatever world size or bucket size the

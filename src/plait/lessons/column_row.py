@@ -52,10 +52,10 @@ def _build(name: str, h: int, ffn: int, comm: Comm) -> Callable[[Tensor], Tensor
     return lambda x: row(F.gelu(col(x)))  # (b, s, h) -> (b, s, ffn/t or ffn) -> (b, s, h)
 
 
-def measure_split(cfg: ModelConfig, b: int, s: int, mesh: Mesh) -> dict[str, dict]:
+def measure_split(arch: ModelConfig, b: int, s: int, mesh: Mesh) -> dict[str, dict]:
     """{arrangement: {"forward": rows, "backward": rows}} for one (b, s) micro-batch."""
     comm = Comm(mesh)  # its own counts, apart from the training run's
-    h, ffn, t = cfg.d_model, cfg.ffn_dim, mesh.size("tp")
+    h, ffn, t = arch.d_model, arch.ffn_dim, mesh.size("tp")
     gen = torch.Generator().manual_seed(0)
     out = {}
     for name in ARRANGEMENTS:
