@@ -1,6 +1,6 @@
 """Checkpoints saved before the configuration was split by concern still read.
 
-Their trainer.json holds the config in the old sections ([train] lr, [parallel] zero, the
+Their trainer.json holds the config in the old sections (lr under train, zero under parallel, the
 adapters only in [model] ...). Every reader of a saved config goes through
 `store.read_trainer`, which moves the old keys to their places now with the one table
 `plait.config.MOVED` (`plait.config.saved_config`): a resume, `checkpoint info` and `export
@@ -40,7 +40,7 @@ def _old_layout(config: dict) -> dict:
 
 
 def test_saved_config_moves_each_old_key_to_its_place() -> None:
-    old = {
+    old = {  # cfg-renames: keep (the layout before the split)
         "preset": "tiny-llama",
         "model": {"d_model": 64, "lora_rank": 4, "lora_alpha": 8.0, "lora_targets": "all"},
         "parallel": {"dp": 2, "zero": 3, "precision": "bf16", "base_dtype": "nf4"},
