@@ -29,7 +29,7 @@ from plait.estimate import estimate
 from plait.lessons import figures
 from plait.lessons.common import lesson_config
 from plait.lessons.measure import save_record
-from plait.lessons.section import Case, Row, Run, Section
+from plait.lessons.section import Case, CaseRun, Row, Section
 from plait.memory_tracker import MemoryTracker
 from plait.mesh import Mesh
 from plait.models.transformer import Transformer
@@ -140,7 +140,7 @@ def _shape(cfg: Config) -> act.MicroShape:
     return act.MicroShape(1, SEQ // CP, 1, False, 4)
 
 
-def section(runs: dict[str, Run], out: Path) -> Section:
+def section(runs: dict[str, CaseRun], out: Path) -> Section:
     sec = Section(NAME, TITLE, __doc__.strip())
     run = runs["cp"]
     recs, expected = run.records, expected_bytes(run.cfg)

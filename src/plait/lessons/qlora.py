@@ -25,8 +25,8 @@ from plait.estimate.model_states import ElementBytes
 from plait.estimate.rank_params import rank_params, tp_contract
 from plait.lessons import figures
 from plait.lessons.common import lesson_config, psi
-from plait.lessons.records import activations, bytes_by_op, median_step_s, model_states
-from plait.lessons.section import Case, Row, Run, Section
+from plait.lessons.readings import activations, bytes_by_op, median_step_s, model_states
+from plait.lessons.section import Case, CaseRun, Row, Section
 from plait.models.declare import block_params, describe, is_adapter
 from plait.schedule.stages import rank_plans
 
@@ -50,12 +50,12 @@ def cases(quick: bool, procs: int) -> list[Case]:
     ]
 
 
-def _phi(run: Run) -> int:
+def _phi(run: CaseRun) -> int:
     contract = describe(run.cfg.model)
     return sum(math.prod(e.decl.shape) for e in contract.params() if e.decl.trainable)
 
 
-def _base_gathered(run: Run) -> int:
+def _base_gathered(run: CaseRun) -> int:
     """Bytes the frozen base all-gathers per step under ZeRO-3 (estimate/frozen_base.py):
     2k x the padded base, in bytes (an NF4 block's fp group and its packed bytes)."""
     cfg = run.cfg
@@ -65,13 +65,13 @@ def _base_gathered(run: Run) -> int:
     return base.gathered_per_step(cfg.accumulation) * base.element
 
 
-def _linear_sizes(run: Run) -> int:
+def _linear_sizes(run: CaseRun) -> int:
     """Σ (in + out) over a block's adapted Linears: an adapter of rank r there holds r x that."""
     return sum(sum(d.shape) for d in block_params(run.cfg.model)
                if len(d.shape) == 2 and not is_adapter(d.leaf))  # fmt: skip
 
 
-def _memory_rows(runs: dict[str, Run], sec: Section, phi: int) -> dict[str, int]:
+def _memory_rows(runs: dict[str, CaseRun], sec: Section, phi: int) -> dict[str, int]:
     cfg = runs["lora-zero2"].cfg
     n, dp = psi(cfg) - phi, cfg.parallel.dp  # the base: Ψ counts the adapters too
     nf4 = base_total_bytes(runs["qlora-zero2"].cfg, ElementBytes.of("bf16", None), n)
@@ -94,7 +94,7 @@ def _memory_rows(runs: dict[str, Run], sec: Section, phi: int) -> dict[str, int]
     return measured
 
 
-def section(runs: dict[str, Run], out: Path) -> Section:
+def section(runs: dict[str, CaseRun], out: Path) -> Section:
     cfg = runs["qlora-recompute"].cfg
     phi = _phi(runs["lora-zero2"])
     n, dp, k = psi(cfg) - phi, cfg.parallel.dp, cfg.accumulation

@@ -192,9 +192,15 @@ def _checked(cfg: ModelConfig) -> ModelConfig:
 def _gemma_only(cfg: ModelConfig) -> None:
     """What only a Gemma folder holds (scores scaled apart from the head size, soft-caps, a
     local RoPE base, alternating windows), refused elsewhere, naming the first one set."""
-    for name in ("attn_scalar", "attn_softcap", "logit_softcap", "rope_local_theta"):
-        if getattr(cfg, name) is not None:
-            raise ConfigError(f"model.{name}={getattr(cfg, name)} is Gemma's (family gemma2/3)")
+    gemma_fields = {
+        "attn_scalar": cfg.attn_scalar,
+        "attn_softcap": cfg.attn_softcap,
+        "logit_softcap": cfg.logit_softcap,
+        "rope_local_theta": cfg.rope_local_theta,
+    }
+    for name, value in gemma_fields.items():
+        if value is not None:
+            raise ConfigError(f"model.{name}={value} is Gemma's (family gemma2/3)")
     if cfg.global_every:
         raise ConfigError(f"model.global_every={cfg.global_every} is Gemma's (family gemma2/3)")
 
