@@ -157,10 +157,11 @@ def check_one_of(overrides: dict[str, dict[str, Any]]) -> None:
 def resolve_auto_dp(parallel: dict[str, Any], launch: Launched | None) -> None:
     """`--dp auto` (or `dp = "auto"` in [parallel]) becomes the number that fills the
     launcher's world, before the config is built (its micro-batch arithmetic reads dp)."""
-    tp, pp = parallel.get("tp", ParallelConfig.tp), parallel.get("pp", ParallelConfig.pp)
+    default = ParallelConfig()  # a slots dataclass: its class holds no default values
+    tp, pp = parallel.get("tp", default.tp), parallel.get("pp", default.pp)
     if not all(type(v) is int and v >= 1 for v in (tp, pp)):
         raise ConfigError(f"--dp auto needs whole tp and pp >= 1; got tp {tp!r}, pp {pp!r}")
-    cp = parallel.get("cp", ParallelConfig.cp)  # a replica's context-parallel ranks
+    cp = parallel.get("cp", default.cp)  # a replica's context-parallel ranks
     parallel["dp"] = auto_dp(launch, tp, pp, cp if type(cp) is int and cp >= 1 else 1)
 
 
