@@ -33,21 +33,23 @@ from plait.schedule.stages import rank_plans
 NAME = "qlora"
 TITLE = "QLoRA: a bf16 base vs an NF4 base at the same LoRA, ZeRO-3's gathers, recompute"
 RANK = 8
-LORA = {"lora_rank": RANK, "lora_targets": "all"}
-CASES = {  # label -> parallel overrides beyond dp, bf16 and the LoRA above
-    "lora-zero2": {"zero": 2},
-    "qlora-zero2": {"zero": 2, "base_dtype": "nf4"},
-    "lora-zero3": {"zero": 3},
-    "qlora-zero3": {"zero": 3, "base_dtype": "nf4"},
-    "qlora-recompute": {"zero": 2, "base_dtype": "nf4", "recompute": "full"},
+LORA = {"rank": RANK, "targets": "all"}  # [lora]
+NF4 = {"base_dtype": "nf4"}
+CASES = {  # label -> (options beyond dp and bf16, [lora] beyond the LoRA above)
+    "lora-zero2": ({"zero": 2}, {}),
+    "qlora-zero2": ({"zero": 2}, NF4),
+    "lora-zero3": ({"zero": 3}, {}),
+    "qlora-zero3": ({"zero": 3}, NF4),
+    "qlora-recompute": ({"zero": 2, "recompute": "full"}, NF4),
 }
 
 
 def cases(quick: bool, procs: int) -> list[Case]:
-    return [
-        Case(label, lesson_config(quick, {"dp": procs, "precision": "bf16", **par}, model=LORA))
-        for label, par in CASES.items()
-    ]
+    out = []
+    for label, (options, base) in CASES.items():
+        layout = {"dp": procs, "precision": "bf16", **options}
+        out.append(Case(label, lesson_config(quick, layout, lora=LORA | base)))
+    return out
 
 
 def _phi(run: CaseRun) -> int:
