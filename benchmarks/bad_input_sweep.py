@@ -34,10 +34,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from unittest import mock
 
-from bad_input_cases import CLASSES, DAMAGES, TINY, Case, all_cases
+from bad_input_cases import CLASSES, DAMAGES, TINY, Case, core_cases
+from bad_input_families import family_cases
 from bad_input_families import folders as family_folders
 
 __all__ = ["CLASSES", "TINY", "Case", "all_cases", "main", "run", "scratch"]
+
+
+def all_cases() -> list[Case]:
+    """The whole table: every command's cases, then the model families'."""
+    return core_cases() + family_cases()
 
 
 # --- the scratch folder ---------------------------------------------------------------

@@ -79,7 +79,19 @@ class World:
         self._procs: list[mp.Process] = []
         self._start()
 
-    def _start(self) -> None:
+    def _start(self, tries: int = 3) -> None:
+        """Start the workers and join them in one group. `_free_port` closes its socket before
+        rank 0's store binds the port, so another process (the other xdist worker's world,
+        a gloo connection's ephemeral port) can take it meanwhile; rank 0 then dies at
+        start-up and the world is started again on a fresh port."""
+        for attempt in range(tries):
+            try:
+                return self._launch()
+            except RankFailure:
+                if attempt == tries - 1:
+                    raise
+
+    def _launch(self) -> None:
         ctx = _context()
         port = _free_port()
         self._tasks = [ctx.Queue() for _ in range(self.n)]

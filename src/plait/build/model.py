@@ -17,9 +17,10 @@ from torch import nn
 
 from plait.config import Config
 from plait.models.architecture import ModelConfig
+from plait.models.contract import contract_of
 from plait.models.hf.load import hf_source
 from plait.models.hf.peft import adapter_source
-from plait.models.init import ValueSource, fill_parameters, seeded, tie_all, with_adapters
+from plait.models.init import ValueSource, fill_parameters, seeded, with_adapters
 from plait.models.nf4.format import NF4Source
 from plait.models.nf4.source import nf4_source
 from plait.models.transformer import Transformer
@@ -100,4 +101,4 @@ def _to_device_without_storage(model: nn.Module, device: torch.device) -> None:
         return out
 
     replace_tensors(model, empty)  # torch's private Module._apply: torch_private says why
-    tie_all(model)
+    contract_of(model).tie(model)  # replace_tensors untied them

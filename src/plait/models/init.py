@@ -205,11 +205,6 @@ def parameter_names(model: nn.Module) -> dict[int, str]:
     return names
 
 
-def tie_all(model: nn.Module) -> None:
-    """Re-tie shared weights (`Module.to_empty` and `_apply` untie them)."""
-    contract_of(model).tie(model)
-
-
 def init_parameters(model: Transformer, seed: int, cfg: ModelConfig | None = None) -> None:
     """Fill every parameter of `model` from the seeded init (`cfg` defaults to `model.cfg`)."""
     cfg = cfg if cfg is not None else model.cfg
@@ -224,7 +219,7 @@ def fill_parameters(model: nn.Module, source: ValueSource) -> None:
     declares a shard (see `shard_value`) is a slice of a larger one (tensor parallelism) and
     gets exactly that slice of the full value, so every layout starts from the same weights.
     """
-    tie_all(model)
+    contract_of(model).tie(model)  # Module.to_empty and _apply untie them
     value = source_values(model, source)
     names = parameter_names(model)
     done: set[int] = set()  # a tied weight appears under two modules; fill it once
