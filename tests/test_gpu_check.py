@@ -36,6 +36,6 @@ def test_its_model_is_one_billion_class_and_estimated(gpu_check) -> None:
     assert count_parameters(cfg.model) == 1_100_048_384  # TinyLlama-1.1B's count
     assert matmul_flops_per_token(cfg.model, cfg.train.seq_len) > 6 * 1_000_000_000
     offload = gpu_check.one_b_config(
-        2, parallel={"recompute": "full", "offload_activations": "cpu"}, device="cpu"
+        2, memory={"recompute": "full", "offload_activations": "cpu"}, device="cpu"
     )
     assert estimate(offload).ranks[0].total() < estimate(cfg).ranks[0].total()

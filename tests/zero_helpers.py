@@ -169,7 +169,7 @@ class EngineStep:
             bucket_mb=par.bucket_mb,
             **engine,
         )
-        self.engine = ZeroEngine(self.model, self.comm, AdamW.from_optim(t), options)
+        self.engine = ZeroEngine(self.model, self.comm, AdamW.from_optim(cfg.optim), options)
         replica = (mesh.coord.dp, mesh.size("dp"))
         batches = StepBatches(corpus, t.global_batch, t.micro_batch, t.seed, replica, mesh.device)
         runner = Accumulate(self.model, self.engine, batches)
